@@ -1,0 +1,31 @@
+# Two commands for a newcomer: `make demo` (install + run the main job on the tiny demo model)
+# and `make test` (install + run the test suite). Everything lives in .venv; nothing is downloaded
+# at run time (the demo model is built locally with a fixed seed).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_IMAGE ?= $(HOME)/.cache/strata/demo.png
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/strata make-demo-image --out $(DEMO_IMAGE) >/dev/null
+	$(VENV)/bin/strata generate --prompt "What is in this picture?" --image $(DEMO_IMAGE) --max-tokens 32
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/strata bench offline
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,70 @@
+"""The one description of a batch that every attention backend reads (vLLM-style)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new queries sit and where its keys live in the paged cache.
+
+    The batch is flattened: sequence ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; those are its *last* query tokens, so the
+    absolute position of query row ``j`` of sequence ``i`` is
+    ``seq_lens[i] - query_len_i + j``. Keys of sequence ``i`` are token positions
+    ``0 .. seq_lens[i]-1`` stored in blocks ``block_tables[i, :]``.
+    """
+
+    query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int64 [num_seqs], kv length after this step's tokens are written
+    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens], flat cache slot of each new token
+    block_size: int
+    query_lens: list[int]  # python copies: backends branch on them without a device sync
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Assemble tensors from plain lists (what the model runner has at hand)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int64)
+        for i, row in enumerate(block_tables):
+            if row:
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=table.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_size=block_size,
+            query_lens=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )

@@ -1,0 +1,116 @@
+"""Torch reference attention: exact, readable, runs anywhere. Other backends are tested against it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backends import AttentionBackend
+
+
+def attend_with_positions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal (optionally windowed) GQA attention with explicit absolute positions.
+
+    q [B, Tq, Hq, D], k/v [B, S, Hkv, D], q_pos [B, Tq], k_pos [B, S], k_valid bool [B, S].
+    Returns out [B, Tq, Hq, D] (dtype of q) and lse [B, Tq, Hq] (fp32). A query row with no
+    visible key gets out 0 and lse -inf, so segments merge cleanly.
+    """
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qh = q.float().view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4)  # B,Hkv,G,Tq,D
+    kh = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # B,Hkv,1,S,D
+    vh = v.float().permute(0, 2, 1, 3).unsqueeze(2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # B,Hkv,G,Tq,S
+    visible = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # B,Hkv,G,Tq
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.matmul(probs, vh)  # B,Hkv,G,Tq,D
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
+    lse = lse.permute(0, 3, 1, 2).reshape(b, tq, hq)
+    return out.to(q.dtype), lse
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[blocks, bs, H, D] cache + [B, nb] ids -> [B, nb*bs, H, D] contiguous keys or values."""
+    gathered = cache[block_ids]  # B, nb, bs, H, D
+    b, nb, bs, h, d = gathered.shape
+    return gathered.reshape(b, nb * bs, h, d)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention. Decodes are batched; each prefill chunk runs on its own."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        return_lse: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if decode_rows:
+            self._decode(q, k_cache, v_cache, meta, decode_rows, scale, sliding_window, out, lse)
+        starts = meta.query_start_loc.tolist()
+        for i, n in enumerate(meta.query_lens):
+            if n > 1:
+                self._chunk(q, k_cache, v_cache, meta, i, starts[i], scale, sliding_window, out, lse)
+        return out, (lse if return_lse else None)
+
+    def _decode(self, q, k_cache, v_cache, meta, rows, scale, window, out, lse) -> None:
+        bs = meta.block_size
+        idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
+        seq_lens = meta.seq_lens[idx]
+        nb = -(-max(meta.seq_lens_list[i] for i in rows) // bs)
+        tables = meta.block_tables[idx, :nb]
+        k = gather_blocks(k_cache, tables)
+        v = gather_blocks(v_cache, tables)
+        k_pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0).expand(len(rows), -1)
+        k_valid = k_pos < seq_lens[:, None]
+        q_rows = meta.query_start_loc[idx]
+        o, l = attend_with_positions(
+            q[q_rows].unsqueeze(1), k, v, (seq_lens - 1)[:, None], k_pos, k_valid, scale, window
+        )
+        out[q_rows] = o[:, 0]
+        lse[q_rows] = l[:, 0]
+
+    def _chunk(self, q, k_cache, v_cache, meta, i, start, scale, window, out, lse) -> None:
+        bs = meta.block_size
+        n = meta.query_lens[i]
+        seq_len = meta.seq_lens_list[i]
+        first_pos = seq_len - n
+        # Keys before the window of the first query can never be seen: skip their blocks.
+        lo_block = max(0, first_pos - window + 1) // bs if window is not None else 0
+        hi_block = -(-seq_len // bs)
+        k = gather_blocks(k_cache, meta.block_tables[i : i + 1, lo_block:hi_block])
+        v = gather_blocks(v_cache, meta.block_tables[i : i + 1, lo_block:hi_block])
+        k_pos = torch.arange(lo_block * bs, lo_block * bs + k.shape[1], device=q.device).unsqueeze(0)
+        q_pos = torch.arange(first_pos, seq_len, device=q.device).unsqueeze(0)
+        o, l = attend_with_positions(q[start : start + n].unsqueeze(0), k, v, q_pos, k_pos, k_pos < seq_len, scale, window)
+        out[start : start + n] = o[0]
+        lse[start : start + n] = l[0]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bidirectional attention over one image's tokens ([B, H, T, D]), as the vision tower needs."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)

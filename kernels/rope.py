@@ -1,0 +1,69 @@
+"""Rotary position embeddings computed from a checkpoint's ``rope_parameters``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency smoothing, as transformers computes it."""
+    factor = params["factor"]
+    low = params["low_freq_factor"]
+    high = params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin for arbitrary absolute positions, computed on the fly (no table: 1M positions fit)."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict[str, Any]) -> None:
+        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        base = float(rope_parameters.get("rope_theta", 10000.0))
+        # Explicit CPU device: models are built under torch.device("meta") before their weights load.
+        steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32)
+        inv_freq = 1.0 / (base ** (steps / head_dim))
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(rope_parameters["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        self.inv_freq = inv_freq
+        self.attention_scaling = 1.0
+        self.rope_type = rope_type
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, head_dim] for int positions [T]."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by per-token cos/sin [T, D] (half-split convention)."""
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s

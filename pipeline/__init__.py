@@ -1,0 +1,1 @@
+"""Request scheduling, sampling and generation pipeline."""

@@ -1,0 +1,201 @@
+"""The `strata` command line: make-tiny-model, generate, bench.
+
+Results go to stdout (generated text, benchmark tables); logs and progress go to stderr.
+Commands that need the stage implementations bind to ``stages`` late (by module name), so
+``pipeline`` itself never imports the rooms above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeline.config import EngineConfig
+from pipeline.sampling_params import SamplingParams
+from pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
+
+log = logging.getLogger("strata")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2, no traceback."""
+
+
+def load_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Any:
+    """Build the in-process engine from the stage implementations (late-bound: see module doc)."""
+    factory = importlib.import_module("stages.factory")
+    return factory.build_engine(model_dir, config)
+
+
+def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint of a real architecture")
+    p.add_argument("--arch", choices=ARCHITECTURES, default="llava-llama")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=TinyModelSpec.hidden)
+    p.add_argument("--layers", type=int, default=TinyModelSpec.layers)
+    p.add_argument("--heads", type=int, default=TinyModelSpec.heads)
+    p.add_argument("--kv-heads", type=int, default=TinyModelSpec.kv_heads)
+    p.add_argument("--intermediate", type=int, default=TinyModelSpec.intermediate)
+    p.add_argument("--image-size", type=int, default=TinyModelSpec.image_size)
+    p.add_argument("--patch-size", type=int, default=TinyModelSpec.patch_size)
+    p.set_defaults(func=_cmd_make_tiny_model)
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        raise CLIError("--hidden must be divisible by --heads, and --heads by --kv-heads")
+    if args.image_size % args.patch_size:
+        raise CLIError("--image-size must be a multiple of --patch-size")
+    spec = TinyModelSpec(
+        arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, image_size=args.image_size, patch_size=args.patch_size,
+    )
+    out = build_tiny_model(spec, args.out)
+    print(out)
+    return 0
+
+
+def _add_make_demo_image(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-demo-image", help="write the deterministic demo PNG")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--size", type=int, default=64)
+    p.set_defaults(func=_cmd_make_demo_image)
+
+
+def _cmd_make_demo_image(args: argparse.Namespace) -> int:
+    from pipeline.tiny_model import make_demo_image
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(make_demo_image(args.out, args.size))
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (and images) in this process")
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny demo model)")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="one user message, rendered with the model's chat template")
+    text.add_argument("--raw-prompt", help="text passed to the tokenizer as is (no chat template)")
+    p.add_argument("--image", action="append", default=[], type=Path, help="image file (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.prefill_chunk_tokens)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _resolve_model(model: Path | None) -> Path:
+    if model is None:
+        from pipeline.tiny_model import ensure_demo_model
+
+        return ensure_demo_model()
+    if not model.is_dir():
+        raise CLIError(f"model directory {model} does not exist")
+    if not (model / "config.json").is_file():
+        raise CLIError(f"{model} has no config.json: not a Hugging Face checkpoint directory")
+    return model
+
+
+def _read_images(paths: list[Path]) -> list[bytes]:
+    out = []
+    for path in paths:
+        try:
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise CLIError(f"cannot read image {path}: {exc.strerror or exc}") from exc
+    return out
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt is not None and not args.prompt.strip() and not args.image:
+        raise CLIError("--prompt is empty")
+    if args.raw_prompt is not None and not args.raw_prompt.strip():
+        raise CLIError("--raw-prompt is empty")
+    images = _read_images(args.image)
+    model = _resolve_model(args.model)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    engine = load_engine(model, EngineConfig(dtype=args.dtype, prefill_chunk_tokens=args.prefill_chunk_tokens))
+    request: dict[str, Any] = {"images": images, "params": params}
+    if args.prompt is not None:
+        request["prompt"] = args.prompt
+    else:
+        request["raw_prompt"] = args.raw_prompt
+    for delta in engine.stream(**request):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    off = bench.add_parser("offline", help="engine vs transformers generate, and cached-prefix prefill")
+    from pipeline.bench_offline import add_arguments
+
+    add_arguments(off)
+    off.set_defaults(func=_cmd_bench_offline)
+
+
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    from pipeline.bench_offline import run
+
+    return run(args, load_engine)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny_model(sub)
+    _add_make_demo_image(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from kvstore import HandleError
+    from pipeline.model_config import ModelConfigError
+    from pipeline.weights import WeightsError
+
+    errors: list[type[BaseException]] = [CLIError, ModelConfigError, WeightsError, HandleError, ValueError, OSError]
+    return tuple(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as exc:  # includes stages' ImageError (a ValueError)
+        if args.verbose:
+            log.exception("failed")
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("strata: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

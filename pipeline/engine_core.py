@@ -1,0 +1,98 @@
+"""Scheduler + model runner + sampler over one block pool: the loop every LLM stage runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pipeline.model_runner import ModelRunner
+from pipeline.sampler import Sampler, check_stop
+from pipeline.scheduler import Scheduler
+from pipeline.sequence import Sequence, SequenceStatus
+
+Detokenize = Callable[[list[int]], str]
+
+
+@dataclass
+class TokenEvent:
+    """What one step did to one sequence: a new token, maybe new text, maybe the end."""
+
+    seq: Sequence
+    token_id: int
+    text_delta: str
+    finished: bool
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        detokenize: Detokenize,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = Sampler()
+        self.detokenize = detokenize
+        self.eos_token_ids = eos_token_ids
+        self.steps = 0
+        self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
+
+    def step(self, budget: int | None = None) -> list[TokenEvent]:
+        """Schedule, run the model once, sample, update sequences. Empty if nothing could run."""
+        out = self.scheduler.schedule(budget)
+        self.last_num_tokens = 0
+        if not out.chunks:
+            return []
+        self.last_num_tokens = out.num_tokens
+        logits = self.runner.execute(out.chunks)
+        for chunk in out.chunks:
+            self.scheduler.commit(chunk)
+        sampling = [c.seq for c in out.chunks if c.samples]
+        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        self.steps += 1
+        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens)]
+
+    def _append(self, seq: Sequence, token: int) -> TokenEvent:
+        prev_len = len(seq.text)
+        seq.token_ids.append(token)
+        text = self.detokenize(seq.output_token_ids)
+        result = check_stop(seq.output_token_ids, self.eos_token_ids, seq.params, text, prev_len)
+        seq.text = result.text
+        finished = result.finish_reason is not None
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        stable = len(seq.text) if finished or not seq.text.endswith("\ufffd") else len(seq.text.rstrip("\ufffd"))
+        delta = seq.text[seq.emitted_text_len : stable] if stable > seq.emitted_text_len else ""
+        seq.emitted_text_len = max(seq.emitted_text_len, stable)
+        if finished:
+            seq.finish_reason = result.finish_reason
+            self.finish(seq)
+        return TokenEvent(seq, token, delta, finished)
+
+    def finish(self, seq: Sequence) -> None:
+        """Leave the batch; full blocks stay in the prefix cache for the next turn of the chat."""
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq, free_blocks=True)
+
+    def abort(self, seq: Sequence) -> None:
+        seq.finish_reason = seq.finish_reason or "abort"
+        self.finish(seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+
+def eos_ids_from(*candidates: object) -> tuple[int, ...]:
+    ids: list[int] = []
+    for c in candidates:
+        if isinstance(c, int):
+            ids.append(c)
+        elif isinstance(c, (list, tuple)):
+            ids.extend(int(x) for x in c)
+    return tuple(dict.fromkeys(ids))
+

@@ -1,0 +1,42 @@
+"""Build our modules for one stage on the meta device, then stream exactly their weights in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.model_config import LlavaConfig, load_llava_config
+from pipeline.models.decoder import LanguageModel
+from pipeline.models.image_encoder import ImageEncoderModel
+from pipeline.weights import LoadStats, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_language_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: LlavaConfig | None = None
+) -> tuple[LanguageModel, LoadStats]:
+    """The prefill/decode stages' model: the decoder only, never the vision tower."""
+    cfg = cfg or load_llava_config(model_dir)
+    with torch.device("meta"):
+        model = LanguageModel(cfg.text)
+    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device)
+    return model.eval(), stats
+
+
+def load_image_encoder(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: LlavaConfig | None = None
+) -> tuple[ImageEncoderModel, LoadStats]:
+    """The encoder stage's model: vision tower + projector, never the decoder."""
+    cfg = cfg or load_llava_config(model_dir)
+    with torch.device("meta"):
+        model = ImageEncoderModel(cfg)
+    stats = load_weights(model_dir, {"vision": model.vision_tower, "projector": model.projector}, dtype=dtype, device=device)
+    return model.eval(), stats

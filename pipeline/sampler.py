@@ -1,0 +1,173 @@
+"""Token sampling and stop detection.
+
+Sampling is inverse-CDF over the filtered, sorted distribution, driven by exactly one uniform draw per row
+from that request's own CPU generator. That keeps a seeded request reproducible regardless of which other
+requests share its batch, and regardless of the device the logits live on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A per-request CPU generator; None (use torch's default generator) when the request has no seed."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Samples one token per row of a logits batch, each row with its own params and generator."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        """Return one token id per row of `logits` [B, V]."""
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"got {batch} logit rows but {len(params)} params and {len(generators)} generators"
+            )
+        if batch == 0:
+            return []
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy_rows) == batch:
+            return logits.argmax(dim=-1).tolist()
+
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            tokens[rows] = logits.index_select(0, rows).argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        tokens[rows] = _sample_rows(
+            logits.index_select(0, rows),
+            [params[i] for i in sampled_rows],
+            [generators[i] for i in sampled_rows],
+        )
+        return tokens.tolist()
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, then one inverse-CDF draw per row; all row-wise, so rows never interact."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    # Stable descending sort: equal logits keep ascending token order, like argmax's tie-break.
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+
+    probs = torch.softmax(_mask_top_k(sorted_logits, params), dim=-1)
+    probs = _mask_top_p(probs, params)
+
+    cumulative = probs.cumsum(dim=-1)
+    uniforms = torch.tensor([_uniform(g) for g in generators], dtype=torch.float32, device=device)
+    targets = uniforms.unsqueeze(1) * cumulative[:, -1:]
+    positions = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    # Rounding can push the target to the total mass; fall back to the last token that has any.
+    last_kept = (probs > 0).sum(dim=-1) - 1
+    positions = torch.minimum(positions, last_kept)
+    return sorted_ids.gather(1, positions.unsqueeze(1)).squeeze(1)
+
+
+def _mask_top_k(sorted_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Drop everything past the k-th sorted position (k=0 or k>=vocab keeps all)."""
+    vocab = sorted_logits.shape[-1]
+    if not any(0 < p.top_k < vocab for p in params):
+        return sorted_logits
+    k = torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=sorted_logits.device
+    )
+    positions = torch.arange(vocab, device=sorted_logits.device)
+    return sorted_logits.masked_fill(positions.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+
+
+def _mask_top_p(sorted_probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Keep the smallest prefix whose mass reaches top_p: a token survives if the mass before it is < top_p."""
+    if not any(p.top_p < 1.0 for p in params):
+        return sorted_probs
+    top_p = torch.tensor(
+        [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+        dtype=sorted_probs.dtype,
+        device=sorted_probs.device,
+    )
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always survives
+    return sorted_probs.masked_fill(drop, 0.0)
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    """One U[0, 1) draw; consuming exactly one per step makes a seeded stream independent of batching."""
+    return torch.rand(1, generator=generator, dtype=torch.float64).item()
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """Outcome of a stop check: why generation finished (or None) and the text to report."""
+
+    finish_reason: str | None  # "stop", "length" or None (keep going)
+    text: str  # output text, truncated before the stop string when one matched
+    stop_reason: int | str | None = None  # matched stop token id / stop string; None for eos or length
+
+
+def check_stop(
+    output_token_ids: Sequence[int],
+    eos_token_ids: Collection[int],
+    params: SamplingParams,
+    text: str,
+    prev_text_len: int = 0,
+) -> StopResult:
+    """Decide whether a request is finished after appending its newest token.
+
+    `output_token_ids` are all generated ids, the last one being the new token; `text` is the detokenized
+    output so far. `prev_text_len` is how long `text` was before this step: only the tail that could contain
+    a new match is searched, keeping the per-step cost independent of output length.
+    Precedence: eos / stop token, then stop string, then max_tokens.
+    """
+    if not output_token_ids:
+        return StopResult(None, text)
+    new_token = output_token_ids[-1]
+    if new_token in params.stop_token_ids:
+        return StopResult(FINISH_STOP, text, new_token)
+    if not params.ignore_eos and new_token in eos_token_ids:
+        return StopResult(FINISH_STOP, text)
+    match = _find_stop_string(text, params.stop, prev_text_len)
+    if match is not None:
+        index, stop = match
+        return StopResult(FINISH_STOP, text[:index], stop)
+    if len(output_token_ids) >= params.max_tokens:
+        return StopResult(FINISH_LENGTH, text)
+    return StopResult(None, text)
+
+
+def _find_stop_string(text: str, stops: Sequence[str], prev_text_len: int) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string that ends in the new part of `text`."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        # A match completed by this step starts at most len(stop)-1 chars before the new text.
+        start = max(0, min(prev_text_len, len(text)) - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best

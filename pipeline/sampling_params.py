@@ -1,0 +1,47 @@
+"""Per-request sampling configuration, validated once at admission so the sampler can trust it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request turns logits into tokens and when its generation ends."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> disabled
+    seed: int | None = None  # per-request reproducibility
+    # Matched on detokenized output; the stop string itself is excluded from the output text.
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field, so API callers get an actionable message."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means deterministic argmax; no generator is consumed."""
+        return self.temperature == 0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,94 @@
+"""One request's state inside an engine core: tokens, KV blocks, images, sampling state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from kvstore import BlockTable, ImageSpan, hash_chain
+from pipeline.sampler import make_generator
+from pipeline.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ImageEmbedding:
+    """An image's placeholder span in the prompt and the embeddings that replace it."""
+
+    offset: int
+    embeds: torch.Tensor  # [length, text_hidden]
+    content_hash: bytes
+
+    @property
+    def length(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def span(self) -> ImageSpan:
+        return ImageSpan(self.offset, self.length, self.content_hash)
+
+
+class Sequence:
+    """Tokens known so far (prompt + generated), how many have KV in the cache, and where."""
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        images: list[ImageEmbedding] | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.images = list(images or [])
+        self.image_spans = [img.span() for img in self.images]
+        self.block_table = BlockTable(block_size)
+        self.block_hashes: list[bytes] = []  # hashes of full blocks of token_ids (computed lazily)
+        self.num_published_blocks = 0
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on admission
+        self.num_preemptions = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator = make_generator(params.seed)
+        self.text = ""  # detokenized output so far
+        self.emitted_text_len = 0  # characters already streamed to the client
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token lacks KV: a prompt (or a recompute after preemption) is being prefilled."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def full_block_hashes(self, fingerprint: bytes, num_blocks: int) -> list[bytes]:
+        """Hashes of the first ``num_blocks`` full blocks, extending the cached chain incrementally."""
+        if num_blocks > len(self.block_hashes):
+            bs = self.block_table.block_size
+            self.block_hashes = hash_chain(
+                fingerprint, self.token_ids[: num_blocks * bs], bs, self.image_spans, self.block_hashes
+            )
+        return self.block_hashes[:num_blocks]
+
+    def reset_for_recompute(self) -> None:
+        """Forget all KV (after preemption): the sequence will be prefilled again, prompt + output."""
+        self.block_table = BlockTable(self.block_table.block_size)
+        self.num_computed_tokens = 0
+        self.num_published_blocks = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

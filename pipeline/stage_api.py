@@ -1,0 +1,46 @@
+"""What the in-process engine needs from each stage. ``stages/`` implements these; the engine
+is written against them so that ``pipeline`` never imports the rooms above it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from pipeline.engine_core import TokenEvent
+from pipeline.sequence import Sequence
+
+
+class PreprocessedImageLike(Protocol):
+    pixel_values: np.ndarray
+    content_hash: bytes
+
+
+class PreprocessorLike(Protocol):
+    def process(self, image_bytes: bytes) -> PreprocessedImageLike: ...
+
+
+class EncoderLike(Protocol):
+    def encode(self, images: list[Any]) -> list[np.ndarray]: ...
+
+
+class PrefillResultLike(Protocol):
+    seq: Sequence
+    first: TokenEvent
+    handle: bytes | None
+
+
+class PrefillerLike(Protocol):
+    def add(self, seq: Sequence) -> None: ...
+    def step(self, budget: int | None = None) -> list[Any]: ...
+    def abort(self, seq: Sequence) -> None: ...
+    def has_work(self) -> bool: ...
+
+
+class DecoderLike(Protocol):
+    def admit(self, seq: Sequence, handle_bytes: bytes) -> None: ...
+    def step(self, budget: int | None = None) -> list[TokenEvent]: ...
+    def abort(self, seq: Sequence) -> None: ...
+    def has_work(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...

@@ -1,0 +1,75 @@
+"""The checkpoint's own tokenizer and chat template, plus image-placeholder expansion."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.model_config import LlavaConfig
+
+
+@dataclass
+class EncodedPrompt:
+    token_ids: list[int]
+    image_offsets: list[int]  # first placeholder position of each image, in order
+
+
+class PromptTokenizer:
+    """Renders chats with the model's template and tokenizes them exactly as its processor would."""
+
+    def __init__(self, model_dir: str | Path, cfg: LlavaConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.image_token_id = cfg.image_token_id
+        self.num_image_tokens = cfg.num_image_tokens
+        self.vocab_size = cfg.text.vocab_size
+        self.eos_token_ids = self._eos_ids(Path(model_dir), cfg)
+
+    def _eos_ids(self, model_dir: Path, cfg: LlavaConfig) -> tuple[int, ...]:
+        ids: list[int] = list(cfg.eos_token_ids)
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Apply the checkpoint's chat template; image parts are placed where the template puts them."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass a raw prompt instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render_user_prompt(self, text: str, num_images: int = 0) -> str:
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        content.append({"type": "text", "text": text})
+        return self.render_chat([{"role": "user", "content": content}])
+
+    def encode(self, text: str, num_images: int) -> EncodedPrompt:
+        """Tokenize and expand each image token into the span the vision features fill."""
+        return self.expand_ids(self.tokenizer(text)["input_ids"], num_images)
+
+    def expand_ids(self, ids: list[int], num_images: int) -> EncodedPrompt:
+        """Expand each image token of already-tokenized ids into its placeholder span."""
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        found = sum(1 for t in ids if t == self.image_token_id)
+        if found != num_images:
+            raise ValueError(f"prompt has {found} image placeholder(s) but {num_images} image(s) were given")
+        out: list[int] = []
+        offsets: list[int] = []
+        for t in ids:
+            if t == self.image_token_id:
+                offsets.append(len(out))
+                out.extend([self.image_token_id] * self.num_image_tokens)
+            else:
+                out.append(t)
+        return EncodedPrompt(out, offsets)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

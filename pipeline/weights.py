@@ -1,0 +1,231 @@
+"""Streaming weight loader for LLaVA checkpoints as they lie on disk.
+
+Reads shard by shard, tensor by tensor (``safetensors.safe_open``), maps classic llava-hf
+names and transformers-5 names onto our modules, verifies the SHA-256 manifest, and reads
+only the tensors of the parts a stage asks for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PARTS = ("vision", "projector", "text")
+MANIFEST = "SHA256SUMS"
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class WeightsError(RuntimeError):
+    """The checkpoint's weights are missing, corrupt or do not fit the config; the message names the file."""
+
+
+@dataclass
+class LoadStats:
+    shards_opened: list[str] = field(default_factory=list)
+    tensors_read: int = 0
+    bytes_read: int = 0
+    skipped_tensors: int = 0
+
+
+def canonical_name(name: str) -> tuple[str, str] | None:
+    """Map a checkpoint tensor name to (part, name inside that part's module); None if not ours.
+
+    Accepts classic names (``language_model.model.layers…``, ``vision_tower.vision_model…``,
+    ``…block_sparse_moe.experts.N.w1``) and transformers-5 names (``model.language_model…``,
+    ``model.vision_tower…``, ``lm_head``, ``…mlp.experts.gate_up_proj``).
+    """
+    if name.startswith("model.") and not name.startswith("model.layers"):
+        name = name[len("model.") :]
+    if name == "lm_head.weight" or name == "language_model.lm_head.weight":
+        return "text", "lm_head.weight"
+    for prefix in ("language_model.model.", "language_model."):
+        if name.startswith(prefix):
+            return "text", name[len(prefix) :].replace(".block_sparse_moe.", ".mlp.")
+    for prefix in ("vision_tower.vision_model.", "vision_tower."):
+        if name.startswith(prefix):
+            return "vision", name[len(prefix) :]
+    if name.startswith("multi_modal_projector."):
+        return "projector", name[len("multi_modal_projector.") :]
+    return None
+
+
+def read_manifest(model_dir: Path) -> dict[str, str]:
+    path = model_dir / MANIFEST
+    if not path.is_file():
+        return {}
+    sums: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, fname = line.split(maxsplit=1)
+            sums[fname.strip().lstrip("*")] = digest.lower()
+    return sums
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weight_map(model_dir: Path) -> dict[str, str]:
+    """tensor name -> shard file name, from the index or from the shards themselves."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not shards:
+        raise WeightsError(f"no *.safetensors weights in {model_dir}")
+    mapping: dict[str, str] = {}
+    for shard in shards:
+        with safe_open(str(model_dir / shard), framework="pt") as f:
+            mapping.update({k: shard for k in f.keys()})
+    return mapping
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """A stable identity of the weights (for the KV fingerprint): the manifest, else names and sizes."""
+    model_dir = Path(model_dir)
+    manifest = model_dir / MANIFEST
+    if manifest.is_file():
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    current = getattr(parent, leaf)
+    if tuple(current.shape) != tuple(tensor.shape):
+        raise WeightsError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(current.shape)}")
+    setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+class _ExpertMerger:
+    """Collects classic per-expert w1/w2/w3 tensors into the stacked gate_up / down layout."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.parts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
+
+    def add(self, layer: int, expert: int, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        self.parts[(layer, kind)][expert] = tensor
+        done: list[tuple[str, torch.Tensor]] = []
+        w1, w3 = self.parts.get((layer, "w1"), {}), self.parts.get((layer, "w3"), {})
+        if kind in ("w1", "w3") and len(w1) == len(w3) == self.num_experts:
+            stacked = torch.stack([torch.cat([w1[e], w3[e]], dim=0) for e in range(self.num_experts)])
+            done.append((f"layers.{layer}.mlp.experts.gate_up_proj", stacked))
+            del self.parts[(layer, "w1")], self.parts[(layer, "w3")]
+        w2 = self.parts.get((layer, "w2"), {})
+        if kind == "w2" and len(w2) == self.num_experts:
+            done.append((f"layers.{layer}.mlp.experts.down_proj", torch.stack([w2[e] for e in range(self.num_experts)])))
+            del self.parts[(layer, "w2")]
+        return done
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not enabled, leave=False)
+
+
+def load_weights(
+    model_dir: str | Path,
+    modules: dict[str, nn.Module],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    verify: bool = True,
+    progress: bool | None = None,
+) -> LoadStats:
+    """Stream the tensors of the parts in ``modules`` (keys from :data:`PARTS`) into those modules.
+
+    Modules may be built on the meta device; every parameter must be filled or this raises.
+    Tensors of other parts are never read; their shards are never opened.
+    """
+    model_dir = Path(model_dir)
+    unknown = set(modules) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown model parts {sorted(unknown)}; expected some of {PARTS}")
+    mapping = weight_map(model_dir)
+    wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    stats = LoadStats()
+    owned = {part: _param_names(m) for part, m in modules.items()}
+    for ckpt_name, shard in mapping.items():
+        target = canonical_name(ckpt_name)
+        if target is None or target[0] not in modules or _owner_name(target[1]) not in owned[target[0]]:
+            stats.skipped_tensors += 1
+            continue
+        wanted[shard].append((ckpt_name, target[0], target[1]))
+    sums = read_manifest(model_dir) if verify else {}
+    text = modules.get("text")
+    merger = _ExpertMerger(getattr(getattr(text, "cfg", None), "num_experts", 0))
+    total = sum((model_dir / s).stat().st_size for s in wanted if (model_dir / s).is_file())
+    with _progress(total, progress if progress is not None else total > (256 << 20)) as bar:
+        for shard in sorted(wanted):
+            path = model_dir / shard
+            if not path.is_file():
+                raise WeightsError(f"shard {shard} listed in the index is missing from {model_dir}")
+            if shard in sums and sha256_file(path) != sums[shard]:
+                raise WeightsError(f"shard {shard} does not match its SHA-256 in {MANIFEST}: the file is corrupt or was changed")
+            stats.shards_opened.append(shard)
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for ckpt_name, part, name in wanted[shard]:
+                        tensor = f.get_tensor(ckpt_name)
+                        stats.tensors_read += 1
+                        stats.bytes_read += tensor.numel() * tensor.element_size()
+                        _place(modules[part], part, name, tensor.to(device=device, dtype=dtype), merger)
+            except WeightsError:
+                raise
+            except Exception as exc:  # safetensors raises its own types for truncated or garbled files
+                raise WeightsError(f"cannot read shard {shard}: {exc}") from exc
+            bar.update(path.stat().st_size)
+    _finish(modules, dtype, device)
+    return stats
+
+
+def _param_names(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+
+def _owner_name(name: str) -> str:
+    """The model parameter a checkpoint tensor fills (classic per-expert tensors fill a stacked one)."""
+    m = _EXPERT.match(name)
+    if not m:
+        return name
+    kind = "down_proj" if m.group(3) == "w2" else "gate_up_proj"
+    return f"layers.{m.group(1)}.mlp.experts.{kind}"
+
+
+def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger: _ExpertMerger) -> None:
+    m = _EXPERT.match(name) if part == "text" else None
+    if m is None:
+        _assign(module, name, tensor)
+        return
+    for merged_name, merged in merger.add(int(m.group(1)), int(m.group(2)), m.group(3), tensor):
+        _assign(module, merged_name, merged)
+
+
+def _finish(modules: dict[str, nn.Module], dtype: torch.dtype, device: torch.device | str) -> None:
+    text = modules.get("text")
+    if text is not None and text.lm_head.weight.is_meta and text.cfg.tie_word_embeddings:
+        text.lm_head.weight = text.embed_tokens.weight
+    missing = [f"{part}.{n}" for part, m in modules.items() for n, p in m.named_parameters() if p.is_meta]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise WeightsError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")

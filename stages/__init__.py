@@ -1,0 +1,1 @@
+"""Processing stages that turn raw request inputs into model-ready data."""

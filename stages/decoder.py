@@ -1,0 +1,41 @@
+"""Decode stage: adopts prefilled sequences by KVHandle and steps them all together (continuous batching)."""
+
+from __future__ import annotations
+
+from kvstore import HandleError, KVHandle
+from pipeline.engine_core import EngineCore, TokenEvent
+from pipeline.sequence import Sequence
+
+
+class Decoder:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.scheduler = core.scheduler
+        self.pool = core.scheduler.pool
+
+    def admit(self, seq: Sequence, handle_bytes: bytes) -> None:
+        """Rebuild the sequence's block table from its handle and join the running batch."""
+        handle = KVHandle.from_bytes(handle_bytes, expected_fingerprint=self.scheduler.fingerprint)
+        if handle.pool_id != self.pool.pool_id:
+            # Blocks in another process's pool reach this one through the host tier (tiered store).
+            raise HandleError("KV handle points at another block pool; cross-pool transfer needs the host tier")
+        if handle.num_tokens != seq.num_tokens - 1:
+            raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
+        ids = list(handle.block_ids) + ([handle.tail_block] if handle.tail_block is not None else [])
+        seq.block_table.block_ids = ids
+        seq.block_table.num_tokens = handle.num_tokens
+        seq.num_computed_tokens = handle.num_tokens
+        self.scheduler.add_running(seq)
+
+    def step(self, budget: int | None = None) -> list[TokenEvent]:
+        return self.core.step(budget)
+
+    def abort(self, seq: Sequence) -> None:
+        self.core.abort(seq)
+
+    @property
+    def num_running(self) -> int:
+        return self.core.num_running
+
+    def has_work(self) -> bool:
+        return self.core.has_work()

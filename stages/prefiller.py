@@ -1,0 +1,68 @@
+"""Prefill stage: chunked prefill of prompts with prefix reuse; hands each sequence off with a KVHandle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore import KVHandle
+from pipeline.engine_core import EngineCore, TokenEvent
+from pipeline.sequence import Sequence
+
+
+@dataclass
+class PrefillResult:
+    """A prompt fully prefilled: its first token and the handle to its KV blocks."""
+
+    seq: Sequence
+    first: TokenEvent
+    handle: bytes | None  # None when the first token already finished the request
+
+
+class Prefiller:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.scheduler = core.scheduler
+        self.pool = core.scheduler.pool
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def step(self, budget: int | None = None) -> list[PrefillResult]:
+        """Advance every queued prompt by at most one chunk; return those that finished prefill."""
+        results = []
+        for event in self.core.step(budget):
+            seq = event.seq
+            if event.finished:
+                results.append(PrefillResult(seq, event, None))
+                continue
+            # Ownership of the blocks passes to the handle: leave the batch without freeing them.
+            self.scheduler.remove(seq, free_blocks=False)
+            results.append(PrefillResult(seq, event, self.make_handle(seq).to_bytes()))
+        return results
+
+    def make_handle(self, seq: Sequence) -> KVHandle:
+        table = seq.block_table
+        full = table.num_full_blocks()
+        hashes = seq.full_block_hashes(self.scheduler.fingerprint, full)
+        tail = table.block_ids[full] if len(table.block_ids) > full else None
+        return KVHandle(
+            fingerprint=self.scheduler.fingerprint,
+            layout=self.pool.layout,
+            num_tokens=seq.num_computed_tokens,
+            block_hashes=hashes,
+            block_ids=list(table.block_ids[:full]),
+            pool_id=self.pool.pool_id,
+            tail_block=tail,
+        )
+
+    def abort(self, seq: Sequence) -> None:
+        self.core.abort(seq)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens still to compute (the prefill stage's autoscaling signal)."""
+        seqs = list(self.scheduler.waiting) + self.scheduler.running
+        return sum(s.num_tokens - s.num_computed_tokens for s in seqs)
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
