@@ -1,0 +1,76 @@
+"""`strata generate` streams text to stdout only, and bad input is one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import build, greedy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def strata(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+def test_generate_streams_the_engine_output(llama_dir: Path, tmp_path: Path, demo_images) -> None:
+    image = tmp_path / "img.png"
+    image.write_bytes(demo_images[0])
+    res = strata("generate", "--model", str(llama_dir), "--prompt", "Describe it.", "--image", str(image), "--max-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    expected = "".join(build(llama_dir).stream(prompt="Describe it.", images=[demo_images[0]], params=greedy(12)))
+    assert res.stdout == expected + "\n"
+
+
+def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
+    res = strata("generate", "--model", str(llama_dir), "--raw-prompt", "USER: hi ASSISTANT:", "--max-tokens", "5")
+    assert res.returncode == 0, res.stderr
+    engine = build(llama_dir)
+    expected = "".join(engine.stream(raw_prompt="USER: hi ASSISTANT:", params=greedy(5)))
+    assert res.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model", "--prompt", "hi"], "does not exist"),
+        (["--prompt", "hi", "--image", "/no/such/image.png"], "cannot read image"),
+        (["--prompt", "   "], "empty"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    ],
+    ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature"],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path) -> None:
+    if "--model" not in args:
+        args = ["--model", str(llama_dir), *args]
+    res = strata("generate", *args)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stdout == ""
+
+
+def test_unreadable_image_and_non_checkpoint_dir(llama_dir: Path, tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.png"
+    garbage.write_bytes(b"not an image at all")
+    res = strata("generate", "--model", str(llama_dir), "--prompt", "hi", "--image", str(garbage))
+    assert res.returncode == 2 and "decode image" in res.stderr and "Traceback" not in res.stderr
+    res = strata("generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert res.returncode == 2 and "config.json" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    res = strata("make-tiny-model", "--arch", "llava-qwen2", "--out", str(out), "--hidden", "32", "--layers", "1")
+    assert res.returncode == 0, res.stderr
+    assert (out / "config.json").is_file() and (out / "SHA256SUMS").is_file()
+    engine = build(out)
+    assert engine.model_config.text.model_type == "qwen2" and engine.model_config.text.hidden_size == 32

@@ -1,0 +1,165 @@
+"""Kernels against dense references: paged attention vs SDPA, LSE merge, norm, RoPE, MoE."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    AttentionMetadata,
+    RotaryEmbedding,
+    apply_rope,
+    get_attention_backend,
+    merge_attention_states,
+    moe_experts,
+    moe_route,
+    rms_norm,
+    write_kv,
+)
+from kernels.attention_torch import attend_with_positions
+
+BS = 16
+
+
+def _dense_reference(q, k, v, q_pos, window):
+    """SDPA over one sequence with an explicit causal (+window) mask. q [Tq,Hq,D], k/v [S,Hkv,D]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    k_pos = torch.arange(k.shape[0])
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _paged_batch(seq_lens, query_lens, hkv, d, num_blocks, gen):
+    """Random K/V written into a shuffled paged cache; returns cache, per-seq dense K/V and metadata."""
+    k_cache = torch.zeros(num_blocks, BS, hkv, d)
+    v_cache = torch.zeros(num_blocks, BS, hkv, d)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense, slots = [], [], []
+    for s_len, q_len in zip(seq_lens, query_lens):
+        blocks = [free.pop() for _ in range(-(-s_len // BS))]
+        k = torch.randn(s_len, hkv, d, generator=gen)
+        v = torch.randn(s_len, hkv, d, generator=gen)
+        all_slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(s_len)])
+        write_kv(k_cache, v_cache, k, v, all_slots)
+        tables.append(blocks)
+        dense.append((k, v))
+        slots.extend(all_slots[s_len - q_len :].tolist())
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS)
+    return k_cache, v_cache, dense, meta
+
+
+@pytest.mark.parametrize("window", [None, 5, 23])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
+def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(hq * 10 + hkv + (window or 0))
+    d = 16
+    seq_lens = [1, 17, 33, 50, 64, 7]  # not multiples of the block size, decodes and chunks mixed
+    query_lens = [1, 17, 1, 19, 5, 1]  # whole prompt, decode, chunk after context, ...
+    k_cache, v_cache, dense, meta = _paged_batch(seq_lens, query_lens, hkv, d, 40, gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen)
+    scale = d**-0.5
+    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
+    start = 0
+    for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):
+        q_pos = torch.arange(s_len - q_len, s_len)
+        ref = _dense_reference(q[start : start + q_len], k, v, q_pos, window)
+        torch.testing.assert_close(out[start : start + q_len], ref, rtol=1e-5, atol=1e-5)
+        start += q_len
+    assert torch.isfinite(lse).all()
+
+
+def test_lse_merge_of_two_halves_equals_whole() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tq, s, hq, hkv, d = 9, 70, 8, 2, 32
+    q = torch.randn(1, tq, hq, d, generator=gen)
+    k = torch.randn(1, s, hkv, d, generator=gen)
+    v = torch.randn(1, s, hkv, d, generator=gen)
+    q_pos = torch.arange(s - tq, s)[None]
+    k_pos = torch.arange(s)[None]
+    valid = torch.ones(1, s, dtype=torch.bool)
+    whole, whole_lse = attend_with_positions(q, k, v, q_pos, k_pos, valid, 0.2, None)
+    split = 37
+    a, lse_a = attend_with_positions(q, k[:, :split], v[:, :split], q_pos, k_pos[:, :split], valid[:, :split], 0.2, None)
+    b, lse_b = attend_with_positions(q, k[:, split:], v[:, split:], q_pos, k_pos[:, split:], valid[:, split:], 0.2, None)
+    merged, merged_lse = merge_attention_states(a[0], lse_a[0], b[0], lse_b[0])
+    torch.testing.assert_close(merged, whole[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged_lse, whole_lse[0], rtol=1e-5, atol=1e-6)
+
+
+def test_merge_with_an_empty_segment_is_identity() -> None:
+    out = torch.randn(3, 2, 4)
+    lse = torch.randn(3, 2)
+    empty_lse = torch.full((3, 2), float("-inf"))
+    merged, merged_lse = merge_attention_states(out, lse, torch.zeros_like(out), empty_lse)
+    torch.testing.assert_close(merged, out)
+    torch.testing.assert_close(merged_lse, lse)
+
+
+def test_rms_norm_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(64, eps=1e-5)
+    ref.weight.data = torch.rand(64) + 0.5
+    x = torch.randn(10, 64) * 3
+    torch.testing.assert_close(rms_norm(x, ref.weight, 1e-5), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+)
+def test_rope_matches_transformers(params: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=params, max_position_embeddings=4096)
+    ref = LlamaRotaryEmbedding(cfg)
+    pos = torch.tensor([0, 1, 5, 100, 3000])
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    cos_r, sin_r = ref(q, pos[None])
+    q_r, k_r = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_r, sin_r)
+    ours = RotaryEmbedding(16, params)
+    cos, sin = ours.cos_sin(pos, torch.float32)
+    q_o, k_o = apply_rope(q, k, cos, sin)
+    torch.testing.assert_close(q_o, q_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_o, k_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_unsupported_rope_type_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unsupported rope_type"):
+        RotaryEmbedding(16, {"rope_type": "yarn", "rope_theta": 1e4})
+
+
+def test_moe_matches_mixtral_block() -> None:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2)
+    ref = MixtralSparseMoeBlock(cfg).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 23, 32)
+    weights, ids = moe_route(F.linear(x[0], ref.gate.weight), 2)
+    ours = moe_experts(x[0], ref.experts.gate_up_proj, ref.experts.down_proj, weights, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(ours, ref(x)[0], rtol=1e-5, atol=1e-5)
+    assert math.isclose(weights.sum(-1).mean().item(), 1.0, rel_tol=1e-6)
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="not available"):
+        get_attention_backend("flashinfer")

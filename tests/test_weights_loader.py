@@ -1,0 +1,113 @@
+"""The streaming loader: both name layouts, SHA-256 manifest, stage-partial loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.model_loader import load_image_encoder, load_language_model
+from pipeline.weights import WeightsError, canonical_name, weight_map
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _write_transformers5_checkpoint(src: Path, dst: Path) -> None:
+    """Re-save a checkpoint with transformers-5 runtime names (model.language_model…, fused experts)."""
+    from transformers import LlavaForConditionalGeneration
+
+    shutil.copytree(src, dst)
+    for p in dst.glob("*.safetensors"):
+        p.unlink()
+    (dst / "model.safetensors.index.json").unlink()
+    (dst / "SHA256SUMS").unlink()
+    hf = LlavaForConditionalGeneration.from_pretrained(src)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    keys = sorted(state)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    for name, ks in shards.items():
+        save_file({k: state[k] for k in ks}, str(dst / name))
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _rename_vision_classic(src: Path, dst: Path) -> None:
+    """The classic llava-hf layout: vision_tower.vision_model.*"""
+    from safetensors import safe_open
+
+    shutil.copytree(src, dst)
+    (dst / "SHA256SUMS").unlink()
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    new_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(src / shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        renamed = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()}
+        save_file(renamed, str(dst / shard))
+        new_map.update({k: shard for k in renamed})
+    index["weight_map"] = new_map
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("arch", ["llava-mixtral", "llava-qwen2"])
+def test_name_layouts_give_identical_weights(arch: str, tiny_models, tmp_path: Path) -> None:
+    src = tiny_models[arch]
+    t5 = tmp_path / "t5"
+    classic = tmp_path / "classic"
+    _write_transformers5_checkpoint(src, t5)
+    _rename_vision_classic(src, classic)
+    assert any(k.startswith("model.language_model.") for k in weight_map(t5))
+    assert any(k.startswith("vision_tower.vision_model.") for k in weight_map(classic))
+    ref_lm, ref_vis = _state(load_language_model(src)[0]), _state(load_image_encoder(src)[0])
+    for other in (t5, classic):
+        lm, vis = _state(load_language_model(other)[0]), _state(load_image_encoder(other)[0])
+        assert lm.keys() == ref_lm.keys() and vis.keys() == ref_vis.keys()
+        for k in ref_lm:
+            assert torch.equal(lm[k], ref_lm[k]), k
+        for k in ref_vis:
+            assert torch.equal(vis[k], ref_vis[k]), k
+
+
+def test_corrupted_shard_is_named_in_the_error(llama_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    shard = sorted(bad.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=shard.name):
+        load_language_model(bad)
+
+
+def test_truncated_shard_without_manifest_is_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "trunc"
+    shutil.copytree(llama_dir, bad)
+    (bad / "SHA256SUMS").unlink()
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(WeightsError, match=shard.name):
+        load_language_model(bad)
+
+
+def test_stage_partial_load_reads_only_its_tensors(llama_dir: Path) -> None:
+    mapping = weight_map(llama_dir)
+    parts = {name: (canonical_name(name) or ("other", ""))[0] for name in mapping}
+    _, vision_stats = load_image_encoder(llama_dir)
+    _, text_stats = load_language_model(llama_dir)
+    n_text = sum(1 for p in parts.values() if p == "text")
+    assert text_stats.tensors_read == n_text
+    # the vision stage reads vision + projector tensors only, and not the layers after the feature layer
+    n_vision = sum(1 for p in parts.values() if p in ("vision", "projector"))
+    assert 0 < vision_stats.tensors_read < n_vision
+    text_only_shards = {s for n, s in mapping.items() if parts[n] == "text"} - {
+        s for n, s in mapping.items() if parts[n] != "text"
+    }
+    assert text_only_shards, "the tiny checkpoint should have shards holding decoder tensors only"
+    assert not text_only_shards & set(vision_stats.shards_opened)
