@@ -61,8 +61,7 @@ class EngineCore:
         result = check_stop(seq.output_token_ids, self.eos_token_ids, seq.params, text, prev_len)
         seq.text = result.text
         finished = result.finish_reason is not None
-        # Hold back a trailing partial UTF-8 character until the next token completes it.
-        stable = len(seq.text) if finished or not seq.text.endswith("\ufffd") else len(seq.text.rstrip("\ufffd"))
+        stable = len(seq.text) if finished else self._streamable_len(seq)
         delta = seq.text[seq.emitted_text_len : stable] if stable > seq.emitted_text_len else ""
         seq.emitted_text_len = max(seq.emitted_text_len, stable)
         if finished:
@@ -70,14 +69,26 @@ class EngineCore:
             self.finish(seq)
         return TokenEvent(seq, token, delta, finished)
 
+    @staticmethod
+    def _streamable_len(seq: Sequence) -> int:
+        """Text that can no longer change: hold back a trailing partial UTF-8 character, and the
+        last len(stop)-1 characters, which could still turn out to start a stop string."""
+        text = seq.text.rstrip("\ufffd")
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        return max(0, len(text) - hold)
+
     def finish(self, seq: Sequence) -> None:
         """Leave the batch; full blocks stay in the prefix cache for the next turn of the chat."""
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq, free_blocks=True)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence) -> bool:
+        """Cancel a sequence this core holds and free its blocks; False if it is not here."""
+        if not self.scheduler.holds(seq):
+            return False
         seq.finish_reason = seq.finish_reason or "abort"
         self.finish(seq)
+        return True
 
     @property
     def num_running(self) -> int:

@@ -66,14 +66,23 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def remove(self, seq: Sequence, free_blocks: bool = True) -> None:
-        """Take a sequence out of this scheduler; release its blocks unless another owner takes them."""
+    def holds(self, seq: Sequence) -> bool:
+        return seq in self.running or seq in self.waiting
+
+    def remove(self, seq: Sequence, free_blocks: bool = True) -> bool:
+        """Take a sequence out of this scheduler; release its blocks unless another owner takes them.
+
+        Returns False (and touches nothing) if this scheduler does not hold the sequence.
+        """
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            return False
         if free_blocks:
             self.release_blocks(seq)
+        return True
 
     def release_blocks(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table.block_ids):
