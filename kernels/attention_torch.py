@@ -18,37 +18,48 @@ def attend_with_positions(
     k_valid: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal (optionally windowed) GQA attention with explicit absolute positions.
 
     q [B, Tq, Hq, D], k/v [B, S, Hkv, D], q_pos [B, Tq], k_pos [B, S], k_valid bool [B, S].
-    Returns out [B, Tq, Hq, D] (dtype of q) and lse [B, Tq, Hq] (fp32). A query row with no
-    visible key gets out 0 and lse -inf, so segments merge cleanly.
+    Returns out [B, Tq, Hq, D] (dtype of q) and lse [B, Tq, Hq] (fp32, or None unless
+    ``need_lse``). With lse, a query row with no visible key gets out 0 and lse -inf, so
+    segments merge cleanly.
     """
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    qh = q.float().view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4)  # B,Hkv,G,Tq,D
-    kh = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # B,Hkv,1,S,D
-    vh = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # B,Hkv,G,Tq,S
     visible = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
         visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    if not need_lse:
+        # Fused path (every row sees at least itself, so no empty-row NaN): same math, one kernel.
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+            attn_mask=visible[:, None], scale=scale, enable_gqa=True,
+        )
+        return out.transpose(1, 2).to(q.dtype), None
+    # Queries of one KV head's group share its keys: fold the group into the row dimension so
+    # the score matmul batches over (B, Hkv) without broadcasting (and copying) K per query head.
+    qh = q.float().view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+    kh = k.float().permute(0, 2, 1, 3)  # B,Hkv,S,D
+    vh = v.float().permute(0, 2, 1, 3)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale).view(b, hkv, g, tq, -1)
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # B,Hkv,G,Tq
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.matmul(probs, vh)  # B,Hkv,G,Tq,D
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
     lse = lse.permute(0, 3, 1, 2).reshape(b, tq, hq)
+    out = torch.matmul(probs.view(b, hkv, g * tq, -1), vh)  # B,Hkv,G*Tq,D
+    out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
     return out.to(q.dtype), lse
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[blocks, bs, H, D] cache + [B, nb] ids -> [B, nb*bs, H, D] contiguous keys or values."""
-    gathered = cache[block_ids]  # B, nb, bs, H, D
-    b, nb, bs, h, d = gathered.shape
-    return gathered.reshape(b, nb * bs, h, d)
+    b, nb = block_ids.shape
+    gathered = torch.index_select(cache, 0, block_ids.reshape(-1))  # B*nb, bs, H, D
+    return gathered.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -67,7 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         return_lse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
         if decode_rows:
             self._decode(q, k_cache, v_cache, meta, decode_rows, scale, sliding_window, out, lse)
@@ -75,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         for i, n in enumerate(meta.query_lens):
             if n > 1:
                 self._chunk(q, k_cache, v_cache, meta, i, starts[i], scale, sliding_window, out, lse)
-        return out, (lse if return_lse else None)
+        return out, lse
 
     def _decode(self, q, k_cache, v_cache, meta, rows, scale, window, out, lse) -> None:
         bs = meta.block_size
@@ -89,10 +100,11 @@ class TorchAttentionBackend(AttentionBackend):
         k_valid = k_pos < seq_lens[:, None]
         q_rows = meta.query_start_loc[idx]
         o, l = attend_with_positions(
-            q[q_rows].unsqueeze(1), k, v, (seq_lens - 1)[:, None], k_pos, k_valid, scale, window
+            q[q_rows].unsqueeze(1), k, v, (seq_lens - 1)[:, None], k_pos, k_valid, scale, window, lse is not None
         )
         out[q_rows] = o[:, 0]
-        lse[q_rows] = l[:, 0]
+        if lse is not None:
+            lse[q_rows] = l[:, 0]
 
     def _chunk(self, q, k_cache, v_cache, meta, i, start, scale, window, out, lse) -> None:
         bs = meta.block_size
@@ -106,9 +118,12 @@ class TorchAttentionBackend(AttentionBackend):
         v = gather_blocks(v_cache, meta.block_tables[i : i + 1, lo_block:hi_block])
         k_pos = torch.arange(lo_block * bs, lo_block * bs + k.shape[1], device=q.device).unsqueeze(0)
         q_pos = torch.arange(first_pos, seq_len, device=q.device).unsqueeze(0)
-        o, l = attend_with_positions(q[start : start + n].unsqueeze(0), k, v, q_pos, k_pos, k_pos < seq_len, scale, window)
+        o, l = attend_with_positions(
+            q[start : start + n].unsqueeze(0), k, v, q_pos, k_pos, k_pos < seq_len, scale, window, lse is not None
+        )
         out[start : start + n] = o[0]
-        lse[start : start + n] = l[0]
+        if lse is not None:
+            lse[start : start + n] = l[0]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -56,9 +56,10 @@ def _paged_batch(seq_lens, query_lens, hkv, d, num_blocks, gen):
     return k_cache, v_cache, dense, meta
 
 
+@pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "fused"])
 @pytest.mark.parametrize("window", [None, 5, 23])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
-def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None) -> None:
+def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None, with_lse: bool) -> None:
     gen = torch.Generator().manual_seed(hq * 10 + hkv + (window or 0))
     d = 16
     seq_lens = [1, 17, 33, 50, 64, 7]  # not multiples of the block size, decodes and chunks mixed
@@ -66,14 +67,16 @@ def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None
     k_cache, v_cache, dense, meta = _paged_batch(seq_lens, query_lens, hkv, d, 40, gen)
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     scale = d**-0.5
-    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
+    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=with_lse)
     start = 0
     for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):
         q_pos = torch.arange(s_len - q_len, s_len)
         ref = _dense_reference(q[start : start + q_len], k, v, q_pos, window)
         torch.testing.assert_close(out[start : start + q_len], ref, rtol=1e-5, atol=1e-5)
         start += q_len
-    assert torch.isfinite(lse).all()
+    assert (lse is not None) == with_lse
+    if with_lse:
+        assert torch.isfinite(lse).all()
 
 
 def test_lse_merge_of_two_halves_equals_whole() -> None:
