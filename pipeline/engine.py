@@ -40,7 +40,6 @@ class Engine:
         encoder: EncoderLike,
         prefiller: PrefillerLike,
         decoder: DecoderLike,
-        prefill_scheduler: Any,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -50,7 +49,7 @@ class Engine:
         self.prefiller = prefiller
         self.decoder = decoder
         # New prompts must leave one free block per running decode, or admissions would starve them.
-        prefill_scheduler.admission_watermark = lambda: decoder.num_running
+        prefiller.set_admission_watermark(lambda: decoder.num_running)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0
@@ -134,7 +133,7 @@ class Engine:
         """One iteration: decode every running sequence, then spend what is left of the budget on prefill."""
         outputs: list[RequestOutput] = []
         events = self.decoder.step(self.config.max_num_batched_tokens)
-        used = getattr(getattr(self.decoder, "core", None), "last_num_tokens", len(events))
+        used = self.decoder.last_num_tokens
         budget = self.config.max_num_batched_tokens - used
         self.last_step_tokens = used
         if budget > 0:
@@ -142,7 +141,7 @@ class Engine:
                 if result.handle is not None:
                     self.decoder.admit(result.seq, result.handle)
                 events.append(result.first)
-            self.last_step_tokens += getattr(getattr(self.prefiller, "core", None), "last_num_tokens", 0)
+            self.last_step_tokens += self.prefiller.last_num_tokens
         for ev in events:
             outputs.append(self._output(ev.seq, [ev.token_id], ev.text_delta, ev.finished))
         if not events and self.has_unfinished() and not (self.prefiller.has_work() or self.decoder.has_work()):

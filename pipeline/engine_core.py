@@ -84,10 +84,10 @@ class EngineCore:
 
     def abort(self, seq: Sequence) -> bool:
         """Cancel a sequence this core holds and free its blocks; False if it is not here."""
-        if not self.scheduler.holds(seq):
+        if not self.scheduler.remove(seq, free_blocks=True):
             return False
         seq.finish_reason = seq.finish_reason or "abort"
-        self.finish(seq)
+        seq.status = SequenceStatus.FINISHED
         return True
 
     @property

@@ -66,9 +66,6 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def holds(self, seq: Sequence) -> bool:
-        return seq in self.running or seq in self.waiting
-
     def remove(self, seq: Sequence, free_blocks: bool = True) -> bool:
         """Take a sequence out of this scheduler; release its blocks unless another owner takes them.
 

@@ -34,6 +34,10 @@ class Decoder:
         self.core.abort(seq)
 
     @property
+    def last_num_tokens(self) -> int:
+        return self.core.last_num_tokens
+
+    @property
     def num_running(self) -> int:
         return self.core.num_running
 

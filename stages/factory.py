@@ -44,14 +44,12 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> E
     def core() -> EngineCore:
         return EngineCore(Scheduler(config, pool, fingerprint), runner, tokenizer.decode, tokenizer.eos_token_ids)
 
-    prefill_core, decode_core = core(), core()
     return Engine(
         config,
         cfg,
         tokenizer,
         preprocessor,
         encoder,
-        Prefiller(prefill_core),
-        Decoder(decode_core),
-        prefill_core.scheduler,
+        Prefiller(core()),
+        Decoder(core()),
     )

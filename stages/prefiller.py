@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from kvstore import KVHandle
 from pipeline.engine_core import EngineCore, TokenEvent
@@ -57,6 +58,16 @@ class Prefiller:
 
     def abort(self, seq: Sequence) -> None:
         self.core.abort(seq)
+
+    def set_admission_watermark(self, blocks: Callable[[], int]) -> None:
+        """Keep this many blocks free when admitting new prompts (e.g. one per sequence decoding
+        on the same pool), so prefill never starves running decodes."""
+        self.scheduler.admission_watermark = blocks
+
+    @property
+    def last_num_tokens(self) -> int:
+        """Tokens computed by the latest step (shares one per-step budget with the decoder)."""
+        return self.core.last_num_tokens
 
     @property
     def num_queued_tokens(self) -> int:
