@@ -57,10 +57,14 @@ class EngineCore:
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         prev_len = len(seq.text)
         seq.token_ids.append(token)
-        text = self.detokenize(seq.output_token_ids)
-        result = check_stop(seq.output_token_ids, self.eos_token_ids, seq.params, text, prev_len)
-        seq.text = result.text
+        output_ids = seq.output_token_ids
+        text = seq.text + seq.detokenizer.step(self.detokenize, output_ids)
+        result = check_stop(output_ids, self.eos_token_ids, seq.params, text, prev_len)
         finished = result.finish_reason is not None
+        seq.text = result.text
+        if finished and not isinstance(result.stop_reason, str):
+            # eos, stop token or length: flush a dangling partial character, as a full decode shows it
+            seq.text += seq.detokenizer.step(self.detokenize, output_ids, final=True)
         stable = len(seq.text) if finished else self._streamable_len(seq)
         delta = seq.text[seq.emitted_text_len : stable] if stable > seq.emitted_text_len else ""
         seq.emitted_text_len = max(seq.emitted_text_len, stable)

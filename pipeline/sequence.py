@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import BlockTable, ImageSpan, hash_chain
+from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.sampler import make_generator
 from pipeline.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator = make_generator(params.seed)
         self.text = ""  # detokenized output so far
+        self.detokenizer = IncrementalDetokenizer()
         self.emitted_text_len = 0  # characters already streamed to the client
 
     @property
