@@ -5,7 +5,8 @@ Imports torch only. Backends are chosen at run time through
 reference every other backend is tested against.
 """
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, OffloadedKV
+from kernels.attention_tiers import attend_offloaded
 from kernels.attention_torch import TorchAttentionBackend, dense_attention
 from kernels.backends import AttentionBackend, available_backends, get_attention_backend
 from kernels.cache_ops import write_kv
@@ -17,9 +18,11 @@ from kernels.rope import RotaryEmbedding, apply_rope
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "OffloadedKV",
     "RotaryEmbedding",
     "TorchAttentionBackend",
     "apply_rope",
+    "attend_offloaded",
     "available_backends",
     "dense_attention",
     "get_attention_backend",

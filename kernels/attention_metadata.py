@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
+
+
+class OffloadedKV(Protocol):
+    """A sequence's oldest KV blocks that are not on the device: positions
+    ``0 .. num_blocks * block_size - 1``, streamed back one layer and one segment at a time."""
+
+    num_blocks: int
+    segment_blocks: int  # most blocks one ``load`` may return (the staging buffer's size)
+
+    def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_blocks, block_size, Hkv, D] of ``layer``; valid until the next load."""
+        ...
 
 
 @dataclass
@@ -15,7 +28,8 @@ class AttentionMetadata:
     ``query_start_loc[i]:query_start_loc[i+1]``; those are its *last* query tokens, so the
     absolute position of query row ``j`` of sequence ``i`` is
     ``seq_lens[i] - query_len_i + j``. Keys of sequence ``i`` are token positions
-    ``0 .. seq_lens[i]-1`` stored in blocks ``block_tables[i, :]``.
+    ``kv_offsets[i] .. seq_lens[i]-1`` stored in blocks ``block_tables[i, :]``; keys before
+    ``kv_offsets[i]`` (block aligned) are off the device, described by ``offloaded[i]``.
     """
 
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
@@ -25,6 +39,11 @@ class AttentionMetadata:
     block_size: int
     query_lens: list[int]  # python copies: backends branch on them without a device sync
     seq_lens_list: list[int]
+    kv_offsets: list[int] = field(default_factory=list)  # first key position in the block table, per sequence
+    offloaded: list[OffloadedKV | None] | None = None  # None when every key is on the device
+
+    def kv_offset(self, i: int) -> int:
+        return self.kv_offsets[i] if self.kv_offsets else 0
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +66,8 @@ class AttentionMetadata:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        kv_offsets: Sequence[int] | None = None,
+        offloaded: Sequence[OffloadedKV | None] | None = None,
     ) -> "AttentionMetadata":
         """Assemble tensors from plain lists (what the model runner has at hand)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
@@ -67,4 +88,6 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
+            kv_offsets=list(kv_offsets) if kv_offsets is not None and any(kv_offsets) else [],
+            offloaded=list(offloaded) if offloaded is not None and any(o is not None for o in offloaded) else None,
         )

@@ -92,11 +92,12 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
         seq_lens = meta.seq_lens[idx]
-        nb = -(-max(meta.seq_lens_list[i] for i in rows) // bs)
+        offsets = torch.tensor([meta.kv_offset(i) for i in rows], dtype=torch.int64, device=q.device)
+        nb = -(-max(meta.seq_lens_list[i] - meta.kv_offset(i) for i in rows) // bs)
         tables = meta.block_tables[idx, :nb]
         k = gather_blocks(k_cache, tables)
         v = gather_blocks(v_cache, tables)
-        k_pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0).expand(len(rows), -1)
+        k_pos = offsets[:, None] + torch.arange(k.shape[1], device=q.device).unsqueeze(0)
         k_valid = k_pos < seq_lens[:, None]
         q_rows = meta.query_start_loc[idx]
         o, l = attend_with_positions(
@@ -111,12 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
         n = meta.query_lens[i]
         seq_len = meta.seq_lens_list[i]
         first_pos = seq_len - n
+        base = meta.kv_offset(i)
         # Keys before the window of the first query can never be seen: skip their blocks.
-        lo_block = max(0, first_pos - window + 1) // bs if window is not None else 0
-        hi_block = -(-seq_len // bs)
+        lo_block = max(0, first_pos - window + 1 - base) // bs if window is not None else 0
+        hi_block = -(-(seq_len - base) // bs)
         k = gather_blocks(k_cache, meta.block_tables[i : i + 1, lo_block:hi_block])
         v = gather_blocks(v_cache, meta.block_tables[i : i + 1, lo_block:hi_block])
-        k_pos = torch.arange(lo_block * bs, lo_block * bs + k.shape[1], device=q.device).unsqueeze(0)
+        first_key = base + lo_block * bs
+        k_pos = torch.arange(first_key, first_key + k.shape[1], device=q.device).unsqueeze(0)
         q_pos = torch.arange(first_pos, seq_len, device=q.device).unsqueeze(0)
         o, l = attend_with_positions(
             q[start : start + n].unsqueeze(0), k, v, q_pos, k_pos, k_pos < seq_len, scale, window, lse is not None

@@ -1,6 +1,10 @@
-"""Strata KV store: model-agnostic paged KV cache (device tier)."""
+"""Strata KV store: model-agnostic paged KV cache in tiers (device pool, host files, disk files)."""
 
+from .block_file import BlockFileError
 from .block_pool import BlockPool, NoFreeBlocksError
+from .file_store import FileBlockStore
+from .lower_tiers import LowerTiers
+from .tiered_cache import KVBlockLostError, SpilledBlocks, TieredKVCache
 from .block_table import BlockTable
 from .hashing import (
     DIGEST_SIZE,
@@ -14,7 +18,13 @@ from .handle import HANDLE_VERSION, HandleError, KVHandle
 from .layout import KVLayout, dtype_from_name, dtype_name
 
 __all__ = [
+    "BlockFileError",
     "BlockPool",
+    "FileBlockStore",
+    "KVBlockLostError",
+    "LowerTiers",
+    "SpilledBlocks",
+    "TieredKVCache",
     "BlockTable",
     "HANDLE_VERSION",
     "HandleError",

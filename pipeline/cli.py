@@ -1,4 +1,4 @@
-"""The `strata` command line: make-tiny-model, generate, bench.
+"""The `strata` command line: make-tiny-model, generate, bench, plan.
 
 Results go to stdout (generated text, benchmark tables); logs and progress go to stderr.
 Commands that need the stage implementations bind to ``stages`` late (by module name), so
@@ -160,6 +160,44 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
     return run(args, load_engine)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="plan device / host / disk memory from config.json alone (no weights needed)",
+        description="Sizes are binary: K/KB/KiB = 2^10, G/GB/GiB = 2^30, T/TB/TiB = 2^40 bytes. "
+        "Token counts take K = 1,000 and M = 1,000,000 (e.g. --context 1M). Exit 0 if it fits, 1 if not.",
+    )
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory containing config.json, or the config.json file")
+    p.add_argument("--context", required=True, help="tokens per sequence: an integer, or with K (x1000) / M (x1000000), e.g. 128K, 1M")
+    p.add_argument("--concurrency", default="1", help="sequences held at full context at once (default 1)")
+    p.add_argument("--device-mem", default="80GiB", help="accelerator memory (default 80GiB)")
+    p.add_argument("--host-mem", default="0", help="host RAM for the KV host tier (default 0)")
+    p.add_argument("--disk", default="0", help="disk for the KV disk tier (default 0)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--staging-blocks", type=int, default=64, help="device blocks reserved for staging host/disk KV")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pipeline.memory_plan import format_plan, parse_count, parse_size, plan_memory
+
+    config = args.model / "config.json" if args.model.is_dir() else args.model
+    if not config.is_file():
+        raise CLIError(f"no config.json at {args.model}: pass a checkpoint directory or its config.json")
+    try:
+        sizes = {name: parse_size(getattr(args, name)) for name in ("device_mem", "host_mem", "disk")}
+        plan = plan_memory(
+            config, parse_count(args.context), parse_count(args.concurrency), sizes["device_mem"], sizes["host_mem"],
+            sizes["disk"], dtype=args.dtype, block_size=args.block_size, chunk_tokens=args.chunk_tokens,
+            staging_blocks=args.staging_blocks,
+        )
+    except ValueError as exc:  # bad sizes / counts, and ModelConfigError for an unusable config.json
+        raise CLIError(str(exc)) from exc
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
@@ -168,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_demo_image(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -15,6 +18,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     block_size: int = 16
     num_kv_blocks: int = 1024  # device-tier capacity in blocks
+    host_kv_blocks: int = 0  # host tier (block files on tmpfs, shared by the node's processes); 0 = off
+    host_kv_dir: str | None = None  # default: /dev/shm/strata-kv-<uid>
+    disk_kv_blocks: int = 0  # disk tier (survives restarts); 0 = off
+    disk_kv_dir: str | None = None  # default: ~/.cache/strata/kv
+    kv_staging_blocks: int = 64  # device buffer through which spilled blocks are streamed to attention
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes first, then prefill chunks)
     prefill_chunk_tokens: int = 512  # largest prefill chunk of one sequence in one step
     max_num_seqs: int = 64  # running sequences per stage
@@ -25,13 +33,33 @@ class EngineConfig:
     max_images_per_request: int = 8
 
     def validate(self) -> None:
-        positive = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "prefill_chunk_tokens", "max_num_seqs", "max_model_len")
+        positive = (
+            "block_size", "num_kv_blocks", "max_num_batched_tokens", "prefill_chunk_tokens", "max_num_seqs",
+            "max_model_len", "kv_staging_blocks",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("host_kv_blocks", "disk_kv_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether KV can leave the device (then a context may exceed the device tier)."""
+        return self.host_kv_blocks > 0 or self.disk_kv_blocks > 0
+
+    def resolved_host_kv_dir(self) -> Path:
+        if self.host_kv_dir:
+            return Path(self.host_kv_dir)
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"strata-kv-{os.getuid()}"
+
+    def resolved_disk_kv_dir(self) -> Path:
+        return Path(self.disk_kv_dir) if self.disk_kv_dir else Path.home() / ".cache" / "strata" / "kv"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

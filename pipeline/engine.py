@@ -106,8 +106,11 @@ class Engine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.config.max_model_len}"
             )
         blocks = -(-total // self.config.block_size)
+        if self.config.has_lower_tiers and self.config.enable_prefix_caching:
+            # Older blocks can be spilled; the device only needs one chunk's working set.
+            blocks = -(-self.config.prefill_chunk_tokens // self.config.block_size) + 1
         if blocks > self.config.num_kv_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.config.num_kv_blocks}")
+            raise ValueError(f"request needs {blocks} KV blocks but the device pool holds {self.config.num_kv_blocks}")
 
     def _encode_images(self, images: list[bytes], offsets: list[int]) -> list[ImageEmbedding]:
         if not images:

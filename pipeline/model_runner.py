@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionBackend, AttentionMetadata
-from kvstore import BlockPool
+from kvstore import SpilledBlocks, TieredKVCache
 from pipeline.models.decoder import LanguageModel
 from pipeline.scheduler import ScheduledChunk
 
@@ -14,12 +14,13 @@ class ModelRunner:
     """Flattens every chunk of the step into one batch, overlays image embeddings, and returns
     the logits of the chunks that end on their sequence's last known token."""
 
-    def __init__(self, model: LanguageModel, pool: BlockPool, backend: AttentionBackend, device: str = "cpu") -> None:
+    def __init__(self, model: LanguageModel, kv: TieredKVCache, backend: AttentionBackend, device: str = "cpu") -> None:
         self.model = model
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.backend = backend
         self.device = torch.device(device)
-        self.block_size = pool.layout.block_size
+        self.block_size = kv.layout.block_size
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -42,6 +43,8 @@ class ModelRunner:
             slot_mapping=slots,
             block_size=self.block_size,
             device=self.device,
+            kv_offsets=[c.seq.block_table.first_resident_token for c in chunks],
+            offloaded=[self._spilled(c) for c in chunks],
         )
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         embeds = self.model.embed(ids)
@@ -50,6 +53,12 @@ class ModelRunner:
         hidden = self.model(embeds, pos, self.pool.kv, meta, self.backend)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         return self.model.logits(hidden[rows])
+
+    def _spilled(self, chunk: ScheduledChunk) -> SpilledBlocks | None:
+        table = chunk.seq.block_table
+        if not table.num_spilled:
+            return None
+        return SpilledBlocks(self.kv, chunk.seq.block_hashes[: table.num_spilled])
 
     @staticmethod
     def _overlay_images(embeds: torch.Tensor, chunks: list[ScheduledChunk]) -> None:

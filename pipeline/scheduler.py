@@ -3,8 +3,11 @@
 Each step: running sequences that decode go first (one token each), then running
 sequences mid-prefill, then waiting sequences, each prefill chunk capped by
 ``prefill_chunk_tokens`` and all of it by ``max_num_batched_tokens``. When the block
-pool runs dry the newest running sequence is preempted by recompute: its blocks are
-released (full ones stay in the prefix cache) and it goes back to the front of the queue.
+pool runs dry, and lower KV tiers exist, the oldest full blocks of the sequence with the
+most device blocks are spilled (attention streams them back); without lower tiers, or
+when nothing can be spilled, the newest running sequence is preempted by recompute: its
+blocks are released (full ones stay in the prefix cache) and it goes back to the front
+of the queue.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstore import BlockPool
+from kvstore import TieredKVCache
 from pipeline.config import EngineConfig
 from pipeline.sequence import Sequence, SequenceStatus
 
@@ -45,9 +48,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, fingerprint: bytes) -> None:
+    def __init__(self, config: EngineConfig, kv: TieredKVCache, fingerprint: bytes) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
+        # Spilling needs block hashes (published blocks) and somewhere to spill them to.
+        self.can_spill = kv.can_spill and config.enable_prefix_caching
         self.fingerprint = fingerprint
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -82,10 +88,7 @@ class Scheduler:
         return True
 
     def release_blocks(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table.block_ids):
-            self.pool.free(block_id)
-        seq.block_table.block_ids.clear()
-        seq.block_table.num_tokens = 0
+        self.kv.release(seq.block_table, seq.block_hashes)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,6 +125,7 @@ class Scheduler:
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         needed = seq.block_table.blocks_needed(seq.num_computed_tokens + n)
+        self._spill_until_free(needed)
         while self.pool.num_free() < needed:
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
@@ -137,6 +141,7 @@ class Scheduler:
             self._match_prefix(seq)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
         needed = seq.block_table.blocks_needed(seq.num_computed_tokens + n)
+        self._spill_until_free(needed + self.admission_watermark(), extra=seq)
         if self.pool.num_free() < needed + self.admission_watermark():
             self.release_blocks(seq)  # don't hold cached blocks while waiting
             seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -151,11 +156,30 @@ class Scheduler:
         # Always leave the last token to compute: its logits are what the step samples from.
         limit = (seq.num_tokens - 1) // bs
         hashes = seq.full_block_hashes(self.fingerprint, limit)
-        matched = self.pool.match_prefix(hashes)
-        seq.block_table.block_ids.extend(matched)
-        seq.num_computed_tokens = seq.block_table.num_tokens = len(matched) * bs
-        seq.num_published_blocks = len(matched)
-        seq.num_cached_tokens = len(matched) * bs
+        # Keep device room for the first chunk; matched blocks beyond that stay in their tier.
+        reserve = -(-self.config.prefill_chunk_tokens // bs) + 1 + self.admission_watermark()
+        matched = self.kv.match_prefix(seq.block_table, hashes, reserve)
+        seq.num_computed_tokens = matched * bs
+        seq.num_published_blocks = matched
+        if not seq.output_token_ids:  # a recompute or hand-off keeps the first admission's figure
+            seq.num_cached_tokens = matched * bs
+
+    def _spill_until_free(self, needed: int, extra: Sequence | None = None) -> None:
+        """Spill the oldest published blocks of the sequences holding the most device blocks until
+        ``needed`` blocks are allocatable (or nothing more can be spilled)."""
+        if not self.can_spill:
+            return
+        candidates = self.running + ([extra] if extra is not None else [])
+        while self.pool.num_free() < needed:
+            best = max(candidates, key=lambda s: self.kv.spillable(s.block_table, s.num_published_blocks), default=None)
+            if best is None:
+                return
+            spillable = self.kv.spillable(best.block_table, best.num_published_blocks)
+            if spillable == 0:
+                return
+            want = min(spillable, needed - self.pool.num_free())
+            if self.kv.spill(best.block_table, best.block_hashes, want) == 0:
+                return
 
     def _allocate(self, seq: Sequence, count: int) -> None:
         for _ in range(count):
@@ -183,11 +207,5 @@ class Scheduler:
         if full <= seq.num_published_blocks:
             return
         hashes = seq.full_block_hashes(self.fingerprint, full)
-        ids = seq.block_table.block_ids
-        for i in range(seq.num_published_blocks, full):
-            canonical = self.pool.publish(ids[i], hashes[i])
-            if canonical != ids[i]:  # same content already cached: share it, drop our copy
-                self.pool.incref(canonical)
-                self.pool.free(ids[i])
-                ids[i] = canonical
+        self.kv.publish(seq.block_table, hashes, seq.num_published_blocks, full)
         seq.num_published_blocks = full

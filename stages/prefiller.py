@@ -45,15 +45,17 @@ class Prefiller:
         table = seq.block_table
         full = table.num_full_blocks()
         hashes = seq.full_block_hashes(self.scheduler.fingerprint, full)
-        tail = table.block_ids[full] if len(table.block_ids) > full else None
+        resident_full = full - table.num_spilled
+        tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
         return KVHandle(
             fingerprint=self.scheduler.fingerprint,
             layout=self.pool.layout,
             num_tokens=seq.num_computed_tokens,
             block_hashes=hashes,
-            block_ids=list(table.block_ids[:full]),
+            block_ids=list(table.block_ids[:resident_full]),
             pool_id=self.pool.pool_id,
             tail_block=tail,
+            num_spilled=table.num_spilled,
         )
 
     def abort(self, seq: Sequence) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore import BlockPool, KVLayout
+from kvstore import BlockPool, KVLayout, TieredKVCache
 from pipeline.config import EngineConfig
 from pipeline.sampling_params import SamplingParams
 from pipeline.scheduler import Scheduler
@@ -15,7 +15,7 @@ FP = b"fingerprint"
 
 def _sched(num_blocks: int = 64, **cfg) -> Scheduler:
     config = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **cfg)
-    return Scheduler(config, BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks), FP)
+    return Scheduler(config, TieredKVCache(BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks)), FP)
 
 
 def _seq(i: int, n: int) -> Sequence:

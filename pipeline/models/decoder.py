@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata, RotaryEmbedding, apply_rope, rms_norm, write_kv
+from kernels import AttentionBackend, AttentionMetadata, RotaryEmbedding, apply_rope, attend_offloaded, rms_norm, write_kv
 from pipeline.model_config import TextConfig
 from pipeline.models.mlp import DenseMLP, SparseMoE
 
@@ -54,7 +54,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out, _ = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        spilled = meta.offloaded is not None
+        out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
+        if spilled:
+            out = attend_offloaded(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

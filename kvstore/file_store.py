@@ -1,0 +1,298 @@
+"""Content-addressed block files under one directory: the host tier (on tmpfs) and the disk tier.
+
+Why files: every stage process on a node can open them (prefill and decode run in
+different processes under Ray), tmpfs keeps them in RAM, and the same code on a real
+disk gives a prefix cache that survives restarts.
+
+* One file per block, named by its hash, written to ``tmp/`` and renamed into place, so a
+  reader sees a whole file or none.
+* A shared SQLite index (``index.db``, WAL mode) holds each block's last access time, the
+  block count and the pins. Its transactions serialize the capacity check and LRU choice
+  across processes, so the capacity holds whoever writes. It is rebuilt from the files at
+  start, so it can never claim blocks that are gone or miss blocks that are there.
+* Reads go straight to the file (no index round trip); a missing, corrupt, truncated or
+  foreign file is a miss: the file is removed and counted, the caller recomputes.
+* Pinned blocks (referenced by a running sequence somewhere) are never evicted. Pins carry
+  their owner's pid; pins of dead processes are dropped at open.
+* Evicted blocks are handed to the next tier (host -> disk) or deleted (last tier).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
+from kvstore.layout import KVLayout
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (hash BLOB PRIMARY KEY, last_access REAL NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(last_access);
+CREATE TABLE IF NOT EXISTS pins (hash BLOB NOT NULL, owner TEXT NOT NULL, PRIMARY KEY (hash, owner)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FileBlockStore:
+    """One tier of block files with an LRU capacity shared by every process that opens ``root``."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_blocks: int,
+        layout: KVLayout,
+        fingerprint: bytes,
+        name: str = "host",
+        next_tier: "FileBlockStore | None" = None,
+    ) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"{name} tier capacity must be positive, got {capacity_blocks}")
+        self.root = Path(root)
+        self.capacity = capacity_blocks
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.name = name
+        self.next_tier = next_tier
+        self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0}
+        self._lock = threading.Lock()
+        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        self._db = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self.rebuild_index()
+
+    # ------------------------------------------------------------ paths
+    def path(self, block_hash: bytes) -> Path:
+        h = block_hash.hex()
+        return self.root / "blocks" / h[:2] / f"{h}.kv"
+
+    def _tmp_path(self) -> Path:
+        return self.root / "tmp" / f"{os.getpid()}.{uuid.uuid4().hex}"
+
+    # ------------------------------------------------------------ index
+    def rebuild_index(self) -> None:
+        """Make the index agree with the files on disk; drop pins and temp files of dead processes."""
+        for entry in os.scandir(self.root / "tmp"):
+            pid = entry.name.split(".", 1)[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                Path(entry.path).unlink(missing_ok=True)
+        with self._lock, self._tx():  # scan under the write lock: no put can slip between scan and fix-up
+            present = self._scan_files()
+            indexed = {bytes(r[0]) for r in self._db.execute("SELECT hash FROM blocks")}
+            gone = indexed - present.keys()
+            self._db.executemany("DELETE FROM blocks WHERE hash=?", ((h,) for h in gone))
+            self._db.executemany(
+                "INSERT OR IGNORE INTO blocks VALUES (?, ?)", ((h, t) for h, t in present.items() if h not in indexed)
+            )
+            self._set_count(len(present))
+            owners = {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM pins")}
+            dead = [o for o in owners if o.split(":", 1)[0].isdigit() and not _pid_alive(int(o.split(":", 1)[0]))]
+            self._db.executemany("DELETE FROM pins WHERE owner=?", ((o,) for o in dead))
+
+    def _scan_files(self) -> dict[bytes, float]:
+        present: dict[bytes, float] = {}
+        for sub in (self.root / "blocks").iterdir():
+            for entry in os.scandir(sub):
+                if entry.name.endswith(".kv"):
+                    try:
+                        present[bytes.fromhex(entry.name[:-3])] = entry.stat().st_mtime
+                    except (ValueError, FileNotFoundError):
+                        continue
+        return present
+
+    def _tx(self) -> "_Transaction":
+        return _Transaction(self._db)
+
+    def _count(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key='count'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _set_count(self, n: int) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('count', ?)", (n,))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._count()
+
+    # ------------------------------------------------------------ writes
+    def put_many(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> list[bool]:
+        """Store blocks (raw payloads, or whole files if ``encoded``); False where the tier is full of pins."""
+        staged: list[tuple[bytes, Path]] = []
+        for block_hash, data in items:
+            tmp = self._tmp_path()
+            blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            staged.append((block_hash, tmp))
+        results: list[bool] = []
+        victims: list[tuple[bytes, Path]] = []
+        now = time.time()
+        with self._lock, self._tx():
+            count = self._count()
+            for block_hash, tmp in staged:
+                if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
+                    self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
+                    tmp.unlink(missing_ok=True)  # same content is already there
+                    results.append(True)
+                    continue
+                if count >= self.capacity:
+                    row = self._db.execute(
+                        "SELECT hash FROM blocks WHERE NOT EXISTS (SELECT 1 FROM pins WHERE pins.hash=blocks.hash)"
+                        " ORDER BY last_access LIMIT 1"
+                    ).fetchone()
+                    if row is None:
+                        tmp.unlink(missing_ok=True)
+                        self.counters["rejected"] += 1
+                        results.append(False)
+                        continue
+                    victim = bytes(row[0])
+                    self._db.execute("DELETE FROM blocks WHERE hash=?", (victim,))
+                    moved = self._tmp_path()
+                    try:  # move it aside inside the transaction: a concurrent re-put cannot be unlinked by us
+                        os.replace(self.path(victim), moved)
+                        victims.append((victim, moved))
+                    except FileNotFoundError:
+                        pass
+                    count -= 1
+                final = self.path(block_hash)
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
+                self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
+                count += 1
+                self.counters["puts"] += 1
+                results.append(True)
+            self._set_count(count)
+        self._dispose(victims)
+        return results
+
+    def put(self, block_hash: bytes, payload: bytes | memoryview) -> bool:
+        return self.put_many([(block_hash, payload)])[0]
+
+    def _dispose(self, victims: list[tuple[bytes, Path]]) -> None:
+        """Demote evicted files to the next tier (verified first), or delete them."""
+        demote: list[tuple[bytes, bytes]] = []
+        for block_hash, moved in victims:
+            self.counters["evicted"] += 1
+            if self.next_tier is not None:
+                blob = self._verified_file(block_hash, moved)
+                if blob is not None:
+                    demote.append((block_hash, blob))
+            moved.unlink(missing_ok=True)
+        if demote:
+            assert self.next_tier is not None
+            self.counters["demoted"] += sum(self.next_tier.put_many(demote, encoded=True))
+
+    def _verified_file(self, block_hash: bytes, path: Path) -> bytes | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            info = read_header(fd, block_hash, self.fingerprint, self.layout)
+            buf = np.empty(info.layer_bytes * self.layout.num_layers, dtype=np.uint8)
+            read_layers_into(fd, info, buf, 0, self.layout.num_layers)
+            return os.pread(fd, info.payload_offset, 0) + buf.tobytes()
+        except BlockFileError:
+            self.counters["corrupt"] += 1
+            return None
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ reads
+    def contains(self, block_hash: bytes) -> bool:
+        return self.path(block_hash).exists()
+
+    def read_layers(self, block_hash: bytes, out: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
+        """Fill ``out`` (uint8, exact size) with layers of a block; False on a miss (bad files are removed)."""
+        n = self.layout.num_layers - first_layer if num_layers is None else num_layers
+        path = self.path(block_hash)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.counters["misses"] += 1
+            return False
+        try:
+            info = read_header(fd, block_hash, self.fingerprint, self.layout)
+            read_layers_into(fd, info, out, first_layer, n)
+        except BlockFileError:
+            self.counters["corrupt"] += 1
+            self.remove(block_hash)
+            return False
+        finally:
+            os.close(fd)
+        self.counters["hits"] += 1
+        return True
+
+    def read_encoded(self, block_hash: bytes) -> bytes | None:
+        """The whole verified file (for promotion into an upper tier), or None."""
+        blob = self._verified_file(block_hash, self.path(block_hash))
+        if blob is None and self.path(block_hash).exists():
+            self.remove(block_hash)
+        return blob
+
+    def touch(self, hashes: Iterable[bytes]) -> None:
+        """Mark blocks as just used (LRU)."""
+        now = time.time()
+        with self._lock, self._tx():
+            self._db.executemany("UPDATE blocks SET last_access=? WHERE hash=?", ((now, h) for h in hashes))
+
+    def remove(self, block_hash: bytes) -> None:
+        with self._lock, self._tx():
+            if self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
+                self._set_count(self._count() - 1)
+            self.path(block_hash).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ pins
+    def pin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
+        with self._lock, self._tx():
+            self._db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)", ((h, owner or self.owner) for h in hashes))
+
+    def unpin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
+        with self._lock, self._tx():
+            self._db.executemany("DELETE FROM pins WHERE hash=? AND owner=?", ((h, owner or self.owner) for h in hashes))
+
+    def num_pinned(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(DISTINCT hash) FROM pins").fetchone()[0])
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": len(self), "capacity": self.capacity, **self.counters}
+
+    def close(self) -> None:
+        with self._lock, self._tx():
+            self._db.execute("DELETE FROM pins WHERE owner=?", (self.owner,))
+        self._db.close()
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error): takes the write lock up front, so the
+    read-check-write of a capacity decision cannot interleave with another process."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")

@@ -1,0 +1,281 @@
+"""Memory planning from ``config.json`` alone, so a deployment can be sized before the weights arrive.
+
+Everything here is arithmetic on the parsed config: no tensors, no safetensors, no torch.
+Byte sizes are binary throughout (KiB = 1024 bytes, GiB = 2^30 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from pipeline.model_config import LlavaConfig, ModelConfigError, TextConfig, VisionConfig, parse_llava_config, parse_text_config
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B)?\s*$", re.IGNORECASE)
+_COUNT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KM]?)\s*$", re.IGNORECASE)
+ModelShape = TextConfig | LlavaConfig
+
+
+def parse_size(text: str) -> int:
+    """Bytes for "80GiB", "80G", "80GB", "512MiB", "1.5TiB", "0" or "123".
+
+    Units are always binary, because device and host memory are sold and reported in
+    powers of two: K, KB and KiB all mean 2^10, G/GB/GiB 2^30, and so on up to P.
+    """
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit, e.g. 80GiB, 512MiB, 1.5TiB, 0")
+    value = Fraction(match.group(1)) * 1024 ** _UNITS[match.group(2).upper()]
+    if value.denominator != 1:
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def parse_count(text: str) -> int:
+    """Token counts for "8192", "128K" or "1M": K = 1,000 and M = 1,000,000 (decimal, as in "1M context")."""
+    match = _COUNT_RE.match(str(text))
+    if not match:
+        raise ValueError(f"invalid token count {text!r}: expected an integer, optionally with K (x1000) or M (x1000000), e.g. 8192, 128K, 1M")
+    value = Fraction(match.group(1)) * {"": 1, "K": 1000, "M": 1_000_000}[match.group(2).upper()]
+    if value.denominator != 1:
+        raise ValueError(f"invalid token count {text!r}: not a whole number of tokens")
+    return int(value)
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
+    """Parse ``config.json`` (a path to it, or its directory): a LLaVA config, or a text-only decoder config."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ModelConfigError(f"no config.json at {path}: pass a checkpoint directory or the config.json file")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {config_path} as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{config_path} is not a JSON object")
+    try:
+        if raw.get("model_type") != "llava" and "text_config" not in raw:
+            return config_path, parse_text_config(raw)
+        return config_path, parse_llava_config(raw)
+    except KeyError as exc:
+        raise ModelConfigError(f"{config_path} is missing required field {exc}") from exc
+    except ModelConfigError:
+        raise
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{config_path} has an invalid value: {exc}") from exc
+
+
+def text_params(tc: TextConfig) -> int:
+    """Decoder parameters: embeddings, attention, MLP or MoE experts + router, RMSNorms, lm_head unless tied."""
+    h, hd = tc.hidden_size, tc.head_dim
+    q, kv = tc.num_heads * hd, tc.num_kv_heads * hd
+    attn = h * q + 2 * h * kv + q * h
+    attn += (q + 2 * kv) * tc.attention_bias + h * tc.o_bias
+    mlp = 3 * h * tc.intermediate_size + (2 * tc.intermediate_size + h) * tc.mlp_bias
+    ffn = tc.num_experts * mlp + h * tc.num_experts if tc.num_experts else mlp
+    per_layer = attn + ffn + 2 * h
+    embed = tc.vocab_size * h
+    return embed + tc.num_layers * per_layer + h + (0 if tc.tie_word_embeddings else embed)
+
+
+def vision_params(vc: VisionConfig) -> int:
+    """CLIP tower as stored in the checkpoint (all layers, even those past the feature layer)."""
+    h, i = vc.hidden_size, vc.intermediate_size
+    embeddings = h * vc.num_channels * vc.patch_size**2 + (vc.num_patches + 1) * h + h
+    per_layer = 4 * (h * h + h) + 2 * 2 * h + (h * i + i) + (i * h + h)
+    return embeddings + 2 * h + vc.num_layers * per_layer + 2 * h
+
+
+def projector_params(cfg: LlavaConfig) -> int:
+    """Two linears: concatenated vision features -> text hidden -> text hidden."""
+    d_in, d = cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size
+    return d_in * d + d * d + 2 * d * cfg.projector_bias
+
+
+def count_params(shape: ModelShape) -> int:
+    if isinstance(shape, LlavaConfig):
+        return text_params(shape.text) + vision_params(shape.vision) + projector_params(shape)
+    return text_params(shape)
+
+
+def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
+    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    return 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * elem_bytes
+
+
+def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, staging_tokens: int, concurrency: int) -> int:
+    """Estimate (not a measurement) of the peak transient memory of one step.
+
+    Prefill chunk: ``chunk_tokens x (4 x hidden + 3 x intermediate x k) x dtype bytes`` for the
+    residual / normed / attention-output / q buffers and the gate / up / product MLP buffers
+    (k = experts per token for MoE, else 1), plus fp32 attention scores for the chunk against
+    the staged KV, ``chunk_tokens x num_heads x staging_tokens x 4``, plus one fp32 logits row
+    per running sequence, ``concurrency x vocab x 4``. For LLaVA, the vision encoder runs one
+    image at a time: ``(patches + 1) x (4 x hidden + intermediate) x dtype bytes`` plus its fp32
+    scores ``heads x (patches + 1)^2 x 4``; the larger of the two phases is taken. Allocator
+    fragmentation and framework workspaces are not modelled: keep some slack.
+    """
+    tc = shape.text if isinstance(shape, LlavaConfig) else shape
+    k = max(1, tc.experts_per_tok)
+    prefill = chunk_tokens * (4 * tc.hidden_size + 3 * tc.intermediate_size * k) * elem_bytes
+    prefill += chunk_tokens * tc.num_heads * staging_tokens * 4 + concurrency * tc.vocab_size * 4
+    if not isinstance(shape, LlavaConfig):
+        return prefill
+    vc, n = shape.vision, shape.vision.num_patches + 1
+    encode = n * (4 * vc.hidden_size + vc.intermediate_size) * elem_bytes + vc.num_heads * n * n * 4
+    return max(prefill, encode)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where weights, activations and KV blocks go for ``concurrency`` sequences of ``context_tokens``."""
+
+    config_path: str
+    model_type: str
+    multimodal: bool
+    num_params: int
+    dtype: str
+    context_tokens: int
+    concurrency: int
+    block_size: int
+    chunk_tokens: int
+    staging_blocks: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    bytes_per_block: int
+    blocks_needed: int
+    kv_bytes_needed: int
+    activation_bytes: int
+    staging_bytes: int
+    working_set_blocks: int
+    device_mem_bytes: int
+    host_mem_bytes: int
+    disk_bytes: int
+    device_blocks: int
+    host_blocks: int
+    disk_blocks: int
+    fits: bool
+    reason: str
+
+    @property
+    def total_blocks(self) -> int:
+        return self.device_blocks + self.host_blocks + self.disk_blocks
+
+    @property
+    def fixed_device_bytes(self) -> int:
+        """Device memory that is not KV blocks: weights, activations and the staging buffer."""
+        return self.weights_bytes + self.activation_bytes + self.staging_bytes
+
+
+def _verdict(p: dict[str, Any]) -> str:
+    """Empty when the plan fits, else the first reason it does not."""
+    fixed = p["weights_bytes"] + p["activation_bytes"] + p["staging_bytes"]
+    if fixed > p["device_mem_bytes"]:
+        return (f"weights + activations + staging need {format_bytes(fixed)} but the device has "
+                f"{format_bytes(p['device_mem_bytes'])}")
+    if p["device_blocks"] < p["working_set_blocks"]:
+        return (f"device holds {p['device_blocks']:,} KV blocks, fewer than the working set of "
+                f"{p['working_set_blocks']:,} ({p['working_set_blocks'] // p['concurrency']:,} per sequence x {p['concurrency']})")
+    total = p["device_blocks"] + p["host_blocks"] + p["disk_blocks"]
+    if total < p["blocks_needed"]:
+        short = (p["blocks_needed"] - total) * p["bytes_per_block"]
+        return (f"KV needs {p['blocks_needed']:,} blocks ({format_bytes(p['kv_bytes_needed'])}) but device + host + disk hold "
+                f"{total:,}; add at least {format_bytes(short)} of host or disk")
+    if p["blocks_needed"] > p["device_blocks"] and p["staging_blocks"] < 1:
+        return "KV spills past the device but staging is 0 blocks: offloaded blocks could not be attended to"
+    return ""
+
+
+def plan_memory(
+    config: str | Path, context_tokens: int, concurrency: int, device_mem_bytes: int, host_mem_bytes: int = 0,
+    disk_bytes: int = 0, dtype: str = "bfloat16", block_size: int = 16, chunk_tokens: int = 512, staging_blocks: int = 64,
+) -> MemoryPlan:
+    """Plan memory for ``concurrency`` sequences of ``context_tokens`` from ``config`` (config.json or its directory)."""
+    for name, value in (("context_tokens", context_tokens), ("concurrency", concurrency),
+                        ("block_size", block_size), ("chunk_tokens", chunk_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, value in (("staging_blocks", staging_blocks), ("device memory", device_mem_bytes),
+                        ("host memory", host_mem_bytes), ("disk", disk_bytes)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    elem = dtype_bytes(dtype)
+    config_path, shape = load_model_shape(config)
+    tc = shape.text if isinstance(shape, LlavaConfig) else shape
+    num_params = count_params(shape)
+    per_token = kv_bytes_per_token(tc, elem)
+    per_block = per_token * block_size
+    blocks_needed = concurrency * math.ceil(context_tokens / block_size)
+    p: dict[str, Any] = dict(
+        config_path=str(config_path), model_type=tc.model_type, multimodal=isinstance(shape, LlavaConfig),
+        num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
+        block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
+        weights_bytes=num_params * elem, kv_bytes_per_token=per_token, bytes_per_block=per_block,
+        blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block,
+        activation_bytes=activation_bytes(shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
+        staging_bytes=staging_blocks * per_block,
+        working_set_blocks=(math.ceil(chunk_tokens / block_size) + 1) * concurrency,
+        device_mem_bytes=device_mem_bytes, host_mem_bytes=host_mem_bytes, disk_bytes=disk_bytes,
+        host_blocks=host_mem_bytes // per_block, disk_blocks=disk_bytes // per_block,
+    )
+    free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"]
+    p["device_blocks"] = max(0, free) // per_block
+    reason = _verdict(p)
+    return MemoryPlan(**p, fits=not reason, reason=reason)
+
+
+def format_bytes(n: int) -> str:
+    """Binary human units: 131072 -> "128.00 KiB"."""
+    if n < 1024:
+        return f"{n} B"
+    for exp, unit in ((5, "PiB"), (4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if n >= 1024**exp:
+            return f"{n / 1024**exp:.2f} {unit}"
+    return f"{n} B"  # unreachable
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """Aligned text table: one row per memory consumer or tier, then the verdict."""
+    bs = plan.block_size
+    kind = "LLaVA" if plan.multimodal else "text-only"
+    ctx = f"{plan.concurrency} x {plan.context_tokens:,}"
+    rows: list[tuple[str, str, str, str]] = [
+        ("item", "bytes", "blocks", "tokens"),
+        (f"weights ({plan.num_params:,} params)", format_bytes(plan.weights_bytes), "", ""),
+        ("KV per token", format_bytes(plan.kv_bytes_per_token), "", "1"),
+        ("KV per block", format_bytes(plan.bytes_per_block), "1", f"{bs:,}"),
+        (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
+        (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
+        ("staging buffer", format_bytes(plan.staging_bytes), f"{plan.staging_blocks:,}", f"{plan.staging_blocks * bs:,}"),
+        ("device memory", format_bytes(plan.device_mem_bytes), "", ""),
+        ("device KV capacity", format_bytes(plan.device_blocks * plan.bytes_per_block), f"{plan.device_blocks:,}", f"{plan.device_blocks * bs:,}"),
+        ("host KV capacity", format_bytes(plan.host_blocks * plan.bytes_per_block), f"{plan.host_blocks:,}", f"{plan.host_blocks * bs:,}"),
+        ("disk KV capacity", format_bytes(plan.disk_blocks * plan.bytes_per_block), f"{plan.disk_blocks:,}", f"{plan.disk_blocks * bs:,}"),
+        ("total KV capacity", format_bytes(plan.total_blocks * plan.bytes_per_block), f"{plan.total_blocks:,}", f"{plan.total_blocks * bs:,}"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype})",
+        f"plan:   {ctx} tokens, block {bs} tokens, working set {plan.working_set_blocks:,} blocks on device",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}".rstrip())
+        if i == 0:
+            lines.append("-" * (sum(widths) + 6))
+    lines += ["", "verdict: fits" if plan.fits else f"verdict: does NOT fit: {plan.reason}"]
+    return "\n".join(lines)

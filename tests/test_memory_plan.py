@@ -1,0 +1,259 @@
+"""`strata plan` sizes a deployment from config.json alone: counts checked against real configs and shards."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from pipeline.cli import main
+from pipeline.memory_plan import count_params, format_plan, load_model_shape, parse_count, parse_size, plan_memory
+from pipeline.model_config import ModelConfigError
+from pipeline.tiny_model import ARCHITECTURES
+
+GiB = 1 << 30
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
+    "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
+LLAVA_15_7B = {
+    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+    "projector_hidden_act": "gelu", "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "text_config": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "image_size": 336, "patch_size": 14, "projection_dim": 768, "hidden_act": "quick_gelu",
+    },
+}
+
+
+def write_config(root: Path, name: str, config: dict) -> Path:
+    """A checkpoint directory holding config.json and nothing else: no weights, no tokenizer."""
+    model = root / name
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.fixture
+def llama3(tmp_path: Path) -> Path:
+    return write_config(tmp_path, "llama3-8b", LLAMA3_8B)
+
+
+@pytest.fixture
+def llava15(tmp_path: Path) -> Path:
+    return write_config(tmp_path, "llava-1.5-7b", LLAVA_15_7B)
+
+
+def test_llama3_8b_params_and_kv(llama3: Path) -> None:
+    assert [p.name for p in llama3.iterdir()] == ["config.json"]  # planning needs no weights
+    plan = plan_memory(llama3, context_tokens=1_000_000, concurrency=1, device_mem_bytes=80 * GiB)
+    assert plan.num_params == 8_030_261_248
+    assert plan.weights_bytes == 2 * 8_030_261_248
+    assert plan.kv_bytes_per_token == 131072 == 128 * 1024
+    assert plan.bytes_per_block == 16 * 131072
+    assert plan.blocks_needed == 62_500
+    assert plan.kv_bytes_needed == 1_000_000 * 131072  # ~122 GiB: 1M tokens of 128 KiB
+    assert plan.staging_bytes == 64 * 16 * 131072
+    assert plan_memory(llama3 / "config.json", 1, 1, 80 * GiB, dtype="float32").kv_bytes_per_token == 2 * 131072
+
+
+def test_kv_is_rounded_up_to_whole_blocks_per_sequence(llama3: Path) -> None:
+    plan = plan_memory(llama3, context_tokens=1000, concurrency=3, device_mem_bytes=80 * GiB)
+    assert plan.blocks_needed == 3 * 63  # ceil(1000 / 16) blocks for each sequence
+    assert plan.kv_bytes_needed == 3 * 63 * 16 * 131072
+
+
+def test_llava_15_7b_params(llava15: Path) -> None:
+    _, shape = load_model_shape(llava15)
+    text = (
+        2 * 32064 * 4096  # embed_tokens + untied lm_head
+        + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)  # MHA q/k/v/o, gate/up/down, 2 RMSNorms
+        + 4096  # final norm
+    )
+    patches = (336 // 14) ** 2
+    vision = (
+        1024 * 3 * 14 * 14 + (patches + 1) * 1024 + 1024  # patch conv (no bias), positions, class embedding
+        + 2 * 1024  # pre-layernorm
+        + 24 * (4 * (1024 * 1024 + 1024) + 2 * 2 * 1024 + (1024 * 4096 + 4096) + (4096 * 1024 + 1024))
+        + 2 * 1024  # post-layernorm
+    )
+    projector = (1024 * 4096 + 4096) + (4096 * 4096 + 4096)
+    expected = text + vision + projector
+    assert expected == 7_063_427_072
+    assert count_params(shape) == expected
+    assert abs(expected - 7.06e9) / 7.06e9 < 0.01
+    plan = plan_memory(llava15, context_tokens=4096, concurrency=1, device_mem_bytes=80 * GiB)
+    assert plan.multimodal and plan.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2
+
+
+def test_text_only_moe_and_bias_configs_count(tmp_path: Path) -> None:
+    mixtral = {**LLAMA3_8B, "model_type": "mixtral", "intermediate_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100, "num_local_experts": 8, "num_experts_per_tok": 2}
+    _, shape = load_model_shape(write_config(tmp_path, "mixtral", mixtral))
+    layer = (32 * 32 + 2 * 32 * 16 + 32 * 32) + 8 * 3 * 32 * 64 + 32 * 8 + 2 * 32
+    assert count_params(shape) == 2 * 100 * 32 + 2 * layer + 32
+    qwen = {**mixtral, "model_type": "qwen2", "tie_word_embeddings": True}
+    _, shape = load_model_shape(write_config(tmp_path, "qwen", qwen))
+    layer = (32 * 32 + 2 * 32 * 16 + 32 * 32) + (32 + 2 * 16) + 3 * 32 * 64 + 2 * 32  # q/k/v biases, no o bias
+    assert count_params(shape) == 100 * 32 + 2 * layer + 32  # tied: no separate lm_head
+
+
+def _numel_in_shards(model_dir: Path) -> int:
+    total = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_param_count_matches_real_tiny_checkpoint(arch: str, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model = tiny_models[arch]
+    numel = _numel_in_shards(model)
+    assert numel > 0
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(model / "config.json", config_only / "config.json")
+    plan = plan_memory(config_only, context_tokens=256, concurrency=2, device_mem_bytes=GiB, dtype="float32")
+    assert plan.num_params == numel
+    assert plan.weights_bytes == 4 * numel
+    assert plan.fits, plan.reason
+
+
+def test_device_capacity_and_verdicts(llama3: Path) -> None:
+    plan = plan_memory(llama3, 1_000_000, 1, 80 * GiB)
+    free = 80 * GiB - plan.weights_bytes - plan.activation_bytes - plan.staging_bytes
+    assert plan.device_blocks == free // plan.bytes_per_block and plan.host_blocks == plan.disk_blocks == 0
+    assert not plan.fits and "62,500 blocks" in plan.reason
+    assert plan_memory(llama3, 1_000_000, 1, 80 * GiB, host_mem_bytes=256 * GiB).fits
+    assert plan_memory(llama3, 1_000_000, 1, 80 * GiB, disk_bytes=parse_size("1TiB")).fits
+    tiny_device = plan_memory(llama3, 8192, 1, 15 * GiB)
+    assert not tiny_device.fits and "weights" in tiny_device.reason and tiny_device.device_blocks == 0
+    # room for weights but not for 100 sequences' working sets (33 blocks each)
+    crowded = plan_memory(llama3, 512, 100, 20 * GiB, host_mem_bytes=1024 * GiB)
+    assert not crowded.fits and "working set" in crowded.reason
+    no_staging = plan_memory(llama3, 1_000_000, 1, 80 * GiB, host_mem_bytes=256 * GiB, staging_blocks=0)
+    assert not no_staging.fits and "staging" in no_staging.reason
+
+
+def test_activation_estimate_grows_with_chunk_and_staging(llama3: Path) -> None:
+    base = plan_memory(llama3, 8192, 1, 80 * GiB).activation_bytes
+    assert base == 512 * (4 * 4096 + 3 * 14336) * 2 + 512 * 32 * 1024 * 4 + 128256 * 4
+    assert plan_memory(llama3, 8192, 1, 80 * GiB, chunk_tokens=1024).activation_bytes > base
+    assert plan_memory(llama3, 8192, 1, 80 * GiB, staging_blocks=128).activation_bytes > base
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("80GiB", 80 * GiB), ("80G", 80 * GiB), ("80GB", 80 * GiB), ("80gib", 80 * GiB), ("512MiB", 512 << 20),
+     ("1.5TiB", 3 << 39), ("0", 0), ("123", 123), ("4K", 4096), (" 2 GiB ", 2 * GiB)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "80XB", "1.5", "0.3K", "1e9", "80 GiB extra"])
+def test_parse_size_rejects_junk(text: str) -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(text)
+
+
+def test_parse_count() -> None:
+    assert parse_count("8192") == 8192 and parse_count("128K") == 128_000 and parse_count("1M") == 1_000_000
+    assert parse_count("1.5M") == 1_500_000
+    for junk in ("1G", "x", "", "1.5"):
+        with pytest.raises(ValueError, match="invalid token count"):
+            parse_count(junk)
+
+
+def test_bad_configs_are_model_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load_model_shape(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="JSON"):
+        load_model_shape(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ModelConfigError, match="missing required field"):
+        load_model_shape(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "model_type": "gpt2"}))
+    with pytest.raises(ModelConfigError, match="unsupported"):
+        load_model_shape(tmp_path)
+
+
+def test_format_plan_is_an_aligned_table(llama3: Path) -> None:
+    text = format_plan(plan_memory(llama3, 1_000_000, 1, 80 * GiB))
+    assert "8,030,261,248" in text and "128.00 KiB" in text and "122.07 GiB" in text and "80.00 GiB" in text
+    assert text.splitlines()[-1].startswith("verdict: does NOT fit: KV needs 62,500 blocks")
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("item"))
+    end = header.index("bytes") + len("bytes")
+    rows = [line for line in lines if line.startswith(("weights", "KV ", "activations", "staging", "device", "host", "disk", "total"))]
+    assert len(rows) == 11
+    assert all(line[:end].endswith("B") and line[end:end + 1] in ("", " ") for line in rows)  # bytes column right-aligned
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------
+
+
+def run_plan(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_plan_fits(llama3: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, out, err = run_plan(capsys, "--model", str(llama3), "--context", "8192", "--concurrency", "1", "--device-mem", "80GiB")
+    assert rc == 0, err
+    assert "8,030,261,248" in out and "128.00 KiB" in out and out.rstrip().endswith("verdict: fits")
+    assert err == ""
+
+
+def test_cli_plan_does_not_fit_then_fits_with_host_memory(llama3: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, out, _ = run_plan(capsys, "--model", str(llama3), "--context", "1M", "--device-mem", "80GiB")
+    assert rc == 1
+    assert "does NOT fit" in out and "KV needs 62,500 blocks" in out and "host or disk" in out
+    rc, out, _ = run_plan(capsys, "--model", str(llama3 / "config.json"), "--context", "1M", "--host-mem", "256GiB")
+    assert rc == 0 and "verdict: fits" in out and "256.00 GiB" in out
+
+
+def test_cli_plan_llava(llava15: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, out, _ = run_plan(capsys, "--model", str(llava15), "--context", "4K", "--concurrency", "8")
+    assert rc == 0 and "7,063,427,072" in out and "LLaVA" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--context", "1M", "--device-mem", "lots"], "invalid size 'lots'"),
+        (["--context", "1M", "--host-mem", "12XB"], "invalid size"),
+        (["--context", "many"], "invalid token count"),
+        (["--context", "0"], "context_tokens must be >= 1"),
+        (["--context", "1M", "--block-size", "0"], "block_size must be >= 1"),
+    ],
+    ids=["bad-device-mem", "bad-host-mem", "bad-context", "zero-context", "zero-block-size"],
+)
+def test_cli_plan_bad_input_is_one_line(args: list[str], message: str, llama3: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, out, err = run_plan(capsys, "--model", str(llama3), *args)
+    assert rc == 2 and out == ""
+    assert err.startswith("strata: error:") and message in err and err.count("\n") == 1
+
+
+def test_cli_plan_missing_or_invalid_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, out, err = run_plan(capsys, "--model", str(tmp_path / "nowhere"), "--context", "1K")
+    assert rc == 2 and out == "" and err.startswith("strata: error: no config.json") and err.count("\n") == 1
+    (tmp_path / "config.json").write_text("[1, 2]")
+    rc, out, err = run_plan(capsys, "--model", str(tmp_path), "--context", "1K")
+    assert rc == 2 and out == "" and err.startswith("strata: error:") and "JSON object" in err and err.count("\n") == 1
