@@ -38,6 +38,14 @@ CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(last_access);
 CREATE TABLE IF NOT EXISTS pins (hash BLOB NOT NULL, owner TEXT NOT NULL, PRIMARY KEY (hash, owner)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+_DEMOTE_BATCH = 16
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -73,8 +81,10 @@ class FileBlockStore:
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0}
         self._lock = threading.Lock()
-        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
-        (self.root / "tmp").mkdir(exist_ok=True)
+        self._blocks_dir = str(self.root / "blocks")
+        self._tmp_dir = str(self.root / "tmp")
+        os.makedirs(self._blocks_dir, exist_ok=True)
+        os.makedirs(self._tmp_dir, exist_ok=True)
         self._db = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -82,12 +92,13 @@ class FileBlockStore:
         self.rebuild_index()
 
     # ------------------------------------------------------------ paths
-    def path(self, block_hash: bytes) -> Path:
+    def path(self, block_hash: bytes) -> str:
+        # Plain strings, not pathlib: pathlib interns every component, which grows with the blocks seen.
         h = block_hash.hex()
-        return self.root / "blocks" / h[:2] / f"{h}.kv"
+        return os.path.join(self._blocks_dir, h[:2], h + ".kv")
 
-    def _tmp_path(self) -> Path:
-        return self.root / "tmp" / f"{os.getpid()}.{uuid.uuid4().hex}"
+    def _tmp_path(self) -> str:
+        return os.path.join(self._tmp_dir, f"{os.getpid()}.{uuid.uuid4().hex}")
 
     # ------------------------------------------------------------ index
     def rebuild_index(self) -> None:
@@ -95,7 +106,7 @@ class FileBlockStore:
         for entry in os.scandir(self.root / "tmp"):
             pid = entry.name.split(".", 1)[0]
             if pid.isdigit() and not _pid_alive(int(pid)):
-                Path(entry.path).unlink(missing_ok=True)
+                _unlink(entry.path)
         with self._lock, self._tx():  # scan under the write lock: no put can slip between scan and fix-up
             present = self._scan_files()
             indexed = {bytes(r[0]) for r in self._db.execute("SELECT hash FROM blocks")}
@@ -137,7 +148,7 @@ class FileBlockStore:
     # ------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> list[bool]:
         """Store blocks (raw payloads, or whole files if ``encoded``); False where the tier is full of pins."""
-        staged: list[tuple[bytes, Path]] = []
+        staged: list[tuple[bytes, str]] = []
         for block_hash, data in items:
             tmp = self._tmp_path()
             blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
@@ -145,14 +156,14 @@ class FileBlockStore:
                 f.write(blob)
             staged.append((block_hash, tmp))
         results: list[bool] = []
-        victims: list[tuple[bytes, Path]] = []
+        victims: list[tuple[bytes, str]] = []
         now = time.time()
         with self._lock, self._tx():
             count = self._count()
             for block_hash, tmp in staged:
                 if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
                     self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
-                    tmp.unlink(missing_ok=True)  # same content is already there
+                    _unlink(tmp)  # same content is already there
                     results.append(True)
                     continue
                 if count >= self.capacity:
@@ -161,7 +172,7 @@ class FileBlockStore:
                         " ORDER BY last_access LIMIT 1"
                     ).fetchone()
                     if row is None:
-                        tmp.unlink(missing_ok=True)
+                        _unlink(tmp)
                         self.counters["rejected"] += 1
                         results.append(False)
                         continue
@@ -175,7 +186,7 @@ class FileBlockStore:
                         pass
                     count -= 1
                 final = self.path(block_hash)
-                final.parent.mkdir(exist_ok=True)
+                os.makedirs(os.path.dirname(final), exist_ok=True)
                 os.replace(tmp, final)
                 self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
                 count += 1
@@ -188,21 +199,23 @@ class FileBlockStore:
     def put(self, block_hash: bytes, payload: bytes | memoryview) -> bool:
         return self.put_many([(block_hash, payload)])[0]
 
-    def _dispose(self, victims: list[tuple[bytes, Path]]) -> None:
-        """Demote evicted files to the next tier (verified first), or delete them."""
-        demote: list[tuple[bytes, bytes]] = []
-        for block_hash, moved in victims:
+    def _dispose(self, victims: list[tuple[bytes, str]]) -> None:
+        """Demote evicted files to the next tier (verified first, a few at a time so memory stays
+        bounded), or delete them."""
+        batch: list[tuple[bytes, bytes]] = []
+        for n, (block_hash, moved) in enumerate(victims, 1):
             self.counters["evicted"] += 1
             if self.next_tier is not None:
                 blob = self._verified_file(block_hash, moved)
                 if blob is not None:
-                    demote.append((block_hash, blob))
-            moved.unlink(missing_ok=True)
-        if demote:
-            assert self.next_tier is not None
-            self.counters["demoted"] += sum(self.next_tier.put_many(demote, encoded=True))
+                    batch.append((block_hash, blob))
+            _unlink(moved)
+            if batch and (len(batch) == _DEMOTE_BATCH or n == len(victims)):
+                assert self.next_tier is not None
+                self.counters["demoted"] += sum(self.next_tier.put_many(batch, encoded=True))
+                batch = []
 
-    def _verified_file(self, block_hash: bytes, path: Path) -> bytes | None:
+    def _verified_file(self, block_hash: bytes, path: str) -> bytes | None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -220,7 +233,7 @@ class FileBlockStore:
 
     # ------------------------------------------------------------ reads
     def contains(self, block_hash: bytes) -> bool:
-        return self.path(block_hash).exists()
+        return os.path.exists(self.path(block_hash))
 
     def read_layers(self, block_hash: bytes, out: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
         """Fill ``out`` (uint8, exact size) with layers of a block; False on a miss (bad files are removed)."""
@@ -246,7 +259,7 @@ class FileBlockStore:
     def read_encoded(self, block_hash: bytes) -> bytes | None:
         """The whole verified file (for promotion into an upper tier), or None."""
         blob = self._verified_file(block_hash, self.path(block_hash))
-        if blob is None and self.path(block_hash).exists():
+        if blob is None and self.contains(block_hash):
             self.remove(block_hash)
         return blob
 
@@ -260,7 +273,7 @@ class FileBlockStore:
         with self._lock, self._tx():
             if self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
                 self._set_count(self._count() - 1)
-            self.path(block_hash).unlink(missing_ok=True)
+            _unlink(self.path(block_hash))
 
     # ------------------------------------------------------------ pins
     def pin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:

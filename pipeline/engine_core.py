@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvstore import KVBlockLostError
 from pipeline.model_runner import ModelRunner
 from pipeline.sampler import Sampler, check_stop
-from pipeline.scheduler import Scheduler
+from pipeline.scheduler import ScheduledChunk, Scheduler
 from pipeline.sequence import Sequence, SequenceStatus
 
 Detokenize = Callable[[list[int]], str]
@@ -46,13 +47,25 @@ class EngineCore:
         if not out.chunks:
             return []
         self.last_num_tokens = out.num_tokens
-        logits = self.runner.execute(out.chunks)
+        try:
+            logits = self.runner.execute(out.chunks)
+        except KVBlockLostError as lost:
+            self._recompute_readers_of(lost.block_hash, out.chunks)
+            return []
         for chunk in out.chunks:
             self.scheduler.commit(chunk)
         sampling = [c.seq for c in out.chunks if c.samples]
         tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         self.steps += 1
         return [self._append(seq, tok) for seq, tok in zip(sampling, tokens)]
+
+    def _recompute_readers_of(self, block_hash: bytes, chunks: list[ScheduledChunk]) -> None:
+        """A spilled block vanished (corrupt or deleted file): recompute every sequence that read it.
+        Nothing was committed, so the other chunks simply run again next step."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING and block_hash in seq.block_hashes[: seq.block_table.num_spilled]:
+                self.scheduler.preempt(seq)
 
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         prev_len = len(seq.text)
