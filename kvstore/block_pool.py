@@ -44,6 +44,7 @@ class BlockPool:
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = 0
         self.num_evictions = 0
+        self.peak_in_use = 0  # most blocks referenced at once (device footprint high-water mark)
 
     # ------------------------------------------------------------ views
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -74,6 +75,7 @@ class BlockPool:
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
         self._ref[block_id] = 1
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - len(self._free) - len(self._evictable))
         return block_id
 
     def incref(self, block_id: int) -> None:
@@ -161,6 +163,7 @@ class BlockPool:
             "prefix_queried_tokens": self.prefix_queried_blocks * self.layout.block_size,
             "prefix_hit_tokens": self.prefix_hit_blocks * self.layout.block_size,
             "evictions": self.num_evictions,
+            "peak_in_use": self.peak_in_use,
         }
 
     def check_invariants(self) -> None:

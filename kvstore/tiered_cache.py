@@ -50,6 +50,7 @@ class TieredKVCache:
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = {"device": 0, **({t.name: 0 for t in lower.tiers} if lower else {})}
         self.spilled_blocks = 0  # blocks currently spilled by running sequences (gauge)
+        self.peak_spilled_blocks = 0
 
     @property
     def can_spill(self) -> bool:
@@ -118,7 +119,7 @@ class TieredKVCache:
             self.lower.pin(spilled)  # type: ignore[union-attr]
             self.lower.touch(spilled)  # type: ignore[union-attr]
         table.num_spilled = k
-        self.spilled_blocks += k
+        self._add_spilled(k)
         for i in range(k, m):
             block_id = self.pool.lookup(hashes[i])
             if block_id is not None:
@@ -165,8 +166,12 @@ class TieredKVCache:
             self.pool.free(table.block_ids.pop(0))
             table.num_spilled += 1
             done += 1
-        self.spilled_blocks += done
+        self._add_spilled(done)
         return done
+
+    def _add_spilled(self, n: int) -> None:
+        self.spilled_blocks += n
+        self.peak_spilled_blocks = max(self.peak_spilled_blocks, self.spilled_blocks)
 
     def release(self, table: BlockTable, hashes: Sequence[bytes]) -> None:
         """Drop every reference the table holds: device refs and lower-tier pins."""
@@ -204,12 +209,15 @@ class TieredKVCache:
 
     def stats(self) -> dict[str, object]:
         bs = self.layout.block_size
+        device = {k: v for k, v in self.pool.stats().items() if not k.startswith("prefix_")}  # counted here instead
         return {
-            "device": self.pool.stats(),
+            "device": device,
             "tiers": self.lower.stats() if self.lower else {},
             "prefix_queried_tokens": self.prefix_queried_blocks * bs,
             "prefix_hit_tokens": {k: v * bs for k, v in self.prefix_hit_blocks.items()},
             "spilled_blocks": self.spilled_blocks,
+            "peak_spilled_blocks": self.peak_spilled_blocks,
+            "staging_bytes": self.staging_nbytes(),
         }
 
 

@@ -1,0 +1,74 @@
+"""Attention with the oldest blocks off the device equals attention with everything on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata, attend_offloaded, get_attention_backend, write_kv
+from test_kernels import BS, _dense_reference
+
+
+class _HostBlocks:
+    """OffloadedKV over plain tensors, counting loads (stands in for the host/disk tiers)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, segment_blocks: int) -> None:
+        self.k = k.view(-1, BS, *k.shape[1:])
+        self.v = v.view(-1, BS, *v.shape[1:])
+        self.num_blocks = self.k.shape[0]
+        self.segment_blocks = segment_blocks
+        self.loaded_blocks = 0
+
+    def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert num_blocks <= self.segment_blocks
+        self.loaded_blocks += num_blocks
+        sl = slice(first_block, first_block + num_blocks)
+        return self.k[sl].clone(), self.v[sl].clone()
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_offloaded_segments_merge_to_the_dense_result(hq: int, hkv: int, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(hq + hkv + (window or 0))
+    d = 8
+    seq_lens = [100, 70, 33]
+    query_lens = [1, 12, 33]  # a decode, a chunk after an offloaded prefix, and a seq with nothing offloaded
+    spilled_blocks = [5, 3, 0]
+    k_cache = torch.zeros(30, BS, hkv, d)
+    v_cache = torch.zeros(30, BS, hkv, d)
+    free = list(range(30))
+    tables, slots, dense, sources = [], [], [], []
+    for s_len, q_len, nsp in zip(seq_lens, query_lens, spilled_blocks):
+        k = torch.randn(s_len, hkv, d, generator=gen)
+        v = torch.randn(s_len, hkv, d, generator=gen)
+        dense.append((k, v))
+        off = nsp * BS
+        sources.append(_HostBlocks(k[:off], v[:off], segment_blocks=2) if nsp else None)
+        blocks = [free.pop() for _ in range(-(-(s_len - off) // BS))]
+        all_slots = torch.tensor([blocks[(p - off) // BS] * BS + (p - off) % BS for p in range(off, s_len)])
+        write_kv(k_cache, v_cache, k[off:], v[off:], all_slots)
+        tables.append(blocks)
+        slots.extend(all_slots[len(all_slots) - q_len :].tolist())
+    meta = AttentionMetadata.build(
+        query_lens, seq_lens, tables, slots, BS, kv_offsets=[n * BS for n in spilled_blocks], offloaded=sources
+    )
+    q = torch.randn(sum(query_lens), hq, d, generator=gen)
+    scale = d**-0.5
+    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
+    out = attend_offloaded(q, out, lse, meta, 0, scale, window)
+    start = 0
+    for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):
+        ref = _dense_reference(q[start : start + q_len], k, v, torch.arange(s_len - q_len, s_len), window)
+        torch.testing.assert_close(out[start : start + q_len], ref, rtol=1e-5, atol=1e-5)
+        start += q_len
+    decode_source = sources[0]
+    assert decode_source is not None
+    if window is None:
+        assert decode_source.loaded_blocks == 5  # every offloaded block, in segments of 2
+    else:
+        assert decode_source.loaded_blocks < 5  # blocks wholly outside the window are never loaded
+
+
+def test_metadata_without_offload_keeps_the_fast_path() -> None:
+    meta = AttentionMetadata.build([1], [5], [[0]], [4], BS, kv_offsets=[0], offloaded=[None])
+    assert meta.offloaded is None and meta.kv_offsets == []
