@@ -82,15 +82,15 @@ def read_header(fd: int, block_hash: bytes, fingerprint: bytes, layout: KVLayout
         raise BlockFileError("truncated metadata")
     try:
         meta = msgpack.unpackb(raw, raw=False)
-        file_layout = KVLayout.from_dict(meta["layout"])
-        stored_hash, stored_fp, nbytes, crcs = meta["hash"], meta["fingerprint"], meta["nbytes"], meta["crc"]
+        file_layout, stored_hash, stored_fp = meta["layout"], meta["hash"], meta["fingerprint"]
+        nbytes, crcs = meta["nbytes"], meta["crc"]
     except Exception as exc:  # any malformed metadata is a bad file, whatever the exception
         raise BlockFileError(f"malformed metadata: {exc}") from exc
     if stored_hash != block_hash:
         raise BlockFileError("file holds another block")
     if stored_fp != fingerprint:
         raise BlockFileError("file was written for another model")
-    if file_layout != layout:
+    if file_layout != layout.to_dict():
         raise BlockFileError(f"foreign layout {file_layout}")
     per_layer = layer_nbytes(layout)
     if nbytes != per_layer * layout.num_layers or len(crcs) != layout.num_layers:

@@ -17,6 +17,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -57,7 +58,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _ITEMSIZE[self.dtype]
 
     def bytes_per_token(self) -> int:
         """K and V for one token across all layers."""

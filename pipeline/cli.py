@@ -152,10 +152,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     add_arguments(off)
     off.set_defaults(func=_cmd_bench_offline)
+    kv = bench.add_parser("kv", help="tiered KV store: TTFT per tier, decode vs context, largest context")
+    from pipeline.bench_tiers import add_arguments as add_kv_arguments
+
+    add_kv_arguments(kv)
+    kv.set_defaults(func=_cmd_bench_kv)
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     from pipeline.bench_offline import run
+
+    return run(args, load_engine)
+
+
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from pipeline.bench_tiers import run
 
     return run(args, load_engine)
 
