@@ -50,6 +50,7 @@ class TieredKVCache:
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = {"device": 0, **({t.name: 0 for t in lower.tiers} if lower else {})}
         self.spilled_blocks = 0  # blocks currently spilled by running sequences (gauge)
+        self._pins: dict[bytes, int] = {}  # sequences of this process reading each spilled block
         self.peak_spilled_blocks = 0
 
     @property
@@ -116,7 +117,7 @@ class TieredKVCache:
                 break
             spilled.append(hashes[i])
         if spilled:
-            self.lower.pin(spilled)  # type: ignore[union-attr]
+            self._pin(spilled)
             self.lower.touch(spilled)  # type: ignore[union-attr]
         table.num_spilled = k
         self._add_spilled(k)
@@ -162,12 +163,30 @@ class TieredKVCache:
             h = hashes[table.num_spilled]
             if not self._ensure_lower(h):
                 break
-            self.lower.pin([h])
+            self._pin([h])
             self.pool.free(table.block_ids.pop(0))
             table.num_spilled += 1
             done += 1
         self._add_spilled(done)
         return done
+
+    def _pin(self, hashes: Sequence[bytes]) -> None:
+        """Count this process's readers per block; the shared pin is taken by the first one."""
+        first = [h for h in hashes if self._pins.get(h, 0) == 0]
+        for h in hashes:
+            self._pins[h] = self._pins.get(h, 0) + 1
+        self.lower.pin(first)  # type: ignore[union-attr]
+
+    def _unpin(self, hashes: Sequence[bytes]) -> None:
+        last = []
+        for h in hashes:
+            n = self._pins[h] - 1
+            if n:
+                self._pins[h] = n
+            else:
+                del self._pins[h]
+                last.append(h)
+        self.lower.unpin(last)  # type: ignore[union-attr]
 
     def _add_spilled(self, n: int) -> None:
         self.spilled_blocks += n
@@ -178,7 +197,7 @@ class TieredKVCache:
         for block_id in reversed(table.block_ids):
             self.pool.free(block_id)
         if table.num_spilled and self.lower is not None:
-            self.lower.unpin(hashes[: table.num_spilled])
+            self._unpin(hashes[: table.num_spilled])
         self.spilled_blocks -= table.num_spilled
         table.block_ids.clear()
         table.num_spilled = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -89,9 +90,42 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.prefill_chunk_tokens)
+    _add_engine_config_args(p)
     p.set_defaults(func=_cmd_generate)
+
+
+# Engine knobs a command line may set; a --config JSON file sets any of them, flags win over it.
+_ENGINE_FLAGS: dict[str, type] = {
+    "dtype": str, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
+    "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str,
+}
+
+
+def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="JSON engine config (flat, or under an \"engine\" key)")
+    for name, kind in _ENGINE_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"engine config {name} (default {getattr(EngineConfig, name)})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Defaults, then the --config file, then explicit flags."""
+    data: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            raw = json.loads(args.config.read_text())
+        except OSError as exc:
+            raise CLIError(f"cannot read config {args.config}: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"config {args.config} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CLIError(f"config {args.config} must hold a JSON object")
+        data = raw.get("engine", raw)
+    data.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
+    try:
+        return EngineConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"bad engine config: {exc}") from exc
 
 
 def _resolve_model(model: Path | None) -> Path:
@@ -131,7 +165,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    engine = load_engine(model, EngineConfig(dtype=args.dtype, prefill_chunk_tokens=args.prefill_chunk_tokens))
+    engine = load_engine(model, engine_config_from_args(args))
     request: dict[str, Any] = {"images": images, "params": params}
     if args.prompt is not None:
         request["prompt"] = args.prompt

@@ -74,3 +74,35 @@ def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     assert (out / "config.json").is_file() and (out / "SHA256SUMS").is_file()
     engine = build(out)
     assert engine.model_config.text.model_type == "qwen2" and engine.model_config.text.hidden_size == 32
+
+
+def test_generate_with_a_tiny_device_tier_spills_to_the_host_tier(llama_dir: Path, tmp_path: Path) -> None:
+    prompt = "Tell me the whole story of the sea and the stars, from the start. " * 40
+    config = tmp_path / "engine.json"
+    config.write_text('{"engine": {"max_model_len": 2048, "prefill_chunk_tokens": 64}}')
+    res = strata(
+        "generate", "--model", str(llama_dir), "--prompt", prompt, "--max-tokens", "12", "--config", str(config),
+        "--num-kv-blocks", "8", "--host-kv-blocks", "200", "--host-kv-dir", str(tmp_path / "host"),
+    )
+    assert res.returncode == 0, res.stderr
+    expected = "".join(build(llama_dir, max_model_len=2048).stream(prompt=prompt, params=greedy(12)))
+    assert res.stdout == expected + "\n"
+    assert len(list((tmp_path / "host" / "blocks").rglob("*.kv"))) > 8  # the context really left the device
+
+
+@pytest.mark.parametrize(
+    "config, flags, message",
+    [
+        ("{not json", [], "not valid JSON"),
+        ('{"engine": {"num_kv_blockz": 3}}', [], "unknown engine config keys: num_kv_blockz"),
+        ("{}", ["--num-kv-blocks", "0"], "num_kv_blocks must be >= 1"),
+        ("{}", ["--num-kv-blocks", "4"], "KV blocks but the device pool holds 4"),
+    ],
+    ids=["bad-json", "unknown-key", "zero-blocks", "pool-too-small"],
+)
+def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], message: str, llama_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "engine.json"
+    path.write_text(config)
+    res = strata("generate", "--model", str(llama_dir), "--prompt", "hi " * 40, "--config", str(path), *flags)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
