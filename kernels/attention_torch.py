@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import AttentionBackend
+from kernels.merge import merge_attention_states
+
+_SCORE_ELEMS = 1 << 25  # most fp32 attention scores the LSE path materializes at once (128 MiB)
 
 
 def attend_with_positions(
@@ -27,6 +30,20 @@ def attend_with_positions(
     ``need_lse``). With lse, a query row with no visible key gets out 0 and lse -inf, so
     segments merge cleanly.
     """
+    b, tq, hq, _ = q.shape
+    seg = max(1, _SCORE_ELEMS // max(1, b * tq * hq))
+    if need_lse and k.shape[1] > seg:
+        # Bound the materialized scores: attend to key segments and merge them exactly.
+        out, lse = None, None
+        for lo in range(0, k.shape[1], seg):
+            sl = slice(lo, lo + seg)
+            o, l = _attend(q, k[:, sl], v[:, sl], q_pos, k_pos[:, sl], k_valid[:, sl], scale, sliding_window, True)
+            out, lse = (o, l) if out is None else merge_attention_states(out, lse, o, l)
+        return out, lse
+    return _attend(q, k, v, q_pos, k_pos, k_valid, scale, sliding_window, need_lse)
+
+
+def _attend(q, k, v, q_pos, k_pos, k_valid, scale, sliding_window, need_lse):
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv

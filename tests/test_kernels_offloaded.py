@@ -72,3 +72,22 @@ def test_offloaded_segments_merge_to_the_dense_result(hq: int, hkv: int, window:
 def test_metadata_without_offload_keeps_the_fast_path() -> None:
     meta = AttentionMetadata.build([1], [5], [[0]], [4], BS, kv_offsets=[0], offloaded=[None])
     assert meta.offloaded is None and meta.kv_offsets == []
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_key_ranges_are_attended_in_bounded_segments(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """The LSE path splits keys so scores stay bounded; the merged result equals one big softmax."""
+    import kernels.attention_torch as attention_torch
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 300, 4, 8, generator=gen)
+    k, v = torch.randn(1, 1000, 2, 8, generator=gen), torch.randn(1, 1000, 2, 8, generator=gen)
+    q_pos, k_pos = torch.arange(700, 1000)[None], torch.arange(1000)[None]
+    valid = torch.ones(1, 1000, dtype=torch.bool)
+    whole = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 0.3, window, True)
+    monkeypatch.setattr(attention_torch, "_SCORE_ELEMS", 300 * 4 * 64)  # 64 keys per segment
+    split = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 0.3, window, True)
+    torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split[1], whole[1], rtol=1e-5, atol=1e-5)
+    ref = _dense_reference(q[0], k[0], v[0], q_pos[0], window)
+    torch.testing.assert_close(split[0][0], ref, rtol=1e-5, atol=1e-5)
