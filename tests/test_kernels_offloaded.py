@@ -84,9 +84,9 @@ def test_long_key_ranges_are_attended_in_bounded_segments(monkeypatch: pytest.Mo
     k, v = torch.randn(1, 1000, 2, 8, generator=gen), torch.randn(1, 1000, 2, 8, generator=gen)
     q_pos, k_pos = torch.arange(700, 1000)[None], torch.arange(1000)[None]
     valid = torch.ones(1, 1000, dtype=torch.bool)
-    whole = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 0.3, window, True)
+    whole = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 8**-0.5, window, True)
     monkeypatch.setattr(attention_torch, "_SCORE_ELEMS", 300 * 4 * 64)  # 64 keys per segment
-    split = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 0.3, window, True)
+    split = attention_torch.attend_with_positions(q, k, v, q_pos, k_pos, valid, 8**-0.5, window, True)
     torch.testing.assert_close(split[0], whole[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split[1], whole[1], rtol=1e-5, atol=1e-5)
     ref = _dense_reference(q[0], k[0], v[0], q_pos[0], window)
