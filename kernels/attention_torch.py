@@ -9,7 +9,10 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.backends import AttentionBackend
 from kernels.merge import merge_attention_states
 
-_SCORE_ELEMS = 1 << 25  # most fp32 attention scores the LSE path materializes at once (128 MiB)
+_SCORE_ELEMS = 1 << 25  # most fp32 attention scores (or mask entries) materialized at once (128 MiB)
+# torch's fused CPU attention that also returns the log-sum-exp (a private op: used when present).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+USE_FUSED_LSE = True  # tests switch it off to compare against the explicit path
 
 
 def attend_with_positions(
@@ -50,6 +53,8 @@ def _attend(q, k, v, q_pos, k_pos, k_valid, scale, sliding_window, need_lse):
     visible = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
         visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
+    if need_lse and USE_FUSED_LSE and q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _attend_fused_lse(q, k, v, visible, scale, g)
     if not need_lse:
         # Fused path (every row sees at least itself, so no empty-row NaN): same math, one kernel.
         out = F.scaled_dot_product_attention(
@@ -70,6 +75,24 @@ def _attend(q, k, v, q_pos, k_pos, k_valid, scale, sliding_window, need_lse):
     out = torch.matmul(probs.view(b, hkv, g * tq, -1), vh)  # B,Hkv,G*Tq,D
     out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
     return out.to(q.dtype), lse
+
+
+def _attend_fused_lse(q, k, v, visible, scale, g):
+    """The same math through torch's fused CPU flash kernel, which also returns the LSE: no
+    [Tq, S] score matrix is written (the explicit path below is memory-bound at long range)."""
+    dtype = torch.float32
+    qh = q.to(dtype).transpose(1, 2)
+    kh = k.to(dtype).transpose(1, 2)
+    vh = v.to(dtype).transpose(1, 2)
+    if g > 1:
+        kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    mask = None
+    if not bool(visible.all()):
+        mask = torch.zeros(visible.shape, dtype=dtype, device=q.device).masked_fill_(~visible, float("-inf"))[:, None]
+    out, lse = _FLASH_CPU(qh, kh, vh, 0.0, False, attn_mask=mask, scale=scale)
+    lse = lse.transpose(1, 2).contiguous()  # B,Tq,Hq
+    lse.masked_fill_(~visible.any(-1)[:, :, None], float("-inf"))  # the kernel reports 0 for a row with no key
+    return out.transpose(1, 2).to(q.dtype), lse
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

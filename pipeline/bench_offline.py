@@ -41,14 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, help="also write the results here")
 
 
-def _model_dir(size: str) -> Path:
+def bench_model_dir(size: str) -> Path:
     path = default_cache_dir() / "bench" / f"{size}-llava-llama"
     if not (path / "config.json").is_file():
         build_tiny_model(SIZES[size], path)
     return path
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # ids >= 8 avoid the special tokens (<image> among them)
     return torch.randint(8, vocab, (n, length), generator=g).tolist()
@@ -85,10 +85,10 @@ def _prefill_seconds(engine: Any, prompts: list[list[int]]) -> float:
 
 
 def _prefix_bench(args: argparse.Namespace, load_engine: Callable[..., Any]) -> dict[str, float]:
-    model_dir = _model_dir(args.prefix_model)
+    model_dir = bench_model_dir(args.prefix_model)
     vocab = 512
-    prefix = _prompts(1, args.prefix_len, vocab, seed=1)[0]
-    suffixes = _prompts(args.prefix_requests, 16, vocab, seed=2)
+    prefix = random_prompts(1, args.prefix_len, vocab, seed=1)[0]
+    suffixes = random_prompts(args.prefix_requests, 16, vocab, seed=2)
     prompts = [prefix + s for s in suffixes]
     blocks = args.prefix_requests * (-(-(args.prefix_len + 32) // 16)) + 64
     base = dict(num_kv_blocks=blocks, max_model_len=args.prefix_len + 64, max_num_seqs=args.prefix_requests)
@@ -108,10 +108,10 @@ def run(args: argparse.Namespace, load_engine: Callable[..., Any]) -> int:
           f"ignore EOS, fp32 CPU, torch threads={torch.get_num_threads()}")
     print(f"{'model':<7} {'batch':>5} {'hf tok/s':>10} {'engine tok/s':>13} {'ratio':>7}")
     for size in args.models:
-        model_dir = _model_dir(size)
+        model_dir = bench_model_dir(size)
         engine = load_engine(model_dir, EngineConfig(max_model_len=args.prompt_len + args.output_len + 16))
         for batch in args.batches:
-            prompts = _prompts(batch, args.prompt_len, 512, seed=batch)
+            prompts = random_prompts(batch, args.prompt_len, 512, seed=batch)
             hf = _hf_tokens_per_s(model_dir, prompts, args.output_len)
             ours = _engine_tokens_per_s(engine, prompts, args.output_len)
             row = {"model": size, "batch": batch, "hf_tok_s": hf, "engine_tok_s": ours, "ratio": ours / hf}

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.bench_offline import SIZES, _model_dir, _prompts
+from pipeline.bench_offline import SIZES, bench_model_dir, random_prompts
 from pipeline.config import EngineConfig
 from pipeline.sampling_params import SamplingParams
 
@@ -66,11 +66,11 @@ def _flops(model: Path, first: int, end: int) -> float:
 
 
 def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> dict[str, Any]:
-    model = _model_dir(args.model)
+    model = bench_model_dir(args.model)
     n = args.prompt_len
     shared = int(n * args.shared)
-    base = _prompts(1, n, VOCAB, seed=11)[0]
-    later = [base[:shared] + p for p in _prompts(args.repeats + 1, n - shared, VOCAB, seed=12)]
+    base = random_prompts(1, n, VOCAB, seed=11)[0]
+    later = [base[:shared] + p for p in random_prompts(args.repeats + 1, n - shared, VOCAB, seed=12)]
     blocks = -(-n // 16) * 2 + 64
     common = dict(max_model_len=n + 64, num_kv_blocks=blocks)
     tiers = {
@@ -79,7 +79,7 @@ def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work:
         "disk": dict(disk_kv_blocks=blocks, disk_kv_dir=str(work / "disk")),
     }
     cold = load_engine(model, EngineConfig(enable_prefix_caching=False, **common))
-    warmup = _prompts(1, 64, VOCAB, seed=99)[0]  # shares no block with the measured prompts
+    warmup = random_prompts(1, 64, VOCAB, seed=99)[0]  # shares no block with the measured prompts
     _ttft(cold, warmup)
     out: dict[str, Any] = {"prompt_len": n, "shared_tokens": shared, "cold_s": _ttft(cold, later[0])}
     out["ideal_speedup"] = _flops(model, 0, n) / _flops(model, shared // 16 * 16, n)
@@ -100,7 +100,7 @@ def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work:
 
 
 def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> list[dict[str, Any]]:
-    model = _model_dir("tiny")
+    model = bench_model_dir("tiny")
     longest = max(args.contexts)
     config = EngineConfig(
         max_model_len=longest + args.decode_steps + 64, num_kv_blocks=args.device_blocks,
@@ -111,8 +111,8 @@ def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], wor
     device_bytes = kv.pool.kv.numel() * kv.pool.kv.element_size() + kv.staging_nbytes()
     rows = []
     for ctx in sorted(args.contexts):
-        prompt = _prompts(1, ctx, VOCAB, seed=ctx)[0]
-        rid = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
+        prompt = random_prompts(1, ctx, VOCAB, seed=ctx)[0]
+        engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
             max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
         while not engine.decoder.num_running:  # prefill
@@ -123,7 +123,6 @@ def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], wor
             t = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t)
-        assert rid not in engine._requests
         step = statistics.median(steps)
         row = {"context": ctx, "prefill_s": prefill_s, "decode_step_ms": step * 1e3, "ms_per_1k_tokens": step * 1e6 / ctx,
                "device_bytes": device_bytes, "peak_device_blocks": kv.pool.peak_in_use}
@@ -134,7 +133,7 @@ def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], wor
 
 
 def _max_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> dict[str, Any]:
-    model = _model_dir("tiny")
+    model = bench_model_dir("tiny")
     ctx, best, last_s = args.max_start, None, 0.0
     while True:
         config = EngineConfig(
@@ -142,7 +141,7 @@ def _max_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: 
             max_num_batched_tokens=args.max_chunk, host_kv_blocks=-(-ctx // 16) + 64, host_kv_dir=str(work / f"max-{ctx}"),
         )
         engine = load_engine(model, config)
-        prompt = _prompts(1, ctx, VOCAB, seed=ctx + 1)[0]
+        prompt = random_prompts(1, ctx, VOCAB, seed=ctx + 1)[0]
         t0 = time.perf_counter()
         first = None
         engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

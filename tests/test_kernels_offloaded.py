@@ -91,3 +91,25 @@ def test_long_key_ranges_are_attended_in_bounded_segments(monkeypatch: pytest.Mo
     torch.testing.assert_close(split[1], whole[1], rtol=1e-5, atol=1e-5)
     ref = _dense_reference(q[0], k[0], v[0], q_pos[0], window)
     torch.testing.assert_close(split[0][0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_fused_lse_path_equals_the_explicit_softmax(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, window) -> None:
+    """The fused kernel (with LSE) and the explicit scores path agree, including rows that see no key."""
+    import kernels.attention_torch as attention_torch
+
+    gen = torch.Generator().manual_seed(hq + hkv)
+    q = torch.randn(2, 20, hq, 8, generator=gen)
+    k, v = torch.randn(2, 50, hkv, 8, generator=gen), torch.randn(2, 50, hkv, 8, generator=gen)
+    q_pos = torch.arange(30, 50).expand(2, -1)
+    k_pos = torch.arange(0, 50).expand(2, -1) + torch.tensor([[0], [31]])  # 2nd row: the first query sees no key
+    valid = torch.ones(2, 50, dtype=torch.bool)
+    valid[1, 40:] = False
+    args = (q, k, v, q_pos, k_pos, valid, 0.35, window, True)
+    fused = attention_torch.attend_with_positions(*args)
+    monkeypatch.setattr(attention_torch, "USE_FUSED_LSE", False)
+    explicit = attention_torch.attend_with_positions(*args)
+    assert torch.isinf(explicit[1]).any(), "the case must include a row with no visible key"
+    torch.testing.assert_close(fused[0], explicit[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[1], explicit[1], rtol=1e-5, atol=1e-5)
