@@ -86,10 +86,22 @@ class FileBlockStore:
         os.makedirs(self._blocks_dir, exist_ok=True)
         os.makedirs(self._tmp_dir, exist_ok=True)
         self._db = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._setup_db()
+        self.rebuild_index()
+
+    def _setup_db(self) -> None:
+        """WAL mode and schema. Switching the journal mode takes a lock that SQLite's busy timeout
+        does not wait for, so processes opening the store together retry it."""
+        for attempt in range(100):
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError:
+                if attempt == 99:
+                    raise
+                time.sleep(0.05)
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self.rebuild_index()
 
     # ------------------------------------------------------------ paths
     def path(self, block_hash: bytes) -> str:

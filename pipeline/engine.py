@@ -10,6 +10,7 @@ import torch
 
 from pipeline.config import EngineConfig
 from pipeline.model_config import LlavaConfig
+from pipeline.request_encoding import encode_request
 from pipeline.sampling_params import SamplingParams
 from pipeline.sequence import ImageEmbedding, Sequence
 from pipeline.stage_api import DecoderLike, EncoderLike, PrefillerLike, PreprocessorLike
@@ -70,24 +71,10 @@ class Engine:
         ``messages`` a whole chat; ``raw_prompt`` text passed to the tokenizer unrendered;
         ``prompt_token_ids`` token ids as they are (text-only)."""
         params = params or SamplingParams()
-        params.validate()
-        if sum(x is not None for x in (prompt, messages, raw_prompt, prompt_token_ids)) != 1:
-            raise ValueError("give exactly one of prompt, messages, raw_prompt or prompt_token_ids")
-        if len(images) > self.config.max_images_per_request:
-            raise ValueError(f"at most {self.config.max_images_per_request} images per request, got {len(images)}")
-        if prompt is not None:
-            if not prompt.strip() and not images:
-                raise ValueError("prompt is empty")
-            text = self.tokenizer.render_user_prompt(prompt, len(images))
-        elif messages is not None:
-            text = self.tokenizer.render_chat(messages)
-        elif raw_prompt is not None:
-            text = raw_prompt
-        if prompt_token_ids is not None:
-            encoded = self.tokenizer.expand_ids(list(prompt_token_ids), len(images))
-        else:
-            encoded = self.tokenizer.encode(text, len(images))
-        self._check_length(len(encoded.token_ids), params)
+        encoded = encode_request(
+            self.tokenizer, self.config, params, len(images),
+            prompt=prompt, messages=messages, raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids,
+        )
         embeds = self._encode_images(list(images), encoded.image_offsets)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -96,21 +83,6 @@ class Engine:
         self._requests[request_id] = seq
         self.prefiller.add(seq)
         return request_id
-
-    def _check_length(self, num_prompt: int, params: SamplingParams) -> None:
-        if num_prompt == 0:
-            raise ValueError("prompt is empty after tokenization")
-        total = num_prompt + params.max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.config.max_model_len}"
-            )
-        blocks = -(-total // self.config.block_size)
-        if self.config.has_lower_tiers and self.config.enable_prefix_caching:
-            # Older blocks can be spilled; the device only needs one chunk's working set.
-            blocks = -(-self.config.prefill_chunk_tokens // self.config.block_size) + 1
-        if blocks > self.config.num_kv_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks but the device pool holds {self.config.num_kv_blocks}")
 
     def _encode_images(self, images: list[bytes], offsets: list[int]) -> list[ImageEmbedding]:
         if not images:

@@ -15,7 +15,9 @@ from pipeline.model_runner import ModelRunner
 from pipeline.scheduler import Scheduler
 from pipeline.tokenizer import PromptTokenizer
 from pipeline.weights import weights_digest
+from stages.decode_service import DecodeService
 from stages.decoder import Decoder
+from stages.prefill_service import PrefillService
 from stages.prefiller import Prefiller
 from stages.preprocessor import Preprocessor
 from stages.vision_encoder import VisionEncoder
@@ -35,6 +37,30 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes) -
     return TieredKVCache(pool, lower, config.kv_staging_blocks)
 
 
+class LanguageStage:
+    """What an LLM stage process loads: tokenizer, model runner over its own tiered KV cache."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+        config.validate()
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.model_config = load_llava_config(self.model_dir)
+        cfg = self.model_config
+        dtype = resolve_dtype(config.dtype)
+        self.tokenizer = PromptTokenizer(self.model_dir, cfg)
+        model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
+        layout = KVLayout(cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim, config.block_size, dtype)
+        self.fingerprint = model_fingerprint(cfg.text.model_type, weights_digest(self.model_dir), config.dtype, config.block_size)
+        self.kv = build_kv_cache(config, layout, self.fingerprint)
+        backend = get_attention_backend(config.attention_backend, config.device)
+        self.runner = ModelRunner(model, self.kv, backend, config.device)
+
+    def core(self) -> EngineCore:
+        """A scheduler + sampler loop over this stage's runner and KV cache."""
+        scheduler = Scheduler(self.config, self.kv, self.fingerprint)
+        return EngineCore(scheduler, self.runner, self.tokenizer.decode, self.tokenizer.eos_token_ids)
+
+
 def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
     """Load a checkpoint and wire Preprocessor -> VisionEncoder -> Prefiller -> Decoder in this process.
 
@@ -42,28 +68,27 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> E
     just a KVHandle naming blocks already in place.
     """
     config = config or EngineConfig()
-    config.validate()
-    model_dir = Path(model_dir)
-    cfg = load_llava_config(model_dir)
-    dtype = resolve_dtype(config.dtype)
-    tokenizer = PromptTokenizer(model_dir, cfg)
-    preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels)
-    encoder = VisionEncoder(model_dir, config, cfg)
-    model, _ = load_language_model(model_dir, dtype, config.device, cfg)
-    layout = KVLayout(cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim, config.block_size, dtype)
-    fingerprint = model_fingerprint(cfg.text.model_type, weights_digest(model_dir), config.dtype, config.block_size)
-    kv = build_kv_cache(config, layout, fingerprint)
-    runner = ModelRunner(model, kv, get_attention_backend(config.attention_backend, config.device), config.device)
-
-    def core() -> EngineCore:
-        return EngineCore(Scheduler(config, kv, fingerprint), runner, tokenizer.decode, tokenizer.eos_token_ids)
-
+    stage = LanguageStage(model_dir, config)
+    preprocessor = Preprocessor.from_model_dir(stage.model_dir, max_pixels=config.max_image_pixels)
+    encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
     return Engine(
-        config,
-        cfg,
-        tokenizer,
-        preprocessor,
-        encoder,
-        Prefiller(core()),
-        Decoder(core()),
+        config, stage.model_config, stage.tokenizer, preprocessor, encoder, Prefiller(stage.core()), Decoder(stage.core())
     )
+
+
+def build_prefill_service(model_dir: str | Path, config: EngineConfig) -> PrefillService:
+    """A prefill stage for its own process: it hands off to decoders on other pools (host tier)."""
+    _require_shared_tier(config)
+    return PrefillService(Prefiller(LanguageStage(model_dir, config).core(), release_on_handoff=True))
+
+
+def build_decode_service(model_dir: str | Path, config: EngineConfig) -> DecodeService:
+    """A decode stage for its own process: adopts handles from any prefill replica via the host tier."""
+    _require_shared_tier(config)
+    return DecodeService(Decoder(LanguageStage(model_dir, config).core()))
+
+
+def _require_shared_tier(config: EngineConfig) -> None:
+    if not (config.host_kv_blocks > 0 or config.disk_kv_blocks > 0) or not config.enable_prefix_caching:
+        raise ValueError("prefill and decode in separate processes share KV through the host tier: "
+                         "set host_kv_blocks > 0 and keep prefix caching on")

@@ -20,8 +20,12 @@ class PrefillResult:
 
 
 class Prefiller:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, release_on_handoff: bool = False) -> None:
+        """``release_on_handoff``: the decode stage has its own pool (another process), so drop this
+        pool's references once the handle is made; full blocks stay cached here and in the host
+        tier, where the decoder adopts them by hash."""
         self.core = core
+        self.release_on_handoff = release_on_handoff
         self.scheduler = core.scheduler
         self.pool = core.scheduler.pool
 
@@ -38,7 +42,10 @@ class Prefiller:
                 continue
             # Ownership of the blocks passes to the handle: leave the batch without freeing them.
             self.scheduler.remove(seq, free_blocks=False)
-            results.append(PrefillResult(seq, event, self.make_handle(seq).to_bytes()))
+            handle = self.make_handle(seq).to_bytes()
+            if self.release_on_handoff:
+                self.scheduler.release_blocks(seq)
+            results.append(PrefillResult(seq, event, handle))
         return results
 
     def make_handle(self, seq: Sequence) -> KVHandle:
