@@ -243,6 +243,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (Ray Serve)")
+    importlib.import_module("deployments.serve_cli").add_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    serve_cli = importlib.import_module("deployments.serve_cli")
+    try:
+        return serve_cli.run(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
@@ -252,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_plan(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -35,6 +35,9 @@ class StageLoop:
     def call(self, fn: Callable[[], T]) -> Future:
         """Run ``fn`` on the loop thread before the next step; its result (or exception) lands in the Future."""
         fut: Future = Future()
+        if self._stop.is_set():
+            fut.set_exception(RuntimeError("the stage loop is stopped"))
+            return fut
         self._commands.put((fn, fut))
         return fut
 
@@ -50,10 +53,13 @@ class StageLoop:
         while True:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # delivered to the caller, never kills the loop
-                    fut.set_exception(exc)
+                if self._stop.is_set():
+                    fut.set_exception(RuntimeError("the stage loop is stopped"))
+                else:
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # delivered to the caller, never kills the loop
+                        fut.set_exception(exc)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -75,6 +81,8 @@ class StageLoop:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._drain(block=False)  # commands that raced with stopping still get an answer
+
 
 
 class Delivery:

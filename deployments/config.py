@@ -1,0 +1,120 @@
+"""One config file for the whole Serve application: the engine knobs plus, per stage, its
+replica resources and autoscaling policy. Plain dataclasses (no Ray), loaded from JSON::
+
+    {"engine": {...EngineConfig...},
+     "stages": {"prefill": {"max_replicas": 2, "target_per_replica": 4096}, ...},
+     "model_name": "strata-demo"}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import EngineConfig
+
+STAGES = ("preprocess", "encode", "prefill", "decode", "ingress")
+
+# What each stage's policy scales on, and how much of it one replica should carry.
+SIGNALS = {
+    "preprocess": "pending_images",
+    "encode": "pending_images",
+    "prefill": "queued_prompt_tokens",
+    "decode": "running_sequences",
+    "ingress": "ongoing_requests",
+}
+_DEFAULT_TARGETS = {"preprocess": 8.0, "encode": 8.0, "prefill": 4096.0, "decode": 32.0, "ingress": 64.0}
+
+
+@dataclass
+class StageConfig:
+    """Replicas, resources and autoscaling of one deployment."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    num_cpus: float = 0.0  # logical CPUs reserved per replica (0: do not limit placement)
+    max_ongoing_requests: int = 256  # every open stream holds one slot
+    target_per_replica: float = 0.0  # the stage signal one replica should carry (0: the stage default)
+    kv_occupancy_target: float = 0.85  # decode only: scale up past this device-tier occupancy
+    upscale_delay_s: float = 1.0
+    downscale_delay_s: float = 10.0
+    metrics_interval_s: float = 0.5
+    look_back_period_s: float = 2.0
+
+    def validate(self, name: str) -> None:
+        if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"stages.{name}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
+        if self.num_cpus < 0 or self.max_ongoing_requests < 1 or self.target_per_replica < 0:
+            raise ValueError(f"stages.{name}: num_cpus, target_per_replica must be >= 0, max_ongoing_requests >= 1")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"stages.{name}: look_back_period_s must exceed metrics_interval_s")
+
+
+@dataclass
+class ServeConfig:
+    model_dir: str | None = None  # None: the built-in tiny demo model
+    model_name: str | None = None  # the id clients send as "model" (default: the directory name)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    stages: dict[str, StageConfig] = field(default_factory=lambda: {s: StageConfig() for s in STAGES})
+    max_image_bytes: int = 20 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in STAGES:
+            self.stages.setdefault(name, StageConfig())
+
+    def target(self, stage: str) -> float:
+        return self.stages[stage].target_per_replica or _DEFAULT_TARGETS[stage]
+
+    def validate(self) -> None:
+        self.engine.validate()
+        for name, stage in self.stages.items():
+            if name not in STAGES:
+                raise ValueError(f"unknown stage {name!r} (stages: {', '.join(STAGES)})")
+            stage.validate(name)
+        if not self.engine.has_lower_tiers:
+            raise ValueError("serving runs prefill and decode in separate processes: engine.host_kv_blocks must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ServeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown serve config keys: {', '.join(sorted(unknown))}")
+        data = dict(data)
+        engine = EngineConfig.from_dict({**_SERVE_ENGINE_DEFAULTS, **data.pop("engine", {})})
+        stages = {}
+        for name, raw in (data.pop("stages", None) or {}).items():
+            stage_known = {f.name for f in fields(StageConfig)}
+            bad = set(raw) - stage_known
+            if bad:
+                raise ValueError(f"unknown keys in stages.{name}: {', '.join(sorted(bad))}")
+            stages[name] = StageConfig(**raw)
+        cfg = cls(engine=engine, stages=stages, **data)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ServeConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config {path} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"config {path} must hold a JSON object")
+        return cls.from_dict(raw)
+
+
+# Serving needs the host tier: prefill and decode replicas are separate processes with their own pools.
+_SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"host_kv_blocks": 4096}
+
+
+def default_serve_config() -> ServeConfig:
+    return ServeConfig.from_dict({})

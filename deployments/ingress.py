@@ -1,0 +1,156 @@
+"""The HTTP front door: an OpenAI-compatible FastAPI app served by Ray Serve.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
+tests). Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
+server-sent events ending with ``data: [DONE]``.
+"""
+
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from deployments.config import ServeConfig
+from deployments.openai_protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse_request, split_chat, usage,
+)
+from deployments.openai_responses import (
+    chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
+)
+from deployments.request_flow import RequestFlow
+from pipeline.model_config import load_llava_config
+from pipeline.tokenizer import PromptTokenizer
+
+log = logging.getLogger("strata.ingress")
+app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, preprocess: Any, encode: Any, prefill: Any, decode: Any, config: dict[str, Any]) -> None:
+        self.config = ServeConfig.from_dict(config)
+        model_dir = Path(self.config.model_dir or "")
+        self.model_name = self.config.model_name or model_dir.name
+        self.tokenizer = PromptTokenizer(model_dir, load_llava_config(model_dir))
+        self.flow = RequestFlow(self.tokenizer, self.config.engine, preprocess, encode, prefill, decode)
+        self.stage_handles = {"prefill": prefill, "decode": decode, "encode": encode}
+        self.ongoing = 0
+
+    # ------------------------------------------------------------ small routes
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "strata",
+             "max_model_len": self.config.engine.max_model_len}
+        ]}
+
+    @app.get("/strata/stats")
+    async def stats(self) -> dict[str, Any]:
+        out = {name: await handle.stats.remote() for name, handle in self.stage_handles.items()}
+        out["ingress"] = {"ongoing_requests": self.ongoing}
+        return out
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"ongoing_requests": float(self.ongoing)}
+
+    # ------------------------------------------------------------ completions
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = parse_request(ChatCompletionRequest, await _json_body(request))
+            self._check_model(req.model)
+            messages, images = split_chat(req.messages, self.config.max_image_bytes)
+            params = req.sampling_params(default_max_tokens=1)
+            default = req.max_tokens is None
+            wire = await self.flow.prepare(params, default, images, messages=messages)
+        except APIError as exc:
+            return _error(exc)
+        return await self._respond(req, wire, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = parse_request(CompletionRequest, await _json_body(request))
+            self._check_model(req.model)
+            params = req.sampling_params(default_max_tokens=1)
+            wire = await self.flow.prepare(params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
+        except APIError as exc:
+            return _error(exc)
+        return await self._respond(req, wire, chat=False)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                           code="model_not_found", param="model")
+
+    async def _respond(self, req: Any, wire: dict[str, Any], chat: bool) -> Response:
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        if req.stream:
+            return StreamingResponse(self._stream(req, wire, chat, rid, created), media_type="text/event-stream")
+        self.ongoing += 1
+        try:
+            text, reason, n, cached = "", None, 0, 0
+            async for ev in self.flow.events(wire):
+                n += 1
+                text += ev["text_delta"]
+                cached = ev.get("num_cached_tokens", cached)
+                reason = ev["finish_reason"] if ev["finished"] else reason
+        except Exception as exc:  # a stage failed: the request cannot be completed
+            log.exception("request %s failed", rid)
+            return _error(APIError(500, f"generation failed: {exc}", type_="server_error"))
+        finally:
+            self.ongoing -= 1
+        use = usage(wire["num_prompt_tokens"], n, cached)
+        build = chat_completion if chat else completion
+        return JSONResponse(build(rid, self.model_name, created, text, openai_finish_reason(reason), use))
+
+    async def _stream(self, req: Any, wire: dict[str, Any], chat: bool, rid: str, created: int) -> AsyncIterator[str]:
+        model = self.model_name
+        self.ongoing += 1
+        try:
+            if chat:
+                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            n, cached, reason = 0, 0, None
+            async for ev in self.flow.events(wire):
+                n += 1
+                cached = ev.get("num_cached_tokens", cached)
+                if ev["finished"]:
+                    reason = openai_finish_reason(ev["finish_reason"])
+                if ev["text_delta"]:
+                    delta = ev["text_delta"]
+                    yield sse(chat_chunk(rid, model, created, {"content": delta}, None) if chat
+                              else completion_chunk(rid, model, created, delta, None))
+            yield sse(chat_chunk(rid, model, created, {}, reason) if chat else completion_chunk(rid, model, created, "", reason))
+            if req.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield sse(usage_chunk(rid, model, created, obj, usage(wire["num_prompt_tokens"], n, cached)))
+            yield sse("[DONE]")
+        except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
+            log.exception("stream %s failed", rid)
+            yield sse(APIError(500, f"generation failed: {exc}", type_="server_error").body())
+            yield sse("[DONE]")
+        finally:
+            self.ongoing -= 1

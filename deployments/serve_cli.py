@@ -1,0 +1,99 @@
+"""`strata serve`: start (or join) a Ray cluster, deploy the Strata application, serve until Ctrl-C.
+
+A local cluster is bound to loopback: Ray's node IP is 127.0.0.1 (set through
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is imported: Ray reads it at import), the
+dashboard and the HTTP proxy listen on 127.0.0.1. ``--address`` joins an existing cluster
+instead (multi-node: blocks move between nodes through each node's host tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from deployments.loopback import LOOPBACK_ENV
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny demo model)")
+    p.add_argument("--config", type=Path, help="JSON serve config: engine knobs and per-stage replicas/autoscaling")
+    p.add_argument("--model-name", help="the model id clients send (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", help="join a running cluster (ray://host:port or auto) instead of starting one")
+    p.add_argument("--dashboard-port", type=int, default=8265)
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics endpoint of this node")
+    p.add_argument("--num-cpus", type=int, help="logical CPUs of a local cluster (default: max(8, cores))")
+
+
+def load_config(args: argparse.Namespace) -> Any:
+    from deployments.config import ServeConfig
+
+    config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            raise ValueError(f"{args.model} is not a checkpoint directory (no config.json)")
+        config.model_dir = str(args.model)
+    if args.model_name:
+        config.model_name = args.model_name
+    return config
+
+
+def _start_ray(args: argparse.Namespace) -> Any:
+    if args.address is None:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node IP 127.0.0.1 (read when ray is imported)
+        os.environ[LOOPBACK_ENV] = "1"
+    import ray
+
+    if args.address is not None:
+        return ray.init(address=args.address)
+    return ray.init(
+        num_cpus=args.num_cpus or max(8, os.cpu_count() or 1),
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=args.dashboard_port,
+        _metrics_export_port=args.metrics_port,
+        runtime_env={"worker_process_setup_hook": "deployments.loopback.bind_replica_servers_to_loopback"},
+    )
+
+
+def _auth_hint() -> str:
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return "dashboard auth: disabled (RAY_AUTH_MODE=disabled)"
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return f"dashboard auth: send 'Authorization: Bearer <token>'; the token is in {token} (or $RAY_AUTH_TOKEN)"
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args)  # a bad config fails before any cluster starts
+    context = _start_ray(args)
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="strata", route_prefix="/", blocking=False)
+        dashboard = getattr(context, "dashboard_url", None) or f"127.0.0.1:{args.dashboard_port}"
+        print(f"Strata is serving {config.model_name} (from {config.model_dir})", flush=True)
+        print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1", flush=True)
+        print(f"  Ray dashboard:   http://{dashboard}", flush=True)
+        print(f"  Prometheus:      http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
+        print(f"  {_auth_hint()}", flush=True)
+        print("  Ctrl-C stops the server.", flush=True)
+        stop.wait()
+    finally:
+        print("strata: shutting down", file=sys.stderr, flush=True)
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+    return 0
