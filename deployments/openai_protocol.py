@@ -65,6 +65,7 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
+    ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks, load tests)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
@@ -77,6 +78,7 @@ class _SamplingFields(_Lenient):
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
             stop=stop,
+            ignore_eos=self.ignore_eos,
         )
         try:
             params.validate()

@@ -34,3 +34,29 @@ def demo_images(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     second_path = root / "b.png"
     ImageOps.mirror(Image.open(root / "a.png").convert("RGB")).rotate(90).save(second_path)
     return [first, second_path.read_bytes()]
+
+
+# Fast autoscaling for tests: prefill scales 1 -> 2 on queued prompt tokens, back after idling.
+SERVE_TEST_CONFIG = {
+    "engine": {"max_model_len": 2048, "host_kv_blocks": 2048},
+    "max_image_bytes": 200_000,
+    "stages": {
+        "prefill": {"min_replicas": 1, "max_replicas": 2, "target_per_replica": 256,
+                    "upscale_delay_s": 0.5, "downscale_delay_s": 4.0},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real `strata serve` (Ray cluster on loopback + HTTP proxy) for the whole test session."""
+    from tests.serve_process import ServeProcess
+
+    workdir = tmp_path_factory.mktemp("serve")
+    config = {**SERVE_TEST_CONFIG, "engine": {**SERVE_TEST_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}
+    server = ServeProcess(llama_dir, workdir, config)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

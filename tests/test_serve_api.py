@@ -1,0 +1,106 @@
+"""The official OpenAI client against a real `strata serve`: same tokens as the in-process engine."""
+
+from __future__ import annotations
+
+import base64
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.helpers import build, greedy
+
+MODEL = "strata-test"
+
+
+@pytest.fixture(scope="module")
+def client(serve_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serve_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path):
+    return build(llama_dir, max_model_len=2048)
+
+
+def _expected(engine, messages: list[dict], images: list[bytes], max_tokens: int) -> str:
+    return "".join(engine.stream(messages=messages, images=images, params=greedy(max_tokens)))
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+def test_chat_matches_the_in_process_engine(client, engine, demo_images, stream: bool, with_image: bool) -> None:
+    text = "Describe what you see, then tell a story about the sea."
+    content: list[dict] = [{"type": "text", "text": text}]
+    template: list[dict] = [{"type": "text", "text": text}]
+    images = demo_images[:1] if with_image else []
+    if with_image:
+        content.insert(0, {"type": "image_url", "image_url": {"url": _data_url(images[0])}})
+        template.insert(0, {"type": "image"})
+    expected = _expected(engine, [{"role": "user", "content": template}], images, 24)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    else:
+        resp = client.chat.completions.create(**kwargs)
+        got = resp.choices[0].message.content
+        assert resp.usage.prompt_tokens > (16 if with_image else 0)
+    assert got == expected
+
+
+def test_completions_use_the_raw_prompt(client, engine) -> None:
+    prompt = "USER: count the waves ASSISTANT:"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert resp.choices[0].text == "".join(engine.stream(raw_prompt=prompt, params=greedy(16)))
+
+
+def test_stream_chunks_arrive_incrementally(client) -> None:
+    t0 = time.perf_counter()
+    stamps = []
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story about ships."}],
+        max_tokens=200, temperature=0, stream=True,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter() - t0)
+    assert len(stamps) >= 10, "the tiny model stopped too early for this check"
+    # tokens trickle in over the generation instead of arriving in one burst at the end
+    assert stamps[len(stamps) // 2] - stamps[0] > 0.005
+    assert stamps[0] < 0.9 * stamps[-1]
+
+
+def test_sixteen_concurrent_streams_all_complete_correctly(client, engine) -> None:
+    prompts = [f"Story number {i}: the lighthouse keeper and the storm." for i in range(16)]
+    expected = [_expected(engine, [{"role": "user", "content": p}], [], 16) for p in prompts]
+
+    def run(prompt: str) -> str:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(run, prompts))
+    assert got == expected
+
+
+def test_second_turn_of_a_chat_hits_the_prefix_cache(client) -> None:
+    history = [{"role": "user", "content": "Remember these harbours: " + ", ".join(f"port {i}" for i in range(30))}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Which one is the largest?"}]
+    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached < second.usage.prompt_tokens
