@@ -1,4 +1,4 @@
-# Two commands for a newcomer: `make demo` (install + run the main job on the tiny demo model)
+# Two commands for a newcomer: `make demo` (install + serve the tiny demo model over the OpenAI API)
 # and `make test` (install + run the test suite). Everything lives in .venv; nothing is downloaded
 # at run time (the demo model is built locally with a fixed seed).
 VENV ?= .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_IMAGE ?= $(HOME)/.cache/strata/demo.png
 
-.PHONY: install demo test bench clean
+.PHONY: install demo generate test bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
+	$(VENV)/bin/strata serve
+
+generate: install
 	$(VENV)/bin/strata make-demo-image --out $(DEMO_IMAGE) >/dev/null
 	$(VENV)/bin/strata generate --prompt "What is in this picture?" --image $(DEMO_IMAGE) --max-tokens 32
 
@@ -26,6 +29,8 @@ test: install
 
 bench: install
 	$(VENV)/bin/strata bench offline
+	$(VENV)/bin/strata bench kv
+	$(VENV)/bin/strata bench serve-overhead
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

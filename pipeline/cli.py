@@ -191,6 +191,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     add_kv_arguments(kv)
     kv.set_defaults(func=_cmd_bench_kv)
+    overhead = bench.add_parser("serve-overhead", help="TTFT and ITL through the Serve path vs the in-process engine")
+    importlib.import_module("deployments.bench_overhead").add_arguments(overhead)
+    overhead.set_defaults(func=lambda args: importlib.import_module("deployments.bench_overhead").run(args))
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:

@@ -1,0 +1,76 @@
+"""Start `strata serve` as a child process and wait until it answers (benchmarks, tests, scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`strata serve` on free loopback ports with a given serve config; logs go to ``workdir``."""
+
+    def __init__(self, model_dir: Path, workdir: Path, config: dict[str, Any], model_name: str = "strata",
+                 env: dict[str, str] | None = None) -> None:
+        self.port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config_path = self.workdir / "serve.json"
+        config_path.write_text(json.dumps(config))
+        self._log_path = self.workdir / "serve.log"
+        self._log = open(self._log_path, "w")
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                    **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(model_dir), "--config", str(config_path),
+             "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
+             "--metrics-port", str(self.metrics_port), "--model-name", model_name],
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 240.0) -> "LocalServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"strata serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"strata serve not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self._log_path.read_text().splitlines()[-n:])
+
+    def stop(self) -> None:
+        """Ctrl-C (clean shutdown of Serve and Ray); killed if it does not finish in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
