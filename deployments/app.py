@@ -41,6 +41,7 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
             "signal": SIGNALS[stage],
             "target": config.target(stage),
             "occupancy_target": sc.kv_occupancy_target if stage == "decode" else None,
+            "stage": stage,
         },
     )
     autoscaling = AutoscalingConfig(

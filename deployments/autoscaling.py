@@ -17,9 +17,10 @@ from typing import Any
 class StageSignalPolicy:
     """Class-callable policy (Serve builds it once with ``policy_kwargs``; keeps no state of its own)."""
 
-    def __init__(self, signal: str, target: float, occupancy_target: float | None = None) -> None:
+    def __init__(self, signal: str, target: float, occupancy_target: float | None = None, stage: str = "") -> None:
         if target <= 0:
             raise ValueError("target must be positive")
+        self.stage = stage or signal
         self.signal = signal
         self.target = target
         self.occupancy_target = occupancy_target
@@ -42,4 +43,16 @@ class StageSignalPolicy:
             if occupancy > self.occupancy_target:
                 want = max(want, ctx.current_num_replicas + 1)
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
-        return max(lo, min(hi, max(1, want))), {"signal": total, "wanted": want}
+        decided = max(lo, min(hi, max(1, want)))
+        _record_target(self.stage, decided)
+        return decided, {"signal": total, "wanted": want}
+
+
+def _record_target(stage: str, replicas: int) -> None:
+    """Export the decision (the policy runs inside Serve's controller, a Ray actor)."""
+    try:
+        from deployments.metrics import autoscaling_target
+
+        autoscaling_target().set(float(replicas), tags={"stage": stage})
+    except Exception:  # metrics must never break scaling
+        pass

@@ -9,6 +9,7 @@ server-sent events ending with ``data: [DONE]``.
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from deployments import metrics
 from deployments.config import ServeConfig
 from deployments.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse_request, split_chat, usage,
@@ -31,7 +33,8 @@ log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
 
 
-def _error(exc: APIError) -> JSONResponse:
+def _error(exc: APIError, endpoint: str) -> JSONResponse:
+    metrics.requests().inc(tags={"endpoint": endpoint, "status": str(exc.status)})
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
@@ -79,6 +82,7 @@ class Ingress:
     # ------------------------------------------------------------ completions
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
         try:
             req = parse_request(ChatCompletionRequest, await _json_body(request))
             self._check_model(req.model)
@@ -87,54 +91,75 @@ class Ingress:
             default = req.max_tokens is None
             wire = await self.flow.prepare(params, default, images, messages=messages)
         except APIError as exc:
-            return _error(exc)
-        return await self._respond(req, wire, chat=True)
+            return _error(exc, "chat")
+        return await self._respond(req, wire, chat=True, t0=t0)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
         try:
             req = parse_request(CompletionRequest, await _json_body(request))
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
             wire = await self.flow.prepare(params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
         except APIError as exc:
-            return _error(exc)
-        return await self._respond(req, wire, chat=False)
+            return _error(exc, "completions")
+        return await self._respond(req, wire, chat=False, t0=t0)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                            code="model_not_found", param="model")
 
-    async def _respond(self, req: Any, wire: dict[str, Any], chat: bool) -> Response:
+    async def _respond(self, req: Any, wire: dict[str, Any], chat: bool, t0: float) -> Response:
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        endpoint = "chat" if chat else "completions"
         if req.stream:
-            return StreamingResponse(self._stream(req, wire, chat, rid, created), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, wire, chat, rid, created, t0), media_type="text/event-stream")
         self.ongoing += 1
         try:
             text, reason, n, cached = "", None, 0, 0
-            async for ev in self.flow.events(wire):
+            async for ev in self._timed(self.flow.events(wire), endpoint, t0):
                 n += 1
                 text += ev["text_delta"]
                 cached = ev.get("num_cached_tokens", cached)
                 reason = ev["finish_reason"] if ev["finished"] else reason
         except Exception as exc:  # a stage failed: the request cannot be completed
             log.exception("request %s failed", rid)
-            return _error(APIError(500, f"generation failed: {exc}", type_="server_error"))
+            return _error(APIError(500, f"generation failed: {exc}", type_="server_error"), endpoint)
         finally:
             self.ongoing -= 1
+        metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
         use = usage(wire["num_prompt_tokens"], n, cached)
         build = chat_completion if chat else completion
         return JSONResponse(build(rid, self.model_name, created, text, openai_finish_reason(reason), use))
 
-    async def _stream(self, req: Any, wire: dict[str, Any], chat: bool, rid: str, created: int) -> AsyncIterator[str]:
+    @staticmethod
+    async def _timed(events: AsyncIterator[dict[str, Any]], endpoint: str, t0: float) -> AsyncIterator[dict[str, Any]]:
+        """Pass token events through, observing TTFT, inter-token gaps and, at the end, E2E latency."""
+        tags = {"endpoint": endpoint}
+        last = None
+        async for ev in events:
+            now_t = time.perf_counter()
+            if last is None:
+                metrics.ttft().observe(now_t - t0, tags=tags)
+            else:
+                metrics.itl().observe(now_t - last, tags=tags)
+            last = now_t
+            yield ev
+        metrics.e2e().observe(time.perf_counter() - t0, tags=tags)
+
+    async def _stream(self, req: Any, wire: dict[str, Any], chat: bool, rid: str, created: int,
+                      t0: float) -> AsyncIterator[str]:
         model = self.model_name
+        endpoint = "chat" if chat else "completions"
         self.ongoing += 1
+        status = "499"  # until it completes: a stream that ends early was cancelled by the client
         try:
             if chat:
                 yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
             n, cached, reason = 0, 0, None
-            async for ev in self.flow.events(wire):
+            async for ev in self._timed(self.flow.events(wire), endpoint, t0):
                 n += 1
                 cached = ev.get("num_cached_tokens", cached)
                 if ev["finished"]:
@@ -148,9 +173,12 @@ class Ingress:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield sse(usage_chunk(rid, model, created, obj, usage(wire["num_prompt_tokens"], n, cached)))
             yield sse("[DONE]")
+            status = "200"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
             log.exception("stream %s failed", rid)
+            status = "500"
             yield sse(APIError(500, f"generation failed: {exc}", type_="server_error").body())
             yield sse("[DONE]")
         finally:
             self.ongoing -= 1
+            metrics.requests().inc(tags={"endpoint": endpoint, "status": status})

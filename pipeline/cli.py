@@ -194,6 +194,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     overhead = bench.add_parser("serve-overhead", help="TTFT and ITL through the Serve path vs the in-process engine")
     importlib.import_module("deployments.bench_overhead").add_arguments(overhead)
     overhead.set_defaults(func=lambda args: importlib.import_module("deployments.bench_overhead").run(args))
+    load = bench.add_parser("serve", help="load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots")
+    importlib.import_module("loadtest.bench").add_arguments(load)
+    load.set_defaults(func=lambda args: importlib.import_module("loadtest.bench").run(args))
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:

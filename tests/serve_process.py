@@ -21,4 +21,4 @@ def listening_sockets() -> set[tuple[str, str]]:
 class ServeProcess(LocalServer):
     def __init__(self, model_dir: Path, workdir: Path, config: dict) -> None:
         self.sockets_before = listening_sockets()
-        super().__init__(model_dir, workdir, config, model_name="strata-test", env={"RAY_AUTH_MODE": "disabled"})
+        super().__init__(model_dir, workdir, config, model_name="strata-test", env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"})

@@ -1,0 +1,272 @@
+"""`strata bench serve` / `python -m loadtest.bench`: load a running server over HTTP and report
+the metrics of the usual serving benchmarks (vLLM's `bench serve` names): request and token
+throughput, TTFT / TPOT / ITL / E2EL (mean, median, p99) and goodput against SLOs.
+
+Arrivals are Poisson at ``--request-rate`` (``inf``: all at once), capped by
+``--max-concurrency``. ``--sweep`` repeats the run at several concurrency levels and plots
+latency and throughput against concurrency. Results: JSON, plus PNG plots with ``--sweep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+WORDS = "sea ship tide moon star harbour wave storm light keeper rope sail anchor deck mast wind".split()
+
+
+@dataclass
+class Request:
+    messages: list[dict[str, Any]]
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    e2el: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
+    p.add_argument("--dataset", choices=("random", "random-mm", "prefix-repetition"), default="random")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=128, help="words per random prompt")
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: words of the shared prefix")
+    p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: no pacing)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--sweep", nargs="+", type=int, help="run once per concurrency level and plot")
+    p.add_argument("--goodput", nargs="*", default=[], help="SLOs such as ttft:500 tpot:50 e2el:5000 (ms)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-dir", type=Path, default=Path("bench-results"))
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _png_data_url(rng: random.Random) -> str:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64), tuple(rng.randrange(256) for _ in range(3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def make_dataset(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    prefixes = [words(args.prefix_len) for _ in range(args.num_prefixes)]
+    out = []
+    for i in range(args.num_prompts):
+        if args.dataset == "prefix-repetition":
+            content: Any = f"{prefixes[i % len(prefixes)]}\nQuestion {i}: {words(16)}"
+        elif args.dataset == "random-mm":
+            content = [{"type": "image_url", "image_url": {"url": _png_data_url(rng)}},
+                       {"type": "text", "text": words(args.random_input_len)}]
+        else:
+            content = words(args.random_input_len)
+        out.append(Request([{"role": "user", "content": content}], args.random_output_len))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
+    body = {"model": model, "messages": req.messages, "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    res, last = Result(ok=False), None
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        res.error = repr(exc)
+        return res
+    res.e2el = time.perf_counter() - t0
+    res.ok = last is not None
+    res.error = "" if res.ok else "no tokens streamed"
+    return res
+
+
+async def run_load(base_url: str, model: str, requests: list[Request], rate: float, max_concurrency: int | None,
+                   seed: int, progress: bool) -> tuple[list[Result], float]:
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    rng = np.random.default_rng(seed)
+    bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, desc="requests")
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_connections=max_concurrency or 1000)) as client:
+        async def gated(req: Request) -> Result:
+            async with limit:
+                res = await _one(client, model, req)
+            bar.update(1)
+            return res
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(gated(req)))
+            if rate != float("inf"):
+                await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    arr = np.asarray(values) * 1e3
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p99": float(np.percentile(arr, 99))}
+
+
+def parse_goodput(specs: list[str]) -> dict[str, float]:
+    slos = {}
+    for spec in specs:
+        key, _, value = spec.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"bad --goodput entry {spec!r}: use ttft:MS, tpot:MS or e2el:MS")
+        slos[key] = float(value)
+    return slos
+
+
+def summarize(results: list[Result], duration: float, slos: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def good(r: Result) -> bool:
+        tpot = (r.e2el - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        values = {"ttft": r.ttft, "tpot": tpot, "e2el": r.e2el}
+        return all(values[k] * 1e3 <= v for k, v in slos.items())
+
+    summary: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "goodput": (sum(good(r) for r in ok) / duration) if slos else None,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots),
+                         ("itl", [g for r in ok for g in r.itls]), ("e2el", [r.e2el for r in ok])):
+        for stat, v in _stats(values).items():
+            summary[f"{stat}_{name}_ms"] = v
+    return summary
+
+
+def print_summary(s: dict[str, Any], label: str) -> None:
+    print(f"============ Serving Benchmark Result ({label}) ============")
+    print(f"{'Successful requests:':<36}{s['completed']:>12}")
+    print(f"{'Failed requests:':<36}{s['failed']:>12}")
+    print(f"{'Benchmark duration (s):':<36}{s['duration_s']:>12.2f}")
+    print(f"{'Request throughput (req/s):':<36}{s['request_throughput']:>12.2f}")
+    print(f"{'Output token throughput (tok/s):':<36}{s['output_throughput']:>12.2f}")
+    print(f"{'Total token throughput (tok/s):':<36}{s['total_token_throughput']:>12.2f}")
+    if s["goodput"] is not None:
+        print(f"{'Request goodput (req/s):':<36}{s['goodput']:>12.2f}")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            print(f"{f'{stat.capitalize()} {name.upper()} (ms):':<36}{s[f'{stat}_{name}_ms']:>12.2f}")
+
+
+def plot_sweep(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["max_concurrency"] for r in rows]
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("ttft", "tpot", "e2el"):
+        ax.plot(conc, [r[f"median_{name}_ms"] for r in rows], marker="o", label=f"median {name.upper()}")
+        ax.plot(conc, [r[f"p99_{name}_ms"] for r in rows], marker="x", linestyle="--", label=f"p99 {name.upper()}")
+    ax.set(xlabel="max concurrency", ylabel="ms", title="Latency vs concurrency", yscale="log")
+    ax.legend(fontsize=7)
+    paths.append(out / "latency_vs_concurrency.png")
+    fig.tight_layout(), fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(conc, [r["output_throughput"] for r in rows], marker="o", label="output tok/s")
+    ax2 = ax.twinx()
+    ax2.plot(conc, [r["request_throughput"] for r in rows], marker="s", color="tab:orange", label="req/s")
+    ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput vs concurrency")
+    ax2.set_ylabel("requests/s")
+    fig.legend(loc="upper left", fontsize=7)
+    paths.append(out / "throughput_vs_concurrency.png")
+    fig.tight_layout(), fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    slos = parse_goodput(args.goodput)
+    model = args.model or httpx.get(args.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    requests = make_dataset(args)
+    levels = args.sweep or [args.max_concurrency]
+    args.result_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for level in levels:
+        results, duration = asyncio.run(run_load(args.base_url, model, requests, args.request_rate, level,
+                                                 args.seed, not args.no_progress))
+        summary = {**summarize(results, duration, slos), "max_concurrency": level or len(requests),
+                   "request_rate": args.request_rate, "dataset": args.dataset, "num_prompts": args.num_prompts,
+                   "model": model, "goodput_slos_ms": slos}
+        rows.append(summary)
+        print_summary(summary, f"concurrency {level or 'unbounded'}, {args.dataset}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = args.result_dir / f"bench-{args.dataset}-{stamp}.json"
+    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"}, "runs": rows},
+                               indent=2, default=str))
+    print(f"results: {path}")
+    if args.sweep:
+        for png in plot_sweep(rows, args.result_dir):
+            print(f"plot: {png}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Locust users for a running `strata serve` (OpenAI API over HTTP only).
+
+    locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 60s --host http://127.0.0.1:8000 --csv out/strata
+
+Environment knobs: STRATA_MAX_TOKENS (default 32), STRATA_LONG_PROMPT_WORDS (default 300).
+
+Four kinds of users: short text chats, chats with an image, multi-turn chats whose turns share
+a growing prefix, and long prompts. Every request streams; besides the request itself,
+each one reports its time to first token ("TTFT") and its mean inter-token latency ("ITL")
+as separate Locust entries, so the statistics table shows both next to the latency.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import time
+from typing import Any
+
+from locust import HttpUser, between, events, task
+
+MAX_TOKENS = int(os.environ.get("STRATA_MAX_TOKENS", "32"))
+LONG_PROMPT_WORDS = int(os.environ.get("STRATA_LONG_PROMPT_WORDS", "300"))  # ~8 tokens each with the demo tokenizer
+
+
+def _demo_png(seed: int) -> str:
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.new("RGB", (64, 64), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(12):
+        x, y = rng.randrange(56), rng.randrange(56)
+        img.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, x + 8, y + 8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+IMAGES = [_demo_png(i) for i in range(4)]
+TOPICS = ["the sea", "lighthouses", "storms", "harbours", "the tides", "old ships", "the stars"]
+
+
+class StrataUser(HttpUser):
+    abstract = True
+    wait_time = between(0.1, 0.5)
+    model = "strata"
+
+    def on_start(self) -> None:
+        r = self.client.get("/v1/models", name="/v1/models")
+        if r.ok:
+            self.model = r.json()["data"][0]["id"]
+
+    def chat(self, messages: list[dict[str, Any]], name: str) -> str:
+        """Stream one chat completion; report the request, its TTFT and its mean ITL."""
+        body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.7,
+                "stream": True}
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        text = []
+        with self.client.post("/v1/chat/completions", json=body, stream=True, name=name, catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
+                return ""
+            for raw in r.iter_lines():
+                line = raw.decode() if isinstance(raw, bytes) else raw
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    r.failure(chunk["error"]["message"])
+                    return ""
+                delta = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+                if delta:
+                    stamps.append(time.perf_counter())
+                    text.append(delta)
+            if not stamps:
+                r.failure("no tokens streamed")
+                return ""
+            r.success()
+        fire = events.request.fire
+        fire(request_type="SSE", name=f"{name} TTFT", response_time=(stamps[0] - t0) * 1e3, response_length=0,
+             exception=None, context={})
+        if len(stamps) > 1:
+            itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            fire(request_type="SSE", name=f"{name} ITL", response_time=itl * 1e3, response_length=0,
+                 exception=None, context={})
+        return "".join(text)
+
+
+class TextChatUser(StrataUser):
+    weight = 4
+
+    @task
+    def short_chat(self) -> None:
+        self.chat([{"role": "user", "content": f"Tell me something about {random.choice(TOPICS)}."}], "text chat")
+
+
+class ImageChatUser(StrataUser):
+    weight = 2
+
+    @task
+    def image_chat(self) -> None:
+        content = [{"type": "image_url", "image_url": {"url": random.choice(IMAGES)}},
+                   {"type": "text", "text": "What is in this picture?"}]
+        self.chat([{"role": "user", "content": content}], "image chat")
+
+
+class MultiTurnUser(StrataUser):
+    """Each turn resends the whole chat: the server should serve the shared prefix from its cache."""
+
+    weight = 2
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.history: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a ship's log. " + " ".join(f"Entry {i}: calm." for i in range(20))}
+        ]
+
+    @task
+    def next_turn(self) -> None:
+        self.history.append({"role": "user", "content": f"And what about {random.choice(TOPICS)}?"})
+        reply = self.chat(self.history, "multi-turn chat")
+        self.history.append({"role": "assistant", "content": reply})
+        if len(self.history) > 12:
+            self.history = self.history[:1]
+
+
+class LongPromptUser(StrataUser):
+    weight = 1
+
+    @task
+    def long_prompt(self) -> None:
+        words = " ".join(f"{random.choice(TOPICS)} {i}" for i in range(LONG_PROMPT_WORDS))
+        self.chat([{"role": "user", "content": f"Summarize: {words}"}], "long prompt")

@@ -1,0 +1,59 @@
+"""Short real load runs against the real server: Locust headless and `strata bench serve`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_METRICS = [
+    "request_throughput", "output_throughput", "total_token_throughput", "goodput",
+    *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")),
+]
+
+
+def test_headless_locust_run_has_no_failures(serve_server, tmp_path: Path) -> None:
+    locust = Path(sys.executable).with_name("locust")
+    prefix = tmp_path / "strata"
+    proc = subprocess.run(
+        [str(locust), "-f", "loadtest/locustfile.py", "--headless", "-u", "6", "-r", "6", "-t", "20s",
+         "--host", serve_server.base_url, "--csv", str(prefix), "--only-summary"],
+        cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO), "STRATA_LONG_PROMPT_WORDS": "120"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["Name"]: r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
+    for name in ("text chat", "image chat", "multi-turn chat", "long prompt"):
+        assert int(rows[name]["Request Count"]) > 0, f"no {name} requests ran"
+    assert int(rows["text chat TTFT"]["Request Count"]) > 0 and int(rows["text chat ITL"]["Request Count"]) > 0
+
+
+@pytest.mark.parametrize("dataset", ["random", "random-mm", "prefix-repetition"])
+def test_bench_serve_reports_every_metric(serve_server, tmp_path: Path, dataset: str) -> None:
+    args = ["bench", "serve", "--base-url", serve_server.base_url, "--dataset", dataset, "--num-prompts", "8",
+            "--random-input-len", "32", "--random-output-len", "8", "--prefix-len", "64",
+            "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path), "--no-progress"]
+    if dataset == "random":
+        args += ["--sweep", "1", "4", "--request-rate", "50"]
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = tmp_path.glob("bench-*.json")
+    runs = json.loads(result.read_text())["runs"]
+    assert len(runs) == (2 if dataset == "random" else 1)
+    for run in runs:
+        assert run["failed"] == 0 and run["completed"] == 8
+        for metric in BENCH_METRICS:
+            assert run[metric] is not None and run[metric] == run[metric], metric  # present and not NaN
+        assert run["total_output_tokens"] == 8 * 8  # ignore_eos: every request ran to max_tokens
+        assert run["goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: every request is good
+    if dataset == "random":
+        assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 1000
+        assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
+    assert "Request throughput (req/s):" in proc.stdout and "P99 TTFT (ms):" in proc.stdout

@@ -1,0 +1,94 @@
+"""After real traffic, Ray's Prometheus endpoint shows the strata_ metrics, moved by that traffic."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+MODEL = "strata-test"
+
+
+def _scrape(server) -> dict[str, float]:
+    """Sum of every sample per metric name + label set, e.g. 'ray_strata_requests_total{endpoint="chat",status="200"}'."""
+    text = httpx.get(server.metrics_url, timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("ray_strata_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        # drop labels that vary per process (replica ids, pids, …): keep the ones we set
+        metric = re.sub(r",?(Component|NodeAddress|SessionName|Version|WorkerId|JobId|application|deployment|replica)=\"[^\"]*\"", "", name)
+        metric = metric.replace("{,", "{")
+        out[metric] = out.get(metric, 0.0) + float(value)
+    return out
+
+
+def _value(samples: dict[str, float], prefix: str, **labels: str) -> float:
+    total = 0.0
+    for key, v in samples.items():
+        if key.startswith(prefix + "{") or key == prefix:
+            if all(f'{k}="{val}"' in key for k, val in labels.items()):
+                total += v
+    return total
+
+
+def _wait_for(server, check, timeout: float = 45.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = _scrape(server)
+        if check(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(1)
+
+
+def test_metrics_follow_the_traffic(serve_server) -> None:
+    before = _scrape(serve_server)
+    ok_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="200")
+    bad_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="404")
+    hits_before = _value(before, "ray_strata_prefix_cache_tokens_total", kind="hit")
+    shared = "Keep this ship's manifest in mind: " + ", ".join(f"crate {i}" for i in range(40))
+    url = serve_server.base_url + "/v1/chat/completions"
+    n = 6
+    for i in range(n):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"{shared}. Question {i}?"}],
+                "max_tokens": 4, "stream": i % 2 == 0}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+    assert httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+
+    def moved(s: dict[str, float]) -> bool:
+        return (_value(s, "ray_strata_requests_total", endpoint="chat", status="200") >= ok_before + n
+                and _value(s, "ray_strata_prefix_cache_tokens_total", kind="hit") > hits_before
+                and _value(s, "ray_strata_time_to_first_token_seconds_count") >= n)
+
+    after = _wait_for(serve_server, moved)
+    assert _value(after, "ray_strata_requests_total", endpoint="chat", status="200") == ok_before + n
+    assert _value(after, "ray_strata_requests_total", endpoint="chat", status="404") == bad_before + 1
+    assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="hit") > hits_before  # the repeated prefix hit
+    assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="queried") > 0
+    assert _value(after, "ray_strata_time_to_first_token_seconds_count") >= n
+    assert _value(after, "ray_strata_e2e_request_latency_seconds_count") >= n
+    assert _value(after, "ray_strata_inter_token_latency_seconds_count") >= n  # 4 tokens each: 3 gaps
+    assert _value(after, "ray_strata_stage_processing_seconds_count", stage="prefill") >= n
+    assert _value(after, "ray_strata_kv_blocks", stage="decode", tier="host", state="stored") > 0
+    assert any(k.startswith("ray_strata_stage_queue_depth{") for k in after)
+    assert any(k.startswith("ray_strata_autoscaling_target_replicas{") for k in after)
+
+
+def test_the_grafana_dashboard_only_queries_metrics_we_export() -> None:
+    import inspect
+    import json as _json
+    from pathlib import Path
+
+    from deployments import metrics
+
+    dashboard = _json.loads((Path(metrics.__file__).parent / "grafana" / "strata_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m.removeprefix("ray_") for e in exprs for m in re.findall(r"ray_strata_\w+", e)}
+    defined = set(re.findall(r'"(strata_\w+)"', inspect.getsource(metrics)))
+    suffixes = ("_total", "_bucket", "_count", "_sum")
+    for name in used:
+        base = next((name[: -len(s)] for s in suffixes if name.endswith(s) and name[: -len(s)] in defined), name)
+        assert base in defined, f"dashboard queries {name}, which Strata does not export"
+    assert len(dashboard["panels"]) >= 10
