@@ -43,8 +43,20 @@ def _wait_for(server, check, timeout: float = 45.0) -> dict[str, float]:
         time.sleep(1)
 
 
+def _settled(server) -> dict[str, float]:
+    """Scrape until two scrapes 2 s apart agree: traffic of earlier tests has been exported."""
+    previous = _scrape(server)
+    for _ in range(30):
+        time.sleep(2)
+        current = _scrape(server)
+        if current == previous:
+            return current
+        previous = current
+    return previous
+
+
 def test_metrics_follow_the_traffic(serve_server) -> None:
-    before = _scrape(serve_server)
+    before = _settled(serve_server)
     ok_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="200")
     bad_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="404")
     hits_before = _value(before, "ray_strata_prefix_cache_tokens_total", kind="hit")
