@@ -64,19 +64,19 @@ class RequestFlow:
             for off, f, p in zip(offsets, feats, pixels)
         ]
 
-    async def events(self, wire: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Token events; the first also carries ``num_cached_tokens`` (prefix-cache hit)."""
+    async def events(self, wire: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        """Token events in the batches they arrive in (a decode step's worth or more); the first
+        batch is prefill's token and carries ``num_cached_tokens`` (prefix-cache hit)."""
         first = await self.prefill.prefill.remote(wire)
-        yield {k: first[k] for k in ("token_id", "text_delta", "finished", "finish_reason", "num_cached_tokens")}
+        yield [{k: first[k] for k in ("token_id", "text_delta", "finished", "finish_reason", "num_cached_tokens")}]
         if first["finished"]:
             return
         stream = self.decode.generate.remote(first["seq"], first["handle"])
         done = False
         try:
             async for batch in stream:
-                for event in batch:
-                    done = done or event["finished"]
-                    yield event
+                done = any(event["finished"] for event in batch)
+                yield batch
         finally:
             if not done:  # cancelled, or the consumer stopped reading: abort it in the decode replica
                 stream.cancel()
