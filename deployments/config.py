@@ -8,12 +8,11 @@ replica resources and autoscaling policy. Plain dataclasses (no Ray), loaded fro
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, read_json_object
 
 STAGES = ("preprocess", "encode", "prefill", "decode", "ingress")
 
@@ -101,15 +100,7 @@ class ServeConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ServeConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"config {path} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"config {path} must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(path))
 
 
 # Serving needs the host tier: prefill and decode replicas are separate processes with their own pools.

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, read_json_object
 from pipeline.sampling_params import SamplingParams
 from pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 
@@ -113,13 +112,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     data: dict[str, Any] = {}
     if args.config is not None:
         try:
-            raw = json.loads(args.config.read_text())
-        except OSError as exc:
-            raise CLIError(f"cannot read config {args.config}: {exc.strerror or exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise CLIError(f"config {args.config} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CLIError(f"config {args.config} must hold a JSON object")
+            raw = read_json_object(args.config)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
         data = raw.get("engine", raw)
     data.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
     try:

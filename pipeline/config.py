@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -73,3 +74,16 @@ class EngineConfig:
         cfg = cls(**data)
         cfg.validate()
         return cfg
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A config file's JSON object; ValueError with a one-line reason for anything else."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path} must hold a JSON object")
+    return raw

@@ -106,3 +106,23 @@ def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], messa
     res = strata("generate", "--model", str(llama_dir), "--prompt", "hi " * 40, "--config", str(path), *flags)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("{oops", "not valid JSON"),
+        ('{"stagez": {}}', "unknown serve config keys: stagez"),
+        ('{"stages": {"prefill": {"max_replicaz": 2}}}', "unknown keys in stages.prefill: max_replicaz"),
+        ('{"stages": {"warp": {}}}', "unknown stage 'warp'"),
+        ('{"stages": {"decode": {"min_replicas": 3, "max_replicas": 2}}}', "min_replicas <= max_replicas"),
+        ('{"engine": {"host_kv_blocks": 0}}', "host_kv_blocks must be > 0"),
+    ],
+    ids=["bad-json", "unknown-key", "unknown-stage-key", "unknown-stage", "bad-bounds", "no-host-tier"],
+)
+def test_serve_refuses_a_bad_config_before_starting_anything(config: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "serve.json"
+    path.write_text(config)
+    res = strata("serve", "--config", str(path), "--port", "1")
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
