@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
 
 from deployments.autoscaling import StageSignalPolicy
 from deployments.config import SIGNALS, ServeConfig
@@ -53,6 +53,8 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
     return {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": sc.max_ongoing_requests,
+        "max_queued_requests": sc.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=sc.retry_after_s),
         "ray_actor_options": {"num_cpus": sc.num_cpus, "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}},
     }
 

@@ -36,6 +36,8 @@ class StageConfig:
     initial_replicas: int | None = None
     num_cpus: float = 0.0  # logical CPUs reserved per replica (0: do not limit placement)
     max_ongoing_requests: int = 256  # every open stream holds one slot
+    max_queued_requests: int = 512  # per caller; past it: HTTP 429 with Retry-After (never unbounded memory)
+    retry_after_s: float = 1.0
     target_per_replica: float = 0.0  # the stage signal one replica should carry (0: the stage default)
     kv_occupancy_target: float = 0.85  # decode only: scale up past this device-tier occupancy
     upscale_delay_s: float = 1.0
@@ -48,6 +50,8 @@ class StageConfig:
             raise ValueError(f"stages.{name}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if self.num_cpus < 0 or self.max_ongoing_requests < 1 or self.target_per_replica < 0:
             raise ValueError(f"stages.{name}: num_cpus, target_per_replica must be >= 0, max_ongoing_requests >= 1")
+        if self.max_queued_requests < 1 or self.retry_after_s < 0:
+            raise ValueError(f"stages.{name}: max_queued_requests must be >= 1 and retry_after_s >= 0")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError(f"stages.{name}: look_back_period_s must exceed metrics_interval_s")
 

@@ -1,0 +1,47 @@
+"""The serve config maps onto Serve deployment options: bounds, backpressure, the stage's own policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.app import deployment_options
+from deployments.config import SIGNALS, STAGES, ServeConfig
+
+
+def test_every_stage_gets_its_own_policy_and_bounded_queues() -> None:
+    config = ServeConfig.from_dict({"stages": {"prefill": {"max_replicas": 3, "target_per_replica": 1000,
+                                                           "max_queued_requests": 64, "retry_after_s": 2.5}}})
+    for stage in STAGES:
+        opts = deployment_options(config, stage)
+        policy = opts["autoscaling_config"].policy
+        assert policy.policy_kwargs["signal"] == SIGNALS[stage] and policy.policy_kwargs["stage"] == stage
+        assert opts["backpressure_config"].status_code == 429
+        assert opts["max_queued_requests"] > 0  # never an unbounded queue
+    prefill = deployment_options(config, "prefill")
+    assert prefill["autoscaling_config"].max_replicas == 3
+    assert prefill["autoscaling_config"].policy.policy_kwargs["target"] == 1000
+    assert prefill["max_queued_requests"] == 64 and prefill["backpressure_config"].retry_after_s == 2.5
+    assert deployment_options(config, "decode")["autoscaling_config"].policy.policy_kwargs["occupancy_target"] == 0.85
+
+
+def test_the_policy_scales_on_the_stage_signal() -> None:
+    from types import SimpleNamespace
+
+    from deployments.autoscaling import StageSignalPolicy
+
+    policy = StageSignalPolicy("queued_prompt_tokens", 1000.0, stage="prefill")
+    ctx = lambda metrics, current=1: SimpleNamespace(  # noqa: E731
+        aggregated_metrics=metrics, target_num_replicas=current, current_num_replicas=current,
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4)
+    assert policy(ctx({"queued_prompt_tokens": {"r1": 2500.0, "r2": 600.0}}))[0] == 4  # ceil(3100 / 1000)
+    assert policy(ctx({"queued_prompt_tokens": {"r1": 0.0}}, current=3))[0] == 1  # idle: back to the minimum
+    assert policy(ctx({}, current=2))[0] == 2  # no reports yet: hold steady
+    assert policy(ctx({"queued_prompt_tokens": {"r1": 9e9}}))[0] == 4  # clamped to the maximum
+    decode = StageSignalPolicy("running_sequences", 32.0, occupancy_target=0.8, stage="decode")
+    assert decode(ctx({"running_sequences": {"r1": 4.0}, "kv_occupancy": {"r1": 0.95}}, current=2))[0] == 3
+
+
+@pytest.mark.parametrize("bad", [{"max_queued_requests": 0}, {"retry_after_s": -1}])
+def test_bad_queue_bounds_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError, match="stages.ingress"):
+        ServeConfig.from_dict({"stages": {"ingress": bad}})
