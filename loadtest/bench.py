@@ -93,13 +93,14 @@ async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
     body = {"model": model, "messages": req.messages, "max_tokens": req.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    res, last = Result(ok=False), None
+    res, last, done = Result(ok=False), None, False
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
+                done = done or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -120,8 +121,10 @@ async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
         res.error = repr(exc)
         return res
     res.e2el = time.perf_counter() - t0
-    res.ok = last is not None
-    res.error = "" if res.ok else "no tokens streamed"
+    if last is None:  # finished without visible text (e.g. an immediate EOS): the first token came at the end
+        res.ttft = res.e2el
+    res.ok = done
+    res.error = "" if res.ok else "stream ended without [DONE]"
     return res
 
 

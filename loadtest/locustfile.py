@@ -60,13 +60,16 @@ class StrataUser(HttpUser):
         t0 = time.perf_counter()
         stamps: list[float] = []
         text = []
+        done = False
         with self.client.post("/v1/chat/completions", json=body, stream=True, name=name, catch_response=True) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
                 return ""
             for raw in r.iter_lines():
                 line = raw.decode() if isinstance(raw, bytes) else raw
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if line == "data: [DONE]":
+                    done = True
+                if not line.startswith("data: ") or done:
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
@@ -76,10 +79,12 @@ class StrataUser(HttpUser):
                 if delta:
                     stamps.append(time.perf_counter())
                     text.append(delta)
-            if not stamps:
-                r.failure("no tokens streamed")
+            if not done:
+                r.failure("stream ended without [DONE]")
                 return ""
             r.success()
+        if not stamps:  # the model finished at once (EOS): a complete answer with no text to time
+            return ""
         fire = events.request.fire
         fire(request_type="SSE", name=f"{name} TTFT", response_time=(stamps[0] - t0) * 1e3, response_length=0,
              exception=None, context={})
