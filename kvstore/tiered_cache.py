@@ -155,6 +155,18 @@ class TieredKVCache:
         """Resident blocks that may leave the device: full, published ones."""
         return max(0, num_published - table.num_spilled) if self.lower is not None else 0
 
+    def spill_plan(self, table: BlockTable, num_published: int, want: int) -> tuple[int, int]:
+        """(blocks to spill, device blocks that frees): the shortest leading run of spillable blocks
+        that frees ``want`` blocks, or all of them. A block other sequences also hold (a shared
+        prefix) frees nothing when only this one lets go of it."""
+        count = freed = 0
+        for block_id in table.block_ids[: self.spillable(table, num_published)]:
+            count += 1
+            freed += self.pool.ref_count(block_id) == 1
+            if freed >= want:
+                break
+        return count, freed
+
     def spill(self, table: BlockTable, hashes: Sequence[bytes], n: int) -> int:
         """Drop the ``n`` oldest resident (published) blocks from the device; returns how many left."""
         assert self.lower is not None

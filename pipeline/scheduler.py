@@ -165,20 +165,19 @@ class Scheduler:
             seq.num_cached_tokens = matched * bs
 
     def _spill_until_free(self, needed: int, extra: Sequence | None = None) -> None:
-        """Spill the oldest published blocks of the sequences holding the most device blocks until
-        ``needed`` blocks are allocatable (or nothing more can be spilled)."""
+        """Spill leading published blocks until ``needed`` blocks are allocatable, each time from the
+        sequence whose spill frees the most device blocks (blocks shared with other sequences free
+        nothing, so a shared prefix is not streamed for no gain). Stops when nothing would free."""
         if not self.can_spill:
             return
         candidates = self.running + ([extra] if extra is not None else [])
         while self.pool.num_free() < needed:
-            best = max(candidates, key=lambda s: self.kv.spillable(s.block_table, s.num_published_blocks), default=None)
-            if best is None:
+            want = needed - self.pool.num_free()
+            plans = [(self.kv.spill_plan(s.block_table, s.num_published_blocks, want), s) for s in candidates]
+            (count, freed), best = max(plans, key=lambda p: p[0][1], default=((0, 0), None))
+            if best is None or freed == 0:
                 return
-            spillable = self.kv.spillable(best.block_table, best.num_published_blocks)
-            if spillable == 0:
-                return
-            want = min(spillable, needed - self.pool.num_free())
-            if self.kv.spill(best.block_table, best.block_hashes, want) == 0:
+            if self.kv.spill(best.block_table, best.block_hashes, count) == 0:
                 return
 
     def _allocate(self, seq: Sequence, count: int) -> None:

@@ -131,3 +131,19 @@ def test_a_spilled_block_lost_mid_request_is_recomputed_not_served(llama_dir: Pa
     assert damaged and host.counters["corrupt"] >= 1
     assert engine.prefiller.core.scheduler.num_preemptions >= 1
     assert final.output_token_ids == full.output_token_ids
+
+
+def test_many_requests_sharing_a_prefix_on_a_small_device_tier(llama_dir: Path, tmp_path: Path) -> None:
+    """Shared prefix blocks free nothing when one holder spills them; the scheduler must still
+    make progress (spilling private blocks, or preempting) and every output must be exact."""
+    shared = _ids(600, seed=11)
+    requests = [{"prompt_token_ids": shared + _ids(200, seed=20 + i), "params": greedy(6)} for i in range(6)]
+    full = build(llama_dir, max_model_len=1_000).generate(requests)
+    tiered = build(
+        llama_dir, max_model_len=1_000, num_kv_blocks=64, prefill_chunk_tokens=128, max_num_batched_tokens=256,
+        host_kv_blocks=600, host_kv_dir=str(tmp_path / "host"),
+    )
+    outs = tiered.generate(requests)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in full]
+    assert _kv(tiered).stats()["device"]["peak_in_use"] <= 64
+    assert _kv(tiered).lower.top.num_pinned() == 0 and _kv(tiered).spilled_blocks == 0

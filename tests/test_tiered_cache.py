@@ -97,3 +97,13 @@ def test_without_lower_tiers_nothing_spills(tmp_path: Path) -> None:
     c = TieredKVCache(BlockPool(LAYOUT, 4))
     table = fill(c, 2)
     assert not c.can_spill and c.spillable(table, 2) == 0
+
+
+def test_spill_plan_counts_only_blocks_that_would_be_freed(tmp_path: Path) -> None:
+    c = cache(tmp_path, device_blocks=8)
+    table = fill(c, 4)
+    for block_id in table.block_ids[:2]:  # another sequence shares the first two blocks
+        c.pool.incref(block_id)
+    assert c.spill_plan(table, 4, want=1) == (3, 1)  # the shared pair frees nothing; the third frees one
+    assert c.spill_plan(table, 4, want=5) == (4, 2)  # everything spillable frees two at most
+    assert c.spill_plan(table, 2, want=1) == (2, 0)  # only the shared, published ones: no gain
