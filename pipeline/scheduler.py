@@ -3,8 +3,8 @@
 Each step: running sequences that decode go first (one token each), then running
 sequences mid-prefill, then waiting sequences, each prefill chunk capped by
 ``prefill_chunk_tokens`` and all of it by ``max_num_batched_tokens``. When the block
-pool runs dry, and lower KV tiers exist, the oldest full blocks of the sequence with the
-most device blocks are spilled (attention streams them back); without lower tiers, or
+pool runs dry, and lower KV tiers exist, leading full blocks of the sequence whose spill
+frees the most device blocks are spilled (attention streams them back); without lower tiers, or
 when nothing can be spilled, the newest running sequence is preempted by recompute: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front
 of the queue.
