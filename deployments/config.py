@@ -8,11 +8,11 @@ replica resources and autoscaling policy. Plain dataclasses (no Ray), loaded fro
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import EngineConfig, read_json_object
+from pipeline.config import EngineConfig, read_json_object, reject_unknown_keys
 
 STAGES = ("preprocess", "encode", "prefill", "decode", "ingress")
 
@@ -85,18 +85,12 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServeConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown serve config keys: {', '.join(sorted(unknown))}")
+        reject_unknown_keys(cls, data, "unknown serve config keys")
         data = dict(data)
         engine = EngineConfig.from_dict({**_SERVE_ENGINE_DEFAULTS, **data.pop("engine", {})})
         stages = {}
         for name, raw in (data.pop("stages", None) or {}).items():
-            stage_known = {f.name for f in fields(StageConfig)}
-            bad = set(raw) - stage_known
-            if bad:
-                raise ValueError(f"unknown keys in stages.{name}: {', '.join(sorted(bad))}")
+            reject_unknown_keys(StageConfig, raw, f"unknown keys in stages.{name}")
             stages[name] = StageConfig(**raw)
         cfg = cls(engine=engine, stages=stages, **data)
         cfg.validate()

@@ -67,10 +67,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown engine config keys: {', '.join(sorted(unknown))}")
+        reject_unknown_keys(cls, data, "unknown engine config keys")
         cfg = cls(**data)
         cfg.validate()
         return cfg
@@ -87,3 +84,10 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"config {path} must hold a JSON object")
     return raw
+
+
+def reject_unknown_keys(cls: type, data: dict[str, Any], what: str) -> None:
+    """A config dict may only name fields of the dataclass ``cls``: a typo is an error, not a default."""
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{what}: {', '.join(sorted(unknown))}")
