@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
 
-from deployments.autoscaling import StageSignalPolicy
-from deployments.config import SIGNALS, ServeConfig
-from deployments.ingress import Ingress
-from deployments.stage_deployments import Decode, Encode, Prefill, Preprocess
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from strata.deployments.autoscaling import StageSignalPolicy
+from strata.deployments.config import SIGNALS, ServeConfig
+from strata.deployments.ingress import Ingress
+from strata.deployments.stage_deployments import Decode, Encode, Prefill, Preprocess
 
 
 def resolve_model(config: ServeConfig) -> ServeConfig:
     """Fill in the model directory (the tiny demo model, built once, when none is given), its
     name, and an absolute host-tier directory every replica on the node shares."""
     if config.model_dir is None:
-        from pipeline.tiny_model import ensure_demo_model
+        from strata.pipeline.tiny_model import ensure_demo_model
 
         config.model_dir = str(ensure_demo_model())
     config.model_dir = str(Path(config.model_dir).resolve())
@@ -49,13 +46,12 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
         upscale_delay_s=sc.upscale_delay_s, downscale_delay_s=sc.downscale_delay_s,
         metrics_interval_s=sc.metrics_interval_s, look_back_period_s=sc.look_back_period_s, policy=policy,
     )
-    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": sc.max_ongoing_requests,
         "max_queued_requests": sc.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=sc.retry_after_s),
-        "ray_actor_options": {"num_cpus": sc.num_cpus, "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}},
+        "ray_actor_options": {"num_cpus": sc.num_cpus},
     }
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import EngineConfig, read_json_object, reject_unknown_keys
+from strata.pipeline.config import EngineConfig, read_json_object, reject_unknown_keys
 
 STAGES = ("preprocess", "encode", "prefill", "decode", "ingress")
 

@@ -13,21 +13,24 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from deployments import metrics
-from deployments.config import ServeConfig
-from deployments.openai_protocol import (
+from strata.deployments import metrics
+from strata.deployments.config import ServeConfig
+from strata.deployments.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse_request, split_chat, usage,
 )
-from deployments.openai_responses import (
+from strata.deployments.openai_responses import (
     chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
 )
-from deployments.request_flow import RequestFlow
-from pipeline.model_config import load_llava_config
-from pipeline.tokenizer import PromptTokenizer
+from strata.deployments.request_flow import RequestFlow
+from strata.pipeline.intake import Intake
+from strata.pipeline.model_config import load_llava_config
+from strata.pipeline.request import Request, TokenEvent
+from strata.pipeline.tokenizer import PromptTokenizer
 
 log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
@@ -38,7 +41,7 @@ def _error(exc: APIError, endpoint: str) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: HTTPRequest) -> Any:
     raw = await request.body()
     try:
         return json.loads(raw)
@@ -54,7 +57,7 @@ class Ingress:
         model_dir = Path(self.config.model_dir or "")
         self.model_name = self.config.model_name or model_dir.name
         self.tokenizer = PromptTokenizer(model_dir, load_llava_config(model_dir))
-        self.flow = RequestFlow(self.tokenizer, self.config.engine, preprocess, encode, prefill, decode)
+        self.flow = RequestFlow(Intake(self.tokenizer, self.config.engine), preprocess, encode, prefill, decode)
         self.stage_handles = {"prefill": prefill, "decode": decode, "encode": encode}
         self.ongoing = 0
 
@@ -81,63 +84,62 @@ class Ingress:
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        t0 = time.perf_counter()
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        t0, rid = time.perf_counter(), new_id("chatcmpl")
         try:
             req = parse_request(ChatCompletionRequest, await _json_body(request))
             self._check_model(req.model)
             messages, images = split_chat(req.messages, self.config.max_image_bytes)
             params = req.sampling_params(default_max_tokens=1)
-            default = req.max_tokens is None
-            wire = await self.flow.prepare(params, default, images, messages=messages)
+            prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages)
         except APIError as exc:
             return _error(exc, "chat")
-        return await self._respond(req, wire, chat=True, t0=t0)
+        return await self._respond(req, prepared, chat=True, t0=t0)
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        t0 = time.perf_counter()
+    async def completions(self, request: HTTPRequest) -> Response:
+        t0, rid = time.perf_counter(), new_id("cmpl")
         try:
             req = parse_request(CompletionRequest, await _json_body(request))
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
-            wire = await self.flow.prepare(params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
+            prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
         except APIError as exc:
             return _error(exc, "completions")
-        return await self._respond(req, wire, chat=False, t0=t0)
+        return await self._respond(req, prepared, chat=False, t0=t0)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                            code="model_not_found", param="model")
 
-    async def _respond(self, req: Any, wire: dict[str, Any], chat: bool, t0: float) -> Response:
-        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    async def _respond(self, req: Any, prepared: Request, chat: bool, t0: float) -> Response:
+        rid, created = prepared.request_id, now()
         endpoint = "chat" if chat else "completions"
         if req.stream:
-            return StreamingResponse(self._stream(req, wire, chat, rid, created, t0), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, prepared, chat, created, t0), media_type="text/event-stream")
         self.ongoing += 1
         try:
             text, reason, n, cached = "", None, 0, 0
-            async for batch in self._timed(self.flow.events(wire), endpoint, t0):
+            async for batch in self._timed(self.flow.events(prepared), endpoint, t0):
                 for ev in batch:
                     n += 1
-                    text += ev["text_delta"]
-                    cached = ev.get("num_cached_tokens", cached)
-                    reason = ev["finish_reason"] if ev["finished"] else reason
+                    text += ev.text_delta
+                    cached = max(cached, ev.num_cached_tokens)
+                    reason = ev.finish_reason or reason
         except Exception as exc:  # a stage failed: the request cannot be completed
             log.exception("request %s failed", rid)
             return _error(APIError(500, f"generation failed: {exc}", type_="server_error"), endpoint)
         finally:
             self.ongoing -= 1
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
-        use = usage(wire["num_prompt_tokens"], n, cached)
+        use = usage(prepared.num_prompt_tokens, n, cached)
         build = chat_completion if chat else completion
         return JSONResponse(build(rid, self.model_name, created, text, openai_finish_reason(reason), use))
 
     @staticmethod
-    async def _timed(batches: AsyncIterator[list[dict[str, Any]]], endpoint: str,
-                     t0: float) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _timed(batches: AsyncIterator[list[TokenEvent]], endpoint: str,
+                     t0: float) -> AsyncIterator[list[TokenEvent]]:
         """Pass event batches through, observing TTFT, inter-token gaps (a batch of k tokens after a
         gap g counts k gaps of g/k) and, at the end, E2E latency."""
         tags = {"endpoint": endpoint}
@@ -153,9 +155,8 @@ class Ingress:
             yield batch
         metrics.e2e().observe(time.perf_counter() - t0, tags=tags)
 
-    async def _stream(self, req: Any, wire: dict[str, Any], chat: bool, rid: str, created: int,
-                      t0: float) -> AsyncIterator[str]:
-        model = self.model_name
+    async def _stream(self, req: Any, prepared: Request, chat: bool, created: int, t0: float) -> AsyncIterator[str]:
+        model, rid = self.model_name, prepared.request_id
         endpoint = "chat" if chat else "completions"
         self.ongoing += 1
         status = "499"  # until it completes: a stream that ends early was cancelled by the client
@@ -163,15 +164,15 @@ class Ingress:
             if chat:
                 yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
             n, cached, reason = 0, 0, None
-            async for batch in self._timed(self.flow.events(wire), endpoint, t0):
+            async for batch in self._timed(self.flow.events(prepared), endpoint, t0):
                 out = []  # one chunk per token, one write per batch: fewer hops through the proxy
                 for ev in batch:
                     n += 1
-                    cached = ev.get("num_cached_tokens", cached)
-                    if ev["finished"]:
-                        reason = openai_finish_reason(ev["finish_reason"])
-                    if ev["text_delta"]:
-                        delta = ev["text_delta"]
+                    cached = max(cached, ev.num_cached_tokens)
+                    if ev.finished:
+                        reason = openai_finish_reason(ev.finish_reason)
+                    if ev.text_delta:
+                        delta = ev.text_delta
                         out.append(sse(chat_chunk(rid, model, created, {"content": delta}, None) if chat
                                        else completion_chunk(rid, model, created, delta, None)))
                 if reason is not None:
@@ -179,7 +180,7 @@ class Ingress:
                                    else completion_chunk(rid, model, created, "", reason)))
                     if req.include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
-                        out.append(sse(usage_chunk(rid, model, created, obj, usage(wire["num_prompt_tokens"], n, cached))))
+                        out.append(sse(usage_chunk(rid, model, created, obj, usage(prepared.num_prompt_tokens, n, cached))))
                     out.append(sse("[DONE]"))
                 if out:
                     yield "".join(out)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.sampling_params import SamplingParams
+from strata.pipeline.sampling_params import SamplingParams
 
 
 class APIError(Exception):

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from deployments.loopback import LOOPBACK_ENV
+from strata.deployments.loopback import LOOPBACK_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_config(args: argparse.Namespace) -> Any:
-    from deployments.config import ServeConfig
+    from strata.deployments.config import ServeConfig
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     if args.model is not None:
@@ -58,7 +58,7 @@ def _start_ray(args: argparse.Namespace) -> Any:
         dashboard_host="127.0.0.1",
         dashboard_port=args.dashboard_port,
         _metrics_export_port=args.metrics_port,
-        runtime_env={"worker_process_setup_hook": "deployments.loopback.bind_replica_servers_to_loopback"},
+        runtime_env={"worker_process_setup_hook": "strata.deployments.loopback.bind_replica_servers_to_loopback"},
     )
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     context = _start_ray(args)
     from ray import serve
 
-    from deployments.app import build_app
+    from strata.deployments.app import build_app
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,9 +1,10 @@
 """The four stage deployments: thin Ray Serve wrappers around ``stages/``.
 
 Each replica builds its stage from the model directory and the engine config, serves plain
-method calls through deployment handles, and reports its autoscaling signal. Values that
-cross replicas are numpy arrays, bytes and builtins (zero-copy through the object store for
-arrays; KV itself moves through the host tier, named by a ``KVHandle``).
+method calls through deployment handles, and reports its autoscaling signal. Prefill and decode
+speak the request contract as msgpack bytes (``Request`` in, ``Handoff`` out, token-event
+batches streamed); images cross as numpy arrays (zero-copy through the object store); KV itself
+moves through the host tier, named by a ``KVHandle``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any, AsyncIterator
 import numpy as np
 from ray import serve
 
-from deployments import metrics
-from pipeline.config import EngineConfig
-from stages.factory import build_decode_service, build_prefill_service
-from stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
-from stages.vision_encoder import VisionEncoder
+from strata.deployments import metrics
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.handoff import Handoff
+from strata.pipeline.request import Request, pack_events
+from strata.stages.factory import build_decode_service, build_prefill_service
+from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
+from strata.stages.vision_encoder import VisionEncoder
 
 
 @serve.deployment(name="Preprocess")
@@ -31,15 +34,14 @@ class Preprocess:
         self.preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels)
         self.pending = 0
 
-    async def process(self, data: bytes) -> dict[str, Any]:
-        """``{"pixel_values", "hash"}``, or ``{"error"}`` for an image the user must fix (a 400)."""
+    async def process(self, data: bytes) -> PreprocessedImage | ImageError:
+        """The preprocessed image, or the :class:`ImageError` that says what the user must fix (a 400)."""
         self.pending += 1
         t0 = time.perf_counter()
         try:
-            image = await asyncio.to_thread(self.preprocessor.process, data)
-            return {"pixel_values": image.pixel_values, "hash": image.content_hash}
+            return await asyncio.to_thread(self.preprocessor.process, data)
         except ImageError as exc:
-            return {"error": str(exc)}
+            return exc
         finally:
             self.pending -= 1
             metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "preprocess"})
@@ -59,8 +61,7 @@ class Encode:
         self.deltas = metrics.CounterDelta()
         self._lock = asyncio.Lock()  # one forward at a time; the cache is not thread-safe
 
-    async def encode(self, images: list[dict[str, Any]]) -> list[np.ndarray]:
-        batch = [PreprocessedImage(np.asarray(i["pixel_values"]), i["hash"]) for i in images]
+    async def encode(self, batch: list[PreprocessedImage]) -> list[np.ndarray]:
         self.pending += len(batch)
         t0 = time.perf_counter()
         try:
@@ -88,14 +89,16 @@ class Prefill:
         self.service = build_prefill_service(model_dir, EngineConfig.from_dict(engine))
         self.deltas = metrics.CounterDelta()
 
-    async def prefill(self, wire: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, request: bytes) -> bytes:
+        """A msgpack ``Request`` in, its msgpack ``Handoff`` out."""
         t0 = time.perf_counter()
-        result = await self.service.prefill(wire)
+        req = Request.from_msgpack(request)
+        handoff = await self.service.prefill(req)
         metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "prefill"})
-        metrics.prefix_tokens().inc(float(wire["num_prompt_tokens"]), tags={"kind": "queried"})
-        if result["num_cached_tokens"]:
-            metrics.prefix_tokens().inc(float(result["num_cached_tokens"]), tags={"kind": "hit"})
-        return result
+        metrics.prefix_tokens().inc(float(req.num_prompt_tokens), tags={"kind": "queried"})
+        if handoff.num_cached_tokens:
+            metrics.prefix_tokens().inc(float(handoff.num_cached_tokens), tags={"kind": "hit"})
+        return handoff.to_msgpack()
 
     async def stats(self) -> dict[str, Any]:
         return await self.service.stats()
@@ -118,9 +121,10 @@ class Decode:
         self.service = build_decode_service(model_dir, EngineConfig.from_dict(engine))
         self.deltas = metrics.CounterDelta()
 
-    async def generate(self, wire: dict[str, Any], handle: bytes) -> AsyncIterator[list[dict[str, Any]]]:
-        async for batch in self.service.generate(wire, handle):
-            yield batch
+    async def generate(self, handoff: bytes) -> AsyncIterator[bytes]:
+        """A msgpack ``Handoff`` in; msgpack token-event batches out, one per wake-up."""
+        async for batch in self.service.generate(Handoff.from_msgpack(handoff)):
+            yield pack_events(batch)
 
     async def stats(self) -> dict[str, Any]:
         return await self.service.stats()

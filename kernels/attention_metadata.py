@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 import torch
 
 
-class OffloadedKV(Protocol):
+class SpilledKV(Protocol):
     """A sequence's oldest KV blocks that are not on the device: positions
     ``0 .. num_blocks * block_size - 1``, streamed back one layer and one segment at a time."""
 
@@ -29,7 +29,7 @@ class AttentionMetadata:
     absolute position of query row ``j`` of sequence ``i`` is
     ``seq_lens[i] - query_len_i + j``. Keys of sequence ``i`` are token positions
     ``kv_offsets[i] .. seq_lens[i]-1`` stored in blocks ``block_tables[i, :]``; keys before
-    ``kv_offsets[i]`` (block aligned) are off the device, described by ``offloaded[i]``.
+    ``kv_offsets[i]`` (block aligned) are off the device, described by ``spilled[i]``.
     """
 
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
@@ -40,7 +40,7 @@ class AttentionMetadata:
     query_lens: list[int]  # python copies: backends branch on them without a device sync
     seq_lens_list: list[int]
     kv_offsets: list[int] = field(default_factory=list)  # first key position in the block table, per sequence
-    offloaded: list[OffloadedKV | None] | None = None  # None when every key is on the device
+    spilled: list[SpilledKV | None] | None = None  # None when every key is on the device
 
     def kv_offset(self, i: int) -> int:
         return self.kv_offsets[i] if self.kv_offsets else 0
@@ -67,7 +67,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         kv_offsets: Sequence[int] | None = None,
-        offloaded: Sequence[OffloadedKV | None] | None = None,
+        spilled: Sequence[SpilledKV | None] | None = None,
     ) -> "AttentionMetadata":
         """Assemble tensors from plain lists (what the model runner has at hand)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
@@ -89,5 +89,5 @@ class AttentionMetadata:
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
             kv_offsets=list(kv_offsets) if kv_offsets is not None and any(kv_offsets) else [],
-            offloaded=list(offloaded) if offloaded is not None and any(o is not None for o in offloaded) else None,
+            spilled=list(spilled) if spilled is not None and any(o is not None for o in spilled) else None,
         )

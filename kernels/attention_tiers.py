@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_torch import attend_with_positions
-from kernels.merge import merge_attention_states
+from strata.kernels.attention_metadata import AttentionMetadata
+from strata.kernels.attention_torch import attend_with_positions
+from strata.kernels.merge import merge_attention_states
 
 
-def attend_offloaded(
+def attend_spilled(
     q: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -24,15 +24,15 @@ def attend_offloaded(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Fold the offloaded keys of every sequence into ``out`` (device part, with ``lse``).
+    """Fold the spilled keys of every sequence into ``out`` (device part, with ``lse``).
 
     q/out: [T, Hq, D], lse: [T, Hq]. Returns the merged output (same shape and dtype as out).
     """
-    if meta.offloaded is None:
+    if meta.spilled is None:
         return out
     starts = meta.query_start_loc.tolist()
     bs = meta.block_size
-    for i, source in enumerate(meta.offloaded):
+    for i, source in enumerate(meta.spilled):
         if source is None or source.num_blocks == 0:
             continue
         lo, n = starts[i], meta.query_lens[i]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backends import AttentionBackend
-from kernels.merge import merge_attention_states
+from strata.kernels.attention_metadata import AttentionMetadata
+from strata.kernels.attention_backend import AttentionBackend
+from strata.kernels.merge import merge_attention_states
 
 _SCORE_ELEMS = 1 << 25  # most fp32 attention scores (or mask entries) materialized at once (128 MiB)
 # torch's fused CPU attention that also returns the log-sum-exp (a private op: used when present).

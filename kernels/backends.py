@@ -1,46 +1,17 @@
-"""The attention backend interface and run-time discovery of implementations.
+"""Run-time discovery of attention backends.
 
-One metadata (:class:`AttentionMetadata`), many implementations. The torch backend is
-always present and is the numerical reference; vendor kernels (vllm-flash-attn,
-flashinfer) are optional, found at run time, and never required.
+The torch backend is always present and is the numerical reference; vendor kernels
+(vllm-flash-attn, flashinfer) are optional, found at run time, and never required.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from abc import ABC, abstractmethod
-from typing import ClassVar
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-
-
-class AttentionBackend(ABC):
-    """Attention of a flattened batch of new queries over the paged KV cache."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def is_available(cls, device: torch.device) -> bool:
-        return True
-
-    @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        return_lse: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q: [T, Hq, D]; caches: [blocks, block_size, Hkv, D]. Returns (out [T, Hq, D], lse [T, Hq] | None).
-
-        Causal over absolute positions; with ``sliding_window`` = W a query at position p
-        sees keys at positions p-W+1 .. p (the transformers convention).
-        """
+from strata.kernels.attention_backend import AttentionBackend
+from strata.kernels.attention_torch import TorchAttentionBackend
 
 
 def _vendor_modules() -> dict[str, str]:
@@ -51,8 +22,6 @@ def _vendor_modules() -> dict[str, str]:
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names usable on ``device`` right now. Vendor kernels are listed only once an
     implementation of this interface exists for them and their module imports."""
-    from kernels.attention_torch import TorchAttentionBackend
-
     dev = torch.device(device)
     names = [TorchAttentionBackend.name] if TorchAttentionBackend.is_available(dev) else []
     return names
@@ -65,8 +34,6 @@ def vendor_kernels_importable() -> dict[str, bool]:
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """Instantiate backend ``name``; ``auto`` picks the best available for ``device``."""
-    from kernels.attention_torch import TorchAttentionBackend
-
     registry: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
     if name == "auto":
         name = available_backends(device)[0]

@@ -4,7 +4,7 @@ from .block_file import BlockFileError
 from .block_pool import BlockPool, NoFreeBlocksError
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
-from .tiered_cache import KVBlockLostError, SpilledBlocks, TieredKVCache
+from .tiered_cache import KVBlockLostError, PrefixMatch, SpilledBlocks, TieredKVCache
 from .block_table import BlockTable
 from .hashing import (
     DIGEST_SIZE,
@@ -25,6 +25,7 @@ __all__ = [
     "LowerTiers",
     "SpilledBlocks",
     "TieredKVCache",
+    "PrefixMatch",
     "BlockTable",
     "HANDLE_VERSION",
     "HandleError",

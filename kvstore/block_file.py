@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from kvstore.layout import KVLayout
+from strata.kvstore.layout import KVLayout
 
 MAGIC = b"STKV"
 FORMAT_VERSION = 1

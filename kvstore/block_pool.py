@@ -3,7 +3,7 @@
 Every block is in exactly one state:
   * free      - ref 0, no hash; sits in ``_free``;
   * cached    - ref 0, hashed; sits in ``_evictable`` (LRU by release time) and can
-                be revived by ``match_prefix`` or reclaimed by ``allocate``;
+                be revived by a prefix match (``incref``) or reclaimed by ``allocate``;
   * in use    - ref > 0 (hashed or not); never evicted.
 The pool is not thread-safe: it is owned by a single scheduler loop.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict, deque
-from typing import Sequence
 
 import torch
 
@@ -41,8 +40,6 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
         # Metrics counters (monotonic).
-        self.prefix_queried_blocks = 0
-        self.prefix_hit_blocks = 0
         self.num_evictions = 0
         self.peak_in_use = 0  # most blocks referenced at once (device footprint high-water mark)
 
@@ -112,19 +109,6 @@ class BlockPool:
         self._check_id(block_id)
         return self._hash[block_id]
 
-    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
-        """Reference and return the blocks of the longest cached leading run of ``hashes``."""
-        matched: list[int] = []
-        for h in hashes:
-            block_id = self._by_hash.get(h)
-            if block_id is None:
-                break
-            self.incref(block_id)
-            matched.append(block_id)
-        self.prefix_queried_blocks += len(hashes)
-        self.prefix_hit_blocks += len(matched)
-        return matched
-
     def publish(self, block_id: int, block_hash: bytes) -> int:
         """Register a filled, in-use block under its hash; return the canonical block id.
 
@@ -158,10 +142,6 @@ class BlockPool:
             "in_use": self.num_blocks - free - cached,
             "hashed": len(self._by_hash),
             "allocatable": free + cached,
-            "prefix_queried_blocks": self.prefix_queried_blocks,
-            "prefix_hit_blocks": self.prefix_hit_blocks,
-            "prefix_queried_tokens": self.prefix_queried_blocks * self.layout.block_size,
-            "prefix_hit_tokens": self.prefix_hit_blocks * self.layout.block_size,
             "evictions": self.num_evictions,
             "peak_in_use": self.peak_in_use,
         }

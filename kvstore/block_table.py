@@ -1,22 +1,35 @@
-"""Per-sequence mapping from token positions to pool blocks."""
+"""Per-sequence mapping from token positions to KV blocks, spilled and resident."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockTable:
-    """Per-sequence list of block ids plus how many tokens are written; knows which blocks are full.
+    """One sequence's blocks: how many tokens are written, which logical blocks are published
+    (full, hashed, shareable) and where each block lives.
 
-    The first ``num_spilled`` logical blocks are not on the device (they live in a lower
-    tier, addressed by hash); ``block_ids[j]`` holds logical block ``num_spilled + j``.
+    Logical block ``i`` covers token positions ``[i * block_size, (i + 1) * block_size)``.
+    The first ``num_spilled`` logical blocks are not on the device: they live in a lower tier,
+    addressed by ``hashes[i]``. ``block_ids[j]`` is the device block of logical block
+    ``num_spilled + j``. ``hashes`` holds the hash of every published block, so
+    ``num_published == len(hashes) >= num_spilled``.
+
+    Only the KV store (``TieredKVCache``) changes a table. It does so in two ways besides
+    appending, both between steps on the thread that owns the pool, never while a step reads
+    the table: *publishing* may swap a block id for the id of an identical cached block (same
+    hash, so the same tokens after the same prefix: attention reads the same values), and the
+    duplicate is released only after the swap; *spilling* moves leading published blocks off the
+    device (``block_ids`` loses its head, ``num_spilled`` grows), and those blocks stay readable
+    by hash through the lower tiers, pinned for this table until it is freed.
     """
 
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     num_spilled: int = 0
+    hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -24,23 +37,32 @@ class BlockTable:
         if self.num_tokens > self.capacity():
             raise ValueError("num_tokens exceeds the capacity of block_ids")
 
+    @property
+    def num_published(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks held, spilled ones included."""
+        return self.num_spilled + len(self.block_ids)
+
     def capacity(self) -> int:
         """Tokens the current blocks can hold."""
-        return (self.num_spilled + len(self.block_ids)) * self.block_size
+        return self.num_blocks * self.block_size
 
     @property
     def first_resident_token(self) -> int:
         """Position of the first token whose KV is on the device."""
         return self.num_spilled * self.block_size
 
-    def num_full_blocks(self) -> int:
+    def num_full_blocks(self, num_tokens: int | None = None) -> int:
         """Blocks whose every slot is written (only these may be hashed/published)."""
-        return self.num_tokens // self.block_size
+        return (self.num_tokens if num_tokens is None else num_tokens) // self.block_size
 
     def blocks_needed(self, new_num_tokens: int) -> int:
         """Extra blocks required to hold ``new_num_tokens`` tokens in total."""
         needed = -(-new_num_tokens // self.block_size)
-        return max(0, needed - self.num_spilled - len(self.block_ids))
+        return max(0, needed - self.num_blocks)
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat slot ids (block_id * block_size + offset) for token positions [start, end)."""
@@ -48,3 +70,6 @@ class BlockTable:
             raise IndexError(f"range [{start}, {end}) outside resident blocks [{self.first_resident_token}, {self.capacity()})")
         bs, skip = self.block_size, self.num_spilled
         return [self.block_ids[p // bs - skip] * bs + p % bs for p in range(start, end)]
+
+    def is_empty(self) -> bool:
+        return not self.block_ids and self.num_spilled == 0

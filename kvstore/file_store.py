@@ -29,8 +29,8 @@ from typing import Iterable
 
 import numpy as np
 
-from kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
-from kvstore.layout import KVLayout
+from strata.kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
+from strata.kvstore.layout import KVLayout
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (hash BLOB PRIMARY KEY, last_access REAL NOT NULL) WITHOUT ROWID;

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from kvstore.layout import KVLayout
+from strata.kvstore.layout import KVLayout
 
 HANDLE_VERSION = 2  # 2: num_spilled (leading blocks that live only in a lower tier)
 

@@ -13,8 +13,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvstore.file_store import FileBlockStore
-from kvstore.layout import KVLayout
+from strata.kvstore.file_store import FileBlockStore
+from strata.kvstore.layout import KVLayout
 
 
 class LowerTiers:

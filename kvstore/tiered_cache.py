@@ -1,21 +1,35 @@
-"""The device pool plus the lower tiers, operated on per-sequence block tables.
+"""The KV store's one face to the engine: a device pool plus the lower tiers, driven by a few verbs.
 
-This is what lets a context outgrow the device: a sequence's oldest full blocks can be
-*spilled* (dropped from the device, pinned in a lower tier) and attention streams them
-back layer by layer through a fixed staging buffer. A prefix found in a lower tier is
-promoted into device blocks while they last; the rest of it stays spilled.
+All block arithmetic lives here; the scheduler above only decides who runs, who waits and who
+is preempted. The verbs, each on a sequence's :class:`BlockTable`:
+
+* ``reserve(table, num_tokens, keep_free)`` - can the table hold ``num_tokens`` while
+  ``keep_free`` blocks stay allocatable? Allocates, spilling leading published blocks of live
+  tables to the lower tiers when the device is dry; False (nothing allocated) if even that fails.
+* ``commit(table, num_tokens, hashes)`` - tokens written; newly full blocks are published under
+  ``hashes`` (shareable by prefix) and written through to the top lower tier.
+* ``match_prefix(table, hashes, keep_free)`` - adopt the longest cached leading run of blocks
+  from any tier into an empty table, as a :class:`PrefixMatch`.
+* ``make_handle(table, release)`` / ``adopt(handle)`` - hand a sequence's KV to another stage.
+* ``free(table)`` - drop every reference the table holds.
+
+A context can outgrow the device: a sequence's oldest full blocks are *spilled* (dropped from the
+device, pinned in a lower tier) and attention streams them back layer by layer through a fixed
+staging buffer (:class:`SpilledBlocks`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvstore.block_pool import BlockPool, NoFreeBlocksError
-from kvstore.block_table import BlockTable
-from kvstore.lower_tiers import LowerTiers
+from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
+from strata.kvstore.block_table import BlockTable
+from strata.kvstore.handle import HandleError, KVHandle
+from strata.kvstore.lower_tiers import LowerTiers
 
 
 class KVBlockLostError(RuntimeError):
@@ -26,6 +40,16 @@ class KVBlockLostError(RuntimeError):
         self.block_hash = block_hash
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What ``match_prefix`` adopted: ``num_blocks`` leading blocks, the first ``num_spilled`` of
+    them left in a lower tier, and where each hit came from."""
+
+    num_blocks: int = 0
+    num_spilled: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
 def _bytes_view(t: torch.Tensor) -> np.ndarray:
     """uint8 numpy view of a contiguous CPU tensor (works for bf16, which numpy lacks)."""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -34,12 +58,14 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 class TieredKVCache:
     """Block pool (device tier) + optional host/disk chain + the staging buffer for streaming."""
 
-    def __init__(self, pool: BlockPool, lower: LowerTiers | None = None, staging_blocks: int = 64) -> None:
+    def __init__(self, pool: BlockPool, lower: LowerTiers | None = None, staging_blocks: int = 64,
+                 fingerprint: bytes = b"") -> None:
         if staging_blocks < 1:
             raise ValueError("staging_blocks must be >= 1")
         self.pool = pool
         self.lower = lower
         self.layout = pool.layout
+        self.fingerprint = fingerprint
         self.staging_blocks = staging_blocks
         lay = self.layout
         shape = (staging_blocks, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
@@ -47,25 +73,97 @@ class TieredKVCache:
         self._host_stage = torch.empty(shape, dtype=lay.dtype, pin_memory=device.type == "cuda")
         self._device_stage = self._host_stage if device.type == "cpu" else torch.empty(shape, dtype=lay.dtype, device=device)
         self._host_block = torch.empty(lay.block_shape(), dtype=lay.dtype)  # promotion scratch
+        self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
+        self._pins: dict[bytes, int] = {}  # tables of this process reading each spilled block
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = {"device": 0, **({t.name: 0 for t in lower.tiers} if lower else {})}
-        self.spilled_blocks = 0  # blocks currently spilled by running sequences (gauge)
-        self._pins: dict[bytes, int] = {}  # sequences of this process reading each spilled block
+        self.spilled_blocks = 0  # blocks currently spilled by live tables (gauge)
         self.peak_spilled_blocks = 0
 
     @property
     def can_spill(self) -> bool:
+        """Whether blocks can leave the device (a lower tier exists)."""
         return self.lower is not None
+
+    @property
+    def device_kv(self) -> torch.Tensor:
+        """The block-major device tensor attention reads: [blocks, layers, 2, block_size, heads, dim]."""
+        return self.pool.kv
 
     def staging_nbytes(self) -> int:
         return self._device_stage.numel() * self._device_stage.element_size()
 
-    # ------------------------------------------------------------ publish / write-through
-    def publish(self, table: BlockTable, hashes: Sequence[bytes], first: int, end: int) -> None:
-        """Publish logical blocks [first, end) of ``table`` under ``hashes``; write new ones through."""
+    def new_table(self) -> BlockTable:
+        return BlockTable(self.layout.block_size)
+
+    # ------------------------------------------------------------ capacity
+    def reserve(self, table: BlockTable, num_tokens: int, keep_free: int = 0) -> bool:
+        """Give ``table`` room for ``num_tokens`` tokens, leaving ``keep_free`` blocks allocatable.
+
+        Spills leading published blocks when the device is dry, each time from the live table whose
+        spill frees the most device blocks (a block other tables share frees nothing, so a shared
+        prefix is not streamed for no gain). False, with nothing allocated, if that is not enough.
+        """
+        needed = table.blocks_needed(num_tokens)
+        if not self._make_room(needed + keep_free, table):
+            return False
+        for _ in range(needed):
+            table.block_ids.append(self.pool.allocate())
+        self._live[id(table)] = table
+        return True
+
+    def _make_room(self, blocks: int, extra: BlockTable) -> bool:
+        while self.pool.num_free() < blocks:
+            if self.lower is None:
+                return False
+            want = blocks - self.pool.num_free()
+            candidates = list(self._live.values()) + ([extra] if id(extra) not in self._live else [])
+            plans = [(self._spill_plan(t, want), t) for t in candidates]
+            (count, freed), best = max(plans, key=lambda p: p[0][1], default=((0, 0), None))
+            if best is None or freed == 0 or self._spill(best, count) == 0:
+                return False
+        return True
+
+    def _spill_plan(self, table: BlockTable, want: int) -> tuple[int, int]:
+        """(blocks to spill, device blocks that frees): the shortest leading run of resident
+        published blocks that frees ``want`` blocks, or all of them."""
+        count = freed = 0
+        for block_id in table.block_ids[: table.num_published - table.num_spilled]:
+            count += 1
+            freed += self.pool.ref_count(block_id) == 1
+            if freed >= want:
+                break
+        return count, freed
+
+    def _spill(self, table: BlockTable, n: int) -> int:
+        """Drop the ``n`` oldest resident published blocks from the device; returns how many left."""
+        done = 0
+        while done < n and table.num_spilled < table.num_published and table.block_ids:
+            h = table.hashes[table.num_spilled]
+            if not self._ensure_lower(h):
+                break
+            self._pin([h])
+            self.pool.free(table.block_ids.pop(0))
+            table.num_spilled += 1
+            done += 1
+        self._count_spilled(done)
+        return done
+
+    # ------------------------------------------------------------ writes
+    def commit(self, table: BlockTable, num_tokens: int, hashes: Sequence[bytes] = ()) -> None:
+        """``num_tokens`` of the table now hold KV; publish the newly full blocks that ``hashes``
+        names (hashes of the table's leading full blocks; empty: publish nothing)."""
+        if num_tokens > table.capacity():
+            raise ValueError(f"{num_tokens} tokens exceed the table's {table.capacity()} slots")
+        table.num_tokens = num_tokens
+        end = min(len(hashes), table.num_full_blocks())
+        if end > table.num_published:
+            self._publish(table, hashes, end)
+
+    def _publish(self, table: BlockTable, hashes: Sequence[bytes], end: int) -> None:
         ids = table.block_ids
         written: list[tuple[bytes, memoryview]] = []
-        for i in range(first, end):
+        for i in range(table.num_published, end):
             j = i - table.num_spilled
             canonical = self.pool.publish(ids[j], hashes[i])
             if canonical != ids[j]:  # same content already cached: share it, drop our copy
@@ -74,6 +172,7 @@ class TieredKVCache:
                 ids[j] = canonical
             elif self.lower is not None and not self.lower.top.contains(hashes[i]):
                 written.append((hashes[i], self._block_bytes(canonical)))
+            table.hashes.append(hashes[i])
         if written:
             self.lower.store(written)  # type: ignore[union-attr]
 
@@ -82,22 +181,41 @@ class TieredKVCache:
 
     def _ensure_lower(self, block_hash: bytes) -> bool:
         """Make sure a lower tier holds ``block_hash`` (writing it from the device if needed)."""
-        assert self.lower is not None
+        if self.lower is None:
+            return False
         if self.lower.find(block_hash) is not None:
             return True
         block_id = self.pool.lookup(block_hash)
         return block_id is not None and self.lower.store([(block_hash, self._block_bytes(block_id))])[0]
 
     # ------------------------------------------------------------ prefix match over tiers
-    def match_prefix(self, table: BlockTable, hashes: Sequence[bytes], reserve: int) -> int:
+    def match_prefix(self, table: BlockTable, hashes: Sequence[bytes], keep_free: int) -> PrefixMatch:
         """Adopt the longest cached leading run of ``hashes`` into the empty ``table``.
 
-        Device hits are referenced, lower-tier hits are promoted into device blocks while more
-        than ``reserve`` blocks stay free, and the oldest blocks beyond that stay spilled
-        (pinned below). Returns the number of blocks matched.
+        Device hits are referenced; lower-tier hits are promoted into device blocks while more than
+        ``keep_free`` blocks stay allocatable, and the oldest blocks beyond that stay spilled
+        (pinned below).
         """
-        assert not table.block_ids and table.num_spilled == 0
+        if not table.is_empty():
+            raise ValueError("match_prefix needs an empty table")
+        where = self._locate(hashes)
+        room = max(0, self.pool.num_free() - keep_free)
+        want_spilled = max(0, len(where) - room) if self.lower is not None else 0
+        spilled = self._adopt_spilled(table, hashes, want_spilled)
+        end = len(where) if spilled == want_spilled else spilled  # a block that cannot stay below ends it
+        matched = self._adopt_resident(table, hashes, spilled, end)
         self.prefix_queried_blocks += len(hashes)
+        by_tier: dict[str, int] = {}
+        for name in where[:matched]:
+            self.prefix_hit_blocks[name] += 1
+            by_tier[name] = by_tier.get(name, 0) + 1
+        table.num_tokens = matched * table.block_size
+        if table.num_blocks:
+            self._live[id(table)] = table
+        return PrefixMatch(matched, spilled, by_tier)
+
+    def _locate(self, hashes: Sequence[bytes]) -> list[str]:
+        """The tier of each leading hash that is cached somewhere, up to the first miss."""
         where: list[str] = []
         for h in hashes:
             if self.pool.lookup(h) is not None:
@@ -107,38 +225,39 @@ class TieredKVCache:
             if tier is None:
                 break
             where.append(tier.name)
-        m = len(where)
-        budget = max(0, self.pool.num_free() - reserve)
-        k = max(0, m - budget) if self.lower is not None else 0
-        spilled: list[bytes] = []
-        for i in range(k):
-            if not self._ensure_lower(hashes[i]):
-                m = k = i
-                break
-            spilled.append(hashes[i])
-        if spilled:
-            self._pin(spilled)
-            self.lower.touch(spilled)  # type: ignore[union-attr]
-        table.num_spilled = k
-        self._add_spilled(k)
-        for i in range(k, m):
+        return where
+
+    def _adopt_spilled(self, table: BlockTable, hashes: Sequence[bytes], k: int) -> int:
+        """Pin the first ``k`` blocks below (copying device-only ones down); returns how many."""
+        done = 0
+        while done < k and self._ensure_lower(hashes[done]):
+            done += 1
+        if done:
+            self._pin(hashes[:done])
+            self.lower.touch(hashes[:done])  # type: ignore[union-attr]
+        table.num_spilled = done
+        table.hashes.extend(hashes[:done])
+        self._count_spilled(done)
+        return done
+
+    def _adopt_resident(self, table: BlockTable, hashes: Sequence[bytes], first: int, end: int) -> int:
+        """Reference (device hit) or promote (lower hit) blocks [first, end); returns the match length."""
+        for i in range(first, end):
             block_id = self.pool.lookup(hashes[i])
             if block_id is not None:
                 self.pool.incref(block_id)
             else:
                 block_id = self._promote(hashes[i])
                 if block_id is None:
-                    m = i
-                    break
+                    return i
             table.block_ids.append(block_id)
-        for i in range(m):
-            self.prefix_hit_blocks[where[i]] += 1
-        table.num_tokens = m * table.block_size
-        return m
+            table.hashes.append(hashes[i])
+        return end
 
     def _promote(self, block_hash: bytes) -> int | None:
         """Copy a lower-tier block into a fresh device block; None if no block or no good copy."""
-        assert self.lower is not None
+        if self.lower is None:
+            return None
         try:
             block_id = self.pool.allocate()
         except NoFreeBlocksError:
@@ -150,37 +269,52 @@ class TieredKVCache:
         self.pool.publish(block_id, block_hash)
         return block_id
 
-    # ------------------------------------------------------------ spill / release
-    def spillable(self, table: BlockTable, num_published: int) -> int:
-        """Resident blocks that may leave the device: full, published ones."""
-        return max(0, num_published - table.num_spilled) if self.lower is not None else 0
+    # ------------------------------------------------------------ hand-off between stages
+    def make_handle(self, table: BlockTable, release: bool = False) -> KVHandle:
+        """A handle to the table's KV. Ownership of the blocks passes to the handle (the table is no
+        longer a spill candidate here), or with ``release`` the device references are dropped at
+        once: the consumer is on another pool and adopts full blocks by hash from the lower tiers."""
+        resident_full = table.num_full_blocks() - table.num_spilled
+        tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
+        handle = KVHandle(  # block_hashes: the published blocks (all full ones when prefix caching is on)
+            fingerprint=self.fingerprint, layout=self.layout, num_tokens=table.num_tokens,
+            block_hashes=list(table.hashes), block_ids=list(table.block_ids[:resident_full]),
+            pool_id=self.pool.pool_id, tail_block=tail, num_spilled=table.num_spilled,
+        )
+        if release:
+            self.free(table)
+        else:
+            self._live.pop(id(table), None)
+        return handle
 
-    def spill_plan(self, table: BlockTable, num_published: int, want: int) -> tuple[int, int]:
-        """(blocks to spill, device blocks that frees): the shortest leading run of spillable blocks
-        that frees ``want`` blocks, or all of them. A block other sequences also hold (a shared
-        prefix) frees nothing when only this one lets go of it."""
-        count = freed = 0
-        for block_id in table.block_ids[: self.spillable(table, num_published)]:
-            count += 1
-            freed += self.pool.ref_count(block_id) == 1
-            if freed >= want:
-                break
-        return count, freed
+    def adopt(self, handle: KVHandle) -> BlockTable | None:
+        """The table a handle made on this pool describes (its references pass to the table);
+        None for a handle from another pool (adopt its blocks with ``match_prefix`` instead)."""
+        if handle.fingerprint != self.fingerprint:
+            raise HandleError("KV handle was made for another model (fingerprint mismatch)")
+        if handle.pool_id != self.pool.pool_id:
+            return None
+        table = BlockTable(self.layout.block_size, list(handle.block_ids), 0, handle.num_spilled,
+                           list(handle.block_hashes))
+        if handle.tail_block is not None:
+            table.block_ids.append(handle.tail_block)
+        table.num_tokens = handle.num_tokens
+        self._live[id(table)] = table
+        return table
 
-    def spill(self, table: BlockTable, hashes: Sequence[bytes], n: int) -> int:
-        """Drop the ``n`` oldest resident (published) blocks from the device; returns how many left."""
-        assert self.lower is not None
-        done = 0
-        while done < n and table.block_ids:
-            h = hashes[table.num_spilled]
-            if not self._ensure_lower(h):
-                break
-            self._pin([h])
-            self.pool.free(table.block_ids.pop(0))
-            table.num_spilled += 1
-            done += 1
-        self._add_spilled(done)
-        return done
+    # ------------------------------------------------------------ release
+    def free(self, table: BlockTable) -> None:
+        """Drop every reference the table holds: device refs and lower-tier pins. Idempotent."""
+        self._live.pop(id(table), None)
+        for block_id in reversed(table.block_ids):
+            self.pool.free(block_id)
+        if table.num_spilled and self.lower is not None:
+            self._unpin(table.hashes[: table.num_spilled])
+        self.spilled_blocks -= table.num_spilled
+        table.block_ids.clear()
+        table.hashes.clear()
+        table.num_spilled = 0
+        table.num_tokens = 0
 
     def _pin(self, hashes: Sequence[bytes]) -> None:
         """Count this process's readers per block; the shared pin is taken by the first one."""
@@ -200,22 +334,15 @@ class TieredKVCache:
                 last.append(h)
         self.lower.unpin(last)  # type: ignore[union-attr]
 
-    def _add_spilled(self, n: int) -> None:
+    def _count_spilled(self, n: int) -> None:
         self.spilled_blocks += n
         self.peak_spilled_blocks = max(self.peak_spilled_blocks, self.spilled_blocks)
 
-    def release(self, table: BlockTable, hashes: Sequence[bytes]) -> None:
-        """Drop every reference the table holds: device refs and lower-tier pins."""
-        for block_id in reversed(table.block_ids):
-            self.pool.free(block_id)
-        if table.num_spilled and self.lower is not None:
-            self._unpin(hashes[: table.num_spilled])
-        self.spilled_blocks -= table.num_spilled
-        table.block_ids.clear()
-        table.num_spilled = 0
-        table.num_tokens = 0
-
     # ------------------------------------------------------------ streaming reads
+    def spilled(self, table: BlockTable) -> "SpilledBlocks | None":
+        """The table's spilled blocks as attention reads them, or None when all are on the device."""
+        return SpilledBlocks(self, table.hashes[: table.num_spilled]) if table.num_spilled else None
+
     def load_spilled(self, hashes: Sequence[bytes], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for up to ``staging_blocks`` spilled blocks, as [n, bs, H, D] views
         of the staging buffer (valid until the next call). A block still cached on the device is
@@ -240,9 +367,8 @@ class TieredKVCache:
 
     def stats(self) -> dict[str, object]:
         bs = self.layout.block_size
-        device = {k: v for k, v in self.pool.stats().items() if not k.startswith("prefix_")}  # counted here instead
         return {
-            "device": device,
+            "device": self.pool.stats(),
             "tiers": self.lower.stats() if self.lower else {},
             "prefix_queried_tokens": self.prefix_queried_blocks * bs,
             "prefix_hit_tokens": {k: v * bs for k, v in self.prefix_hit_blocks.items()},
@@ -253,7 +379,7 @@ class TieredKVCache:
 
 
 class SpilledBlocks:
-    """A sequence's spilled blocks as the attention kernels see them (``kernels.OffloadedKV``)."""
+    """A sequence's spilled blocks as the attention kernels see them (``kernels.SpilledKV``)."""
 
     def __init__(self, cache: TieredKVCache, hashes: Sequence[bytes]) -> None:
         self.cache = cache

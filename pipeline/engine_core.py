@@ -1,27 +1,20 @@
-"""Scheduler + model runner + sampler over one block pool: the loop every LLM stage runs."""
+"""Scheduler + model runner + sampler over one KV store: the loop every LLM stage runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-from kvstore import KVBlockLostError
-from pipeline.model_runner import ModelRunner
-from pipeline.sampler import Sampler, check_stop
-from pipeline.scheduler import ScheduledChunk, Scheduler
-from pipeline.sequence import Sequence, SequenceStatus
+from strata.kvstore import KVBlockLostError
+from strata.pipeline.model_runner import ModelRunner
+from strata.pipeline.request import TokenEvent
+from strata.pipeline.sampler import Sampler, check_stop
+from strata.pipeline.scheduler import ScheduledChunk, Scheduler
+from strata.pipeline.sequence import Sequence, SequenceStatus
 
 Detokenize = Callable[[list[int]], str]
 
 
-@dataclass
-class TokenEvent:
-    """What one step did to one sequence: a new token, maybe new text, maybe the end."""
-
-    seq: Sequence
-    token_id: int
-    text_delta: str
-    finished: bool
+Emitted = tuple[Sequence, TokenEvent]  # an event and the sequence it came from (stages need both)
 
 
 class EngineCore:
@@ -40,7 +33,7 @@ class EngineCore:
         self.steps = 0
         self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
 
-    def step(self, budget: int | None = None) -> list[TokenEvent]:
+    def step(self, budget: int | None = None) -> list[Emitted]:
         """Schedule, run the model once, sample, update sequences. Empty if nothing could run."""
         out = self.scheduler.schedule(budget)
         self.last_num_tokens = 0
@@ -64,10 +57,11 @@ class EngineCore:
         Nothing was committed, so the other chunks simply run again next step."""
         for chunk in chunks:
             seq = chunk.seq
-            if seq.status is SequenceStatus.RUNNING and block_hash in seq.block_hashes[: seq.block_table.num_spilled]:
+            table = seq.block_table
+            if seq.status is SequenceStatus.RUNNING and block_hash in table.hashes[: table.num_spilled]:
                 self.scheduler.preempt(seq)
 
-    def _append(self, seq: Sequence, token: int) -> TokenEvent:
+    def _append(self, seq: Sequence, token: int) -> Emitted:
         prev_len = len(seq.text)
         seq.token_ids.append(token)
         output_ids = seq.output_token_ids
@@ -84,7 +78,8 @@ class EngineCore:
         if finished:
             seq.finish_reason = result.finish_reason
             self.finish(seq)
-        return TokenEvent(seq, token, delta, finished)
+        return seq, TokenEvent(seq.request_id, token, delta, seq.finish_reason if finished else None,
+                               seq.num_cached_tokens)
 
     @staticmethod
     def _streamable_len(seq: Sequence) -> int:

@@ -14,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from pipeline.model_config import LlavaConfig, ModelConfigError, TextConfig, VisionConfig, parse_llava_config, parse_text_config
+from strata.pipeline.model_config import LlavaConfig, ModelConfigError, TextConfig, VisionConfig, parse_llava_config, parse_text_config
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
@@ -196,7 +196,7 @@ def _verdict(p: dict[str, Any]) -> str:
         return (f"KV needs {p['blocks_needed']:,} blocks ({format_bytes(p['kv_bytes_needed'])}) but device + host + disk hold "
                 f"{total:,}; add at least {format_bytes(short)} of host or disk")
     if p["blocks_needed"] > p["device_blocks"] and p["staging_blocks"] < 1:
-        return "KV spills past the device but staging is 0 blocks: offloaded blocks could not be attended to"
+        return "KV spills past the device but staging is 0 blocks: spilled blocks could not be attended to"
     return ""
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model_config import LlavaConfig, load_llava_config
-from pipeline.models.decoder import LanguageModel
-from pipeline.models.image_encoder import ImageEncoderModel
-from pipeline.weights import LoadStats, load_weights
+from strata.pipeline.model_config import LlavaConfig, load_llava_config
+from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.image_encoder import ImageEncoderModel
+from strata.pipeline.weights import LoadStats, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import AttentionBackend, AttentionMetadata
-from kvstore import SpilledBlocks, TieredKVCache
-from pipeline.models.decoder import LanguageModel
-from pipeline.scheduler import ScheduledChunk
+from strata.kernels import AttentionBackend, AttentionMetadata
+from strata.kvstore import TieredKVCache
+from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.scheduler import ScheduledChunk
 
 
 class ModelRunner:
@@ -17,7 +17,6 @@ class ModelRunner:
     def __init__(self, model: LanguageModel, kv: TieredKVCache, backend: AttentionBackend, device: str = "cpu") -> None:
         self.model = model
         self.kv = kv
-        self.pool = kv.pool
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
@@ -44,21 +43,15 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             kv_offsets=[c.seq.block_table.first_resident_token for c in chunks],
-            offloaded=[self._spilled(c) for c in chunks],
+            spilled=[self.kv.spilled(c.seq.block_table) for c in chunks],
         )
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         embeds = self.model.embed(ids)
         self._overlay_images(embeds, chunks)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(embeds, pos, self.pool.kv, meta, self.backend)
+        hidden = self.model(embeds, pos, self.kv.device_kv, meta, self.backend)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         return self.model.logits(hidden[rows])
-
-    def _spilled(self, chunk: ScheduledChunk) -> SpilledBlocks | None:
-        table = chunk.seq.block_table
-        if not table.num_spilled:
-            return None
-        return SpilledBlocks(self.kv, chunk.seq.block_hashes[: table.num_spilled])
 
     @staticmethod
     def _overlay_images(embeds: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
@@ -68,6 +61,6 @@ class ModelRunner:
             for img in chunk.seq.images:
                 lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
                 if lo < hi:
-                    src = img.embeds[lo - img.offset : hi - img.offset]
+                    src = torch.from_numpy(img.embeds[lo - img.offset : hi - img.offset])
                     embeds[row + lo - chunk.start : row + hi - chunk.start] = src.to(embeds.dtype)
             row += chunk.num_tokens

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.sampling_params import SamplingParams
+from strata.pipeline.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _sample_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, then one inverse-CDF draw per row; all row-wise, so rows never interact."""
-    device, vocab = logits.device, logits.shape[-1]
+    device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scaled = logits.float() / temperature.unsqueeze(1)
     # Stable descending sort: equal logits keep ascending token order, like argmax's tie-break.

@@ -2,12 +2,10 @@
 
 Each step: running sequences that decode go first (one token each), then running
 sequences mid-prefill, then waiting sequences, each prefill chunk capped by
-``prefill_chunk_tokens`` and all of it by ``max_num_batched_tokens``. When the block
-pool runs dry, and lower KV tiers exist, leading full blocks of the sequence whose spill
-frees the most device blocks are spilled (attention streams them back); without lower tiers, or
-when nothing can be spilled, the newest running sequence is preempted by recompute: its
-blocks are released (full ones stay in the prefix cache) and it goes back to the front
-of the queue.
+``prefill_chunk_tokens`` and all of it by ``max_num_batched_tokens``. When the KV store
+cannot make room (it first spills published blocks to the lower tiers, when there are any),
+the newest running sequence is preempted by recompute: its blocks are released (full ones
+stay in the prefix cache) and it goes back to the front of the queue.
 """
 
 from __future__ import annotations
@@ -16,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstore import TieredKVCache
-from pipeline.config import EngineConfig
-from pipeline.sequence import Sequence, SequenceStatus
+from strata.kvstore import TieredKVCache
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -48,13 +46,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: TieredKVCache, fingerprint: bytes) -> None:
+    """Policy only: who runs, who waits, who is preempted. Block arithmetic is the KV store's."""
+
+    def __init__(self, config: EngineConfig, kv: TieredKVCache) -> None:
         self.config = config
         self.kv = kv
-        self.pool = kv.pool
-        # Spilling needs block hashes (published blocks) and somewhere to spill them to.
-        self.can_spill = kv.can_spill and config.enable_prefix_caching
-        self.fingerprint = fingerprint
+        self.fingerprint = kv.fingerprint
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Blocks to leave free when admitting new prompts (e.g. one per sequence decoding
@@ -84,11 +81,8 @@ class Scheduler:
         else:
             return False
         if free_blocks:
-            self.release_blocks(seq)
+            self.kv.free(seq.block_table)
         return True
-
-    def release_blocks(self, seq: Sequence) -> None:
-        self.kv.release(seq.block_table, seq.block_hashes)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -124,29 +118,25 @@ class Scheduler:
         return out
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        needed = seq.block_table.blocks_needed(seq.num_computed_tokens + n)
-        self._spill_until_free(needed)
-        while self.pool.num_free() < needed:
+        """Room for ``n`` more tokens of ``seq``, preempting the newest unscheduled sequence (or
+        ``seq`` itself, last) until the KV store has it."""
+        while not self.kv.reserve(seq.block_table, seq.num_computed_tokens + n):
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        self._allocate(seq, needed)
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
-        if seq.num_computed_tokens == 0 and not seq.block_table.block_ids:
+        if seq.num_computed_tokens == 0 and seq.block_table.is_empty():
             self._match_prefix(seq)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
-        needed = seq.block_table.blocks_needed(seq.num_computed_tokens + n)
-        self._spill_until_free(needed + self.admission_watermark(), extra=seq)
-        if self.pool.num_free() < needed + self.admission_watermark():
-            self.release_blocks(seq)  # don't hold cached blocks while waiting
+        if not self.kv.reserve(seq.block_table, seq.num_computed_tokens + n, keep_free=self.admission_watermark()):
+            self.kv.free(seq.block_table)  # don't hold cached blocks while waiting
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             return None
-        self._allocate(seq, needed)
         return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
     def _match_prefix(self, seq: Sequence) -> None:
@@ -154,57 +144,28 @@ class Scheduler:
             return
         bs = self.config.block_size
         # Always leave the last token to compute: its logits are what the step samples from.
-        limit = (seq.num_tokens - 1) // bs
-        hashes = seq.full_block_hashes(self.fingerprint, limit)
+        hashes = seq.full_block_hashes(self.fingerprint, (seq.num_tokens - 1) // bs)
         # Keep device room for the first chunk; matched blocks beyond that stay in their tier.
-        reserve = -(-self.config.prefill_chunk_tokens // bs) + 1 + self.admission_watermark()
-        matched = self.kv.match_prefix(seq.block_table, hashes, reserve)
-        seq.num_computed_tokens = matched * bs
-        seq.num_published_blocks = matched
+        keep_free = -(-self.config.prefill_chunk_tokens // bs) + 1 + self.admission_watermark()
+        match = self.kv.match_prefix(seq.block_table, hashes, keep_free)
+        seq.num_computed_tokens = match.num_blocks * bs
         if not seq.output_token_ids:  # a recompute or hand-off keeps the first admission's figure
-            seq.num_cached_tokens = matched * bs
-
-    def _spill_until_free(self, needed: int, extra: Sequence | None = None) -> None:
-        """Spill leading published blocks until ``needed`` blocks are allocatable, each time from the
-        sequence whose spill frees the most device blocks (blocks shared with other sequences free
-        nothing, so a shared prefix is not streamed for no gain). Stops when nothing would free."""
-        if not self.can_spill:
-            return
-        candidates = self.running + ([extra] if extra is not None else [])
-        while self.pool.num_free() < needed:
-            want = needed - self.pool.num_free()
-            plans = [(self.kv.spill_plan(s.block_table, s.num_published_blocks, want), s) for s in candidates]
-            (count, freed), best = max(plans, key=lambda p: p[0][1], default=((0, 0), None))
-            if best is None or freed == 0:
-                return
-            if self.kv.spill(best.block_table, best.block_hashes, count) == 0:
-                return
-
-    def _allocate(self, seq: Sequence, count: int) -> None:
-        for _ in range(count):
-            seq.block_table.block_ids.append(self.pool.allocate())
+            seq.num_cached_tokens = match.num_blocks * bs
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front."""
         self.running.remove(seq)
-        self.release_blocks(seq)
+        self.kv.free(seq.block_table)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # -- after the model ran -------------------------------------------------
     def commit(self, chunk: ScheduledChunk) -> None:
-        """Record computed KV and publish newly full blocks to the prefix cache."""
+        """Record computed KV; newly full blocks are published to the prefix cache."""
         seq = chunk.seq
         seq.num_computed_tokens = chunk.end
-        seq.block_table.num_tokens = chunk.end
-        if self.config.enable_prefix_caching:
-            self.publish_full_blocks(seq)
-
-    def publish_full_blocks(self, seq: Sequence) -> None:
-        full = seq.block_table.num_full_blocks()
-        if full <= seq.num_published_blocks:
-            return
-        hashes = seq.full_block_hashes(self.fingerprint, full)
-        self.kv.publish(seq.block_table, hashes, seq.num_published_blocks, full)
-        seq.num_published_blocks = full
+        table = seq.block_table
+        full = table.num_full_blocks(chunk.end)
+        publish = self.config.enable_prefix_caching and full > table.num_published
+        self.kv.commit(table, chunk.end, seq.full_block_hashes(self.fingerprint, full) if publish else ())

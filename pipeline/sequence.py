@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
-import torch
-
-from kvstore import BlockTable, ImageSpan, hash_chain
-from pipeline.detokenizer import IncrementalDetokenizer
-from pipeline.sampler import make_generator
-from pipeline.sampling_params import SamplingParams
+from strata.kvstore import BlockTable, hash_chain
+from strata.pipeline.detokenizer import IncrementalDetokenizer
+from strata.pipeline.request import ImageEmbedding, Request
+from strata.pipeline.sampler import make_generator
+from strata.pipeline.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -19,42 +17,25 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class ImageEmbedding:
-    """An image's placeholder span in the prompt and the embeddings that replace it."""
-
-    offset: int
-    embeds: torch.Tensor  # [length, text_hidden]
-    content_hash: bytes
-
-    @property
-    def length(self) -> int:
-        return int(self.embeds.shape[0])
-
-    def span(self) -> ImageSpan:
-        return ImageSpan(self.offset, self.length, self.content_hash)
-
-
 class Sequence:
     """Tokens known so far (prompt + generated), how many have KV in the cache, and where."""
 
     def __init__(
         self,
-        seq_id: str,
+        request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         block_size: int,
         images: list[ImageEmbedding] | None = None,
     ) -> None:
-        self.seq_id = seq_id
+        self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.images = list(images or [])
         self.image_spans = [img.span() for img in self.images]
         self.block_table = BlockTable(block_size)
-        self.block_hashes: list[bytes] = []  # hashes of full blocks of token_ids (computed lazily)
-        self.num_published_blocks = 0
+        self.block_hashes: list[bytes] = []  # hash chain of the full blocks of token_ids (computed lazily)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on admission
         self.num_preemptions = 0
@@ -64,6 +45,10 @@ class Sequence:
         self.text = ""  # detokenized output so far
         self.detokenizer = IncrementalDetokenizer()
         self.emitted_text_len = 0  # characters already streamed to the client
+
+    @classmethod
+    def from_request(cls, request: Request, block_size: int) -> "Sequence":
+        return cls(request.request_id, request.prompt_token_ids, request.params, block_size, request.images)
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +76,5 @@ class Sequence:
         """Forget all KV (after preemption): the sequence will be prefilled again, prompt + output."""
         self.block_table = BlockTable(self.block_table.block_size)
         self.num_computed_tokens = 0
-        self.num_published_blocks = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

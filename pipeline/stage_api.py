@@ -7,8 +7,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from pipeline.engine_core import TokenEvent
-from pipeline.sequence import Sequence
+from strata.pipeline.request import TokenEvent
+from strata.pipeline.sequence import Sequence
 
 
 class PreprocessedImageLike(Protocol):
@@ -26,8 +26,8 @@ class EncoderLike(Protocol):
 
 class PrefillResultLike(Protocol):
     seq: Sequence
-    first: TokenEvent
-    handle: bytes | None
+    event: TokenEvent
+    kv_handle: bytes | None  # None when the first token already finished the request
 
 
 class PrefillerLike(Protocol):
@@ -41,7 +41,7 @@ class PrefillerLike(Protocol):
 
 
 class DecoderLike(Protocol):
-    def admit(self, seq: Sequence, handle_bytes: bytes) -> None: ...
+    def admit(self, seq: Sequence, kv_handle: bytes) -> None: ...
     def step(self, budget: int | None = None) -> list[TokenEvent]: ...
     def abort(self, seq: Sequence) -> None: ...
     def has_work(self) -> bool: ...

@@ -1,7 +1,7 @@
 """The decode stage as a service: every admitted sequence of this replica decodes in one batch.
 
 Used by the Ray ``Decode`` deployment and testable without Ray. A caller streams lists of
-token events for its sequence; closing the stream early (client gone) aborts the sequence
+token events for its request; closing the stream early (client gone) aborts the sequence
 and frees its blocks.
 """
 
@@ -9,41 +9,38 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from pipeline.sequence_wire import sequence_from_wire
-from stages.decoder import Decoder
-from stages.stage_loop import Delivery, StageLoop
+from strata.pipeline.handoff import Handoff
+from strata.pipeline.request import TokenEvent
+from strata.stages.decoder import Decoder
+from strata.stages.stage_loop import Delivery, StageLoop
 
 
 class DecodeService:
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
-        self.block_size = decoder.pool.layout.block_size
+        self.block_size = decoder.kv.layout.block_size
         self.delivery = Delivery()
         self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop")
 
     def _step(self) -> None:
-        for ev in self.decoder.step():
-            seq = ev.seq
-            self.delivery.send(seq.seq_id, {
-                "token_id": ev.token_id, "text_delta": ev.text_delta, "finished": ev.finished,
-                "finish_reason": seq.finish_reason if ev.finished else None,
-            })
+        for event in self.decoder.step():
+            self.delivery.send(event.request_id, event)
 
-    async def generate(self, wire: dict[str, Any], handle: bytes) -> AsyncIterator[list[dict[str, Any]]]:
+    async def generate(self, handoff: Handoff) -> AsyncIterator[list[TokenEvent]]:
         """Admit a prefilled sequence and yield its new token events, a batch per wake-up."""
-        seq = sequence_from_wire(wire, self.block_size)
-        events = self.delivery.open(seq.seq_id)
+        seq = handoff.to_sequence(self.block_size)
+        events = self.delivery.open(seq.request_id)
         finished = False
         try:
-            await self.loop.run(lambda: self.decoder.admit(seq, handle))
+            await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle))
             while not finished:
                 batch = [await events.get()]
                 while not events.empty():
                     batch.append(events.get_nowait())
-                finished = batch[-1]["finished"]
+                finished = batch[-1].finished
                 yield batch
         finally:
-            self.delivery.close(seq.seq_id)
+            self.delivery.close(seq.request_id)
             if not finished:  # cancelled or the consumer went away: free the sequence's blocks
                 self.loop.call(lambda: self.decoder.abort(seq))
 
@@ -51,7 +48,7 @@ class DecodeService:
         return await self.loop.run(self._stats)
 
     def _stats(self) -> dict[str, Any]:
-        kv = self.decoder.core.runner.kv
+        kv = self.decoder.kv
         pool = kv.pool.stats()
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
                 "preemptions": self.decoder.scheduler.num_preemptions}

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernels import get_attention_backend
-from kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache, model_fingerprint
-from pipeline.config import EngineConfig
-from pipeline.engine import Engine
-from pipeline.engine_core import EngineCore
-from pipeline.model_config import load_llava_config
-from pipeline.model_loader import load_language_model, resolve_dtype
-from pipeline.model_runner import ModelRunner
-from pipeline.scheduler import Scheduler
-from pipeline.tokenizer import PromptTokenizer
-from pipeline.weights import weights_digest
-from stages.decode_service import DecodeService
-from stages.decoder import Decoder
-from stages.prefill_service import PrefillService
-from stages.prefiller import Prefiller
-from stages.preprocessor import Preprocessor
-from stages.vision_encoder import VisionEncoder
+from strata.kernels import get_attention_backend
+from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache, model_fingerprint
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.engine import Engine
+from strata.pipeline.engine_core import EngineCore
+from strata.pipeline.model_config import load_llava_config
+from strata.pipeline.model_loader import load_language_model, resolve_dtype
+from strata.pipeline.model_runner import ModelRunner
+from strata.pipeline.scheduler import Scheduler
+from strata.pipeline.tokenizer import PromptTokenizer
+from strata.pipeline.weights import weights_digest
+from strata.stages.decode_service import DecodeService
+from strata.stages.decoder import Decoder
+from strata.stages.prefill_service import PrefillService
+from strata.stages.prefiller import Prefiller
+from strata.stages.preprocessor import Preprocessor
+from strata.stages.vision_encoder import VisionEncoder
 
 
 def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes) -> TieredKVCache:
@@ -34,7 +34,7 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes) -
         disk_blocks=config.disk_kv_blocks,
     )
     pool = BlockPool(layout, config.num_kv_blocks, config.device)
-    return TieredKVCache(pool, lower, config.kv_staging_blocks)
+    return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
 
 
 class LanguageStage:
@@ -57,7 +57,7 @@ class LanguageStage:
 
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""
-        scheduler = Scheduler(self.config, self.kv, self.fingerprint)
+        scheduler = Scheduler(self.config, self.kv)
         return EngineCore(scheduler, self.runner, self.tokenizer.decode, self.tokenizer.eos_token_ids)
 
 

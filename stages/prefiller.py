@@ -1,22 +1,25 @@
-"""Prefill stage: chunked prefill of prompts with prefix reuse; hands each sequence off with a KVHandle."""
+"""Prefill stage: chunked prefill of prompts with prefix reuse; hands each sequence off with a KV handle."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from kvstore import KVHandle
-from pipeline.engine_core import EngineCore, TokenEvent
-from pipeline.sequence import Sequence
+from strata.pipeline.engine_core import EngineCore
+from strata.pipeline.request import TokenEvent
+from strata.pipeline.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class PrefillResult:
-    """A prompt fully prefilled: its first token and the handle to its KV blocks."""
+    """A prompt fully prefilled: its first token event and the handle to its KV blocks."""
 
     seq: Sequence
-    first: TokenEvent
-    handle: bytes | None  # None when the first token already finished the request
+    event: TokenEvent
+    kv_handle: bytes | None  # msgpack KVHandle; None when the first token already finished the request
 
 
 class Prefiller:
@@ -27,46 +30,30 @@ class Prefiller:
         self.core = core
         self.release_on_handoff = release_on_handoff
         self.scheduler = core.scheduler
-        self.pool = core.scheduler.pool
+        self.kv = core.scheduler.kv
 
     def add(self, seq: Sequence) -> None:
+        log.debug("prefill %s: %d prompt tokens queued", seq.request_id, seq.num_prompt_tokens)
         self.scheduler.add(seq)
 
     def step(self, budget: int | None = None) -> list[PrefillResult]:
         """Advance every queued prompt by at most one chunk; return those that finished prefill."""
         results = []
-        for event in self.core.step(budget):
-            seq = event.seq
+        for seq, event in self.core.step(budget):
             if event.finished:
                 results.append(PrefillResult(seq, event, None))
                 continue
             # Ownership of the blocks passes to the handle: leave the batch without freeing them.
             self.scheduler.remove(seq, free_blocks=False)
-            handle = self.make_handle(seq).to_bytes()
-            if self.release_on_handoff:
-                self.scheduler.release_blocks(seq)
-            results.append(PrefillResult(seq, event, handle))
+            handle = self.kv.make_handle(seq.block_table, release=self.release_on_handoff)
+            log.debug("prefill %s: done, %d tokens (%d cached), handing off", seq.request_id, seq.num_tokens,
+                      seq.num_cached_tokens)
+            results.append(PrefillResult(seq, event, handle.to_bytes()))
         return results
 
-    def make_handle(self, seq: Sequence) -> KVHandle:
-        table = seq.block_table
-        full = table.num_full_blocks()
-        hashes = seq.full_block_hashes(self.scheduler.fingerprint, full)
-        resident_full = full - table.num_spilled
-        tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
-        return KVHandle(
-            fingerprint=self.scheduler.fingerprint,
-            layout=self.pool.layout,
-            num_tokens=seq.num_computed_tokens,
-            block_hashes=hashes,
-            block_ids=list(table.block_ids[:resident_full]),
-            pool_id=self.pool.pool_id,
-            tail_block=tail,
-            num_spilled=table.num_spilled,
-        )
-
     def abort(self, seq: Sequence) -> None:
-        self.core.abort(seq)
+        if self.core.abort(seq):
+            log.debug("prefill %s: aborted", seq.request_id)
 
     def set_admission_watermark(self, blocks: Callable[[], int]) -> None:
         """Keep this many blocks free when admitting new prompts (e.g. one per sequence decoding
@@ -75,14 +62,13 @@ class Prefiller:
 
     @property
     def last_num_tokens(self) -> int:
-        """Tokens computed by the latest step (shares one per-step budget with the decoder)."""
         return self.core.last_num_tokens
 
     @property
     def num_queued_tokens(self) -> int:
-        """Prompt tokens still to compute (the prefill stage's autoscaling signal)."""
-        seqs = list(self.scheduler.waiting) + self.scheduler.running
-        return sum(s.num_tokens - s.num_computed_tokens for s in seqs)
+        """Prompt tokens still to prefill (the autoscaling signal of this stage)."""
+        s = self.scheduler
+        return sum(q.num_tokens - q.num_computed_tokens for q in (*s.waiting, *s.running))
 
     def has_work(self) -> bool:
         return self.core.has_work()

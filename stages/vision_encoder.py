@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.config import EngineConfig
-from pipeline.model_config import LlavaConfig, load_llava_config
-from pipeline.model_loader import load_image_encoder, resolve_dtype
-from stages.preprocessor import PreprocessedImage
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.model_config import LlavaConfig, load_llava_config
+from strata.pipeline.model_loader import load_image_encoder, resolve_dtype
+from strata.stages.preprocessor import PreprocessedImage
 
 
 class VisionEncoder:

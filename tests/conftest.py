@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
+from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +50,7 @@ SERVE_TEST_CONFIG = {
 @pytest.fixture(scope="session")
 def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real `strata serve` (Ray cluster on loopback + HTTP proxy) for the whole test session."""
-    from tests.serve_process import ServeProcess
+    from serve_process import ServeProcess
 
     workdir = tmp_path_factory.mktemp("serve")
     config = {**SERVE_TEST_CONFIG, "engine": {**SERVE_TEST_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}

@@ -1,20 +1,32 @@
-"""Test helpers shared by several test files (not fixtures)."""
+"""Helpers shared by test modules (not fixtures): engines, sampling shortcuts, subprocesses, references.
+
+Test modules import from here and never from each other.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
-from pipeline.scheduler import ScheduledChunk
-from pipeline.sequence import Sequence
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.scheduler import ScheduledChunk
+from strata.pipeline.sequence import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+BS = 16  # block size the kernel tests use
+MODEL_NAME = "strata-test"  # the model id the shared test server serves
 
 
 def build(model_dir: Path, **config: Any):
-    from stages.factory import build_engine
+    from strata.stages.factory import build_engine
 
     return build_engine(model_dir, EngineConfig(**config))
 
@@ -23,16 +35,41 @@ def greedy(max_tokens: int = 12, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+def run_python(*args: str, timeout: float = 300, env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a directory outside the repository, so only the installed ``strata`` package
+    is importable (never the bare room folders)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=tempfile.gettempdir(), **kw)
+
+
+def run_strata(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The `strata` command line in a child process (``python -m strata``)."""
+    return run_python("-m", "strata", *args, timeout=timeout, env=env)
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    window: int | None) -> torch.Tensor:
+    """SDPA over one sequence with an explicit causal (+window) mask. q [Tq,Hq,D], k/v [S,Hkv,D]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    k_pos = torch.arange(k.shape[0])
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
 def prefill_logits(engine: Any, prompt: str, images: list[bytes]) -> torch.Tensor:
     """Last-position logits of one prompt computed by our model runner in a single chunk."""
-    text = engine.tokenizer.render_user_prompt(prompt, len(images))
-    enc = engine.tokenizer.encode(text, len(images))
-    embeds = engine._encode_images(images, enc.image_offsets)
-    pool = engine.prefiller.pool
-    seq = Sequence("probe", enc.token_ids, greedy(1), pool.layout.block_size, embeds)
-    seq.block_table.block_ids = [pool.allocate() for _ in range(-(-len(enc.token_ids) // pool.layout.block_size))]
+    request, offsets = engine.intake.make_request("probe", greedy(1), len(images), prompt=prompt)
+    engine._embed_images(request, images, offsets)
+    kv = engine.prefiller.kv
+    seq = Sequence.from_request(request, kv.layout.block_size)
+    assert kv.reserve(seq.block_table, seq.num_tokens)
     try:
         return engine.prefiller.core.runner.execute([ScheduledChunk(seq, 0, seq.num_tokens)])[0]
     finally:
-        for b in seq.block_table.block_ids:
-            pool.free(b)
+        kv.free(seq.block_table)

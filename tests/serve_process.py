@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from deployments.launcher import LocalServer
+from strata.local_server import LocalServer
 
 
 def listening_sockets() -> set[tuple[str, str]]:

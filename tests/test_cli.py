@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import build, greedy
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import build, greedy, run_strata
 
 
 def strata(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
-    )
+    return run_strata(*args, timeout=timeout)
 
 
 def test_generate_streams_the_engine_output(llama_dir: Path, tmp_path: Path, demo_images) -> None:

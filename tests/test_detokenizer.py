@@ -6,7 +6,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from pipeline.detokenizer import IncrementalDetokenizer
+from strata.pipeline.detokenizer import IncrementalDetokenizer
 
 
 def test_incremental_equals_full_decode(llama_dir) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.sampling_params import SamplingParams
-from tests.helpers import build, greedy
+from strata.pipeline.sampling_params import SamplingParams
+from helpers import build, greedy
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def engine(llama_dir):
 
 
 def test_abort_mid_generation_frees_every_block(engine, demo_images) -> None:
-    pool = engine.prefiller.pool
+    pool = engine.prefiller.kv.pool
     baseline = pool.stats()["in_use"]
     rid = engine.add_request("Tell me everything.", images=demo_images[:1], params=greedy(100, ignore_eos=True))
     other = engine.add_request("And you?", params=greedy(5))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import build, greedy
+from helpers import build, greedy
 
 PROMPTS = [
     "Describe the picture.",
@@ -47,6 +47,13 @@ def test_chunk_size_does_not_change_tokens(chunk: int, llama_dir, demo_images, b
     assert _tokens(engine, _requests(demo_images)) == baseline
 
 
+def test_prefix_caching_on_equals_off(llama_dir, demo_images, baseline) -> None:
+    """Each request alone with the default engine (caching on): the hand-off from prefill to decode
+    covers every block whether or not blocks are published."""
+    engine = build(llama_dir)
+    assert [_tokens(engine, [r])[0] for r in _requests(demo_images)] == baseline
+
+
 def test_batched_equals_one_at_a_time(llama_dir, demo_images, baseline) -> None:
     engine = build(llama_dir)
     assert _tokens(engine, _requests(demo_images)) == baseline
@@ -84,7 +91,7 @@ def test_preemption_under_a_small_pool(llama_dir, demo_images) -> None:
     decoder_sched = engine.decoder.core.scheduler
     prefill_sched = engine.prefiller.core.scheduler
     assert decoder_sched.num_preemptions + prefill_sched.num_preemptions > 0
-    pool = engine.prefiller.pool
+    pool = engine.prefiller.kv.pool
     pool.check_invariants()
     assert pool.stats()["in_use"] == 0, "every block is released when all requests finish"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import (
+from strata.kernels import (
     AttentionMetadata,
     RotaryEmbedding,
     apply_rope,
@@ -19,22 +19,9 @@ from kernels import (
     rms_norm,
     write_kv,
 )
-from kernels.attention_torch import attend_with_positions
+from strata.kernels.attention_torch import attend_with_positions
 
-BS = 16
-
-
-def _dense_reference(q, k, v, q_pos, window):
-    """SDPA over one sequence with an explicit causal (+window) mask. q [Tq,Hq,D], k/v [S,Hkv,D]."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    k_pos = torch.arange(k.shape[0])
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
+from helpers import BS, dense_reference as _dense_reference
 
 
 def _paged_batch(seq_lens, query_lens, hkv, d, num_blocks, gen):

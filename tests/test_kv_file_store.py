@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import FileBlockStore, KVLayout, LowerTiers
-from kvstore.block_file import layer_nbytes
+from strata.kvstore import FileBlockStore, KVLayout, LowerTiers
+from strata.kvstore.block_file import layer_nbytes
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 FP = b"F" * 16

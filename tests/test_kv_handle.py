@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from kvstore import HandleError, KVHandle, KVLayout
+from strata.kvstore import HandleError, KVHandle, KVLayout
 
 
 def _handle() -> KVHandle:
@@ -36,8 +36,8 @@ def test_unknown_version_and_garbage_are_refused() -> None:
 
 
 def test_decoder_refuses_a_handle_from_another_pool(llama_dir) -> None:
-    from pipeline.sequence import Sequence
-    from tests.helpers import build, greedy
+    from strata.pipeline.sequence import Sequence
+    from helpers import build, greedy
 
     engine = build(llama_dir)
     h = _handle()

@@ -3,41 +3,33 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from pipeline.sequence import Sequence
-from tests.helpers import build, greedy
+from strata.pipeline.sequence import Sequence
+from helpers import build, greedy, run_python
 
-REPO = Path(__file__).resolve().parents[1]
 
 # One engine in a fresh OS process: run one prompt, report tokens and prefix-cache hits.
 _ENGINE = textwrap.dedent(
     """
     import json, random, sys
-    from pipeline.config import EngineConfig
-    from pipeline.sampling_params import SamplingParams
-    from stages.factory import build_engine
+    from strata.pipeline.config import EngineConfig
+    from strata.pipeline.sampling_params import SamplingParams
+    from strata.stages.factory import build_engine
     model, config = sys.argv[1], json.loads(sys.argv[2])
     rng = random.Random(0)
     ids = [rng.randrange(5, 500) for _ in range(1000)]
     engine = build_engine(model, EngineConfig(**config))
     out = engine.generate([{"prompt_token_ids": ids, "params": SamplingParams(max_tokens=8, temperature=0.0)}])[0]
-    stats = engine.prefiller.core.runner.kv.stats()
+    stats = engine.prefiller.kv.stats()
     print(json.dumps({"tokens": out.output_token_ids, "cached": out.num_cached_tokens, "hits": stats["prefix_hit_tokens"]}))
     """
 )
 
 
 def _run_engine(model: Path, **config) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _ENGINE, str(model), json.dumps(config)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_python("-c", _ENGINE, str(model), json.dumps(config))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -74,12 +66,12 @@ def test_a_handle_from_another_pool_is_adopted_through_the_host_tier(llama_dir: 
     while not results:
         results = prefill_side.prefiller.step()
     (result,) = results
-    assert result.handle is not None
-    assert prefill_side.prefiller.pool.pool_id != decode_side.decoder.pool.pool_id
-    decode_side.decoder.admit(result.seq, result.handle)
-    tokens = [result.first.token_id]
+    assert result.kv_handle is not None
+    assert prefill_side.prefiller.kv.pool.pool_id != decode_side.decoder.kv.pool.pool_id
+    decode_side.decoder.admit(result.seq, result.kv_handle)
+    tokens = [result.event.token_id]
     while decode_side.decoder.has_work():
         tokens += [ev.token_id for ev in decode_side.decoder.step()]
     assert tokens == expected
-    hits = decode_side.decoder.core.runner.kv.stats()["prefix_hit_tokens"]
+    hits = decode_side.decoder.kv.stats()["prefix_hit_tokens"]
     assert hits["host"] == len(enc.token_ids) // 16 * 16  # full blocks came by hash; only the tail was recomputed

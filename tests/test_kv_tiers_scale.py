@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import tracemalloc
 from pathlib import Path
@@ -12,15 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore import FileBlockStore, KVLayout, LowerTiers
+from strata.kvstore import FileBlockStore, KVLayout, LowerTiers
 
-REPO = Path(__file__).resolve().parents[1]
 FP = b"F" * 16
 
 _WRITER = textwrap.dedent(
     """
     import sys, numpy as np, torch
-    from kvstore import FileBlockStore, KVLayout
+    from strata.kvstore import FileBlockStore, KVLayout
     root, cap, first, count, action = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     lay = KVLayout(2, 1, 4, 4, torch.float32)
     s = FileBlockStore(root, cap, lay, b"F" * 16)
@@ -38,8 +37,8 @@ _WRITER = textwrap.dedent(
 
 
 def _run(*args: object) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", _WRITER, *map(str, args)], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", _WRITER, *map(str, args)], stdout=subprocess.PIPE, text=True,
+                            cwd=tempfile.gettempdir())
 
 
 def test_two_processes_share_blocks_and_the_capacity_holds(tmp_path: Path) -> None:

@@ -9,12 +9,13 @@ import msgpack
 import pytest
 import torch
 
-from kvstore import (
+from strata.kvstore import (
     BlockPool,
     BlockTable,
     ImageSpan,
     KVLayout,
     NoFreeBlocksError,
+    TieredKVCache,
     block_extras,
     hash_block,
     hash_chain,
@@ -159,14 +160,17 @@ def test_published_block_reused_with_contents() -> None:
     tmp = pool.allocate()
     assert tmp not in blocks
     pool.free(tmp)
-    got = pool.match_prefix(hashes + [h(12345)])
-    assert got == blocks
+    kv = TieredKVCache(pool, fingerprint=FP)
+    table = kv.new_table()
+    match = kv.match_prefix(table, hashes + [h(12345)], keep_free=0)
+    got = table.block_ids
+    assert got == blocks and match.num_blocks == 2 and match.by_tier == {"device": 2}
     assert [pool.ref_count(b) for b in got] == [1, 1]
     for i, b in enumerate(got):
         assert pool.kv[b].eq(float(i + 1)).all()
-    s = pool.stats()
-    assert s["prefix_queried_blocks"] == 3 and s["prefix_hit_blocks"] == 2
-    assert s["prefix_hit_tokens"] == 2 * BS and s["cached"] == 0 and s["in_use"] == 2
+    s = kv.stats()
+    assert s["prefix_queried_tokens"] == 3 * BS and s["prefix_hit_tokens"] == {"device": 2 * BS}
+    assert s["device"]["cached"] == 0 and s["device"]["in_use"] == 2
 
 
 def test_match_prefix_stops_at_first_miss() -> None:
@@ -174,9 +178,11 @@ def test_match_prefix_stops_at_first_miss() -> None:
     a, c = pool.allocate(), pool.allocate()
     pool.publish(a, h(1))
     pool.publish(c, h(3))
-    assert pool.match_prefix([h(1), h(2), h(3)]) == [a]
+    kv = TieredKVCache(pool, fingerprint=FP)
+    first, second = kv.new_table(), kv.new_table()
+    assert kv.match_prefix(first, [h(1), h(2), h(3)], keep_free=0).num_blocks == 1 and first.block_ids == [a]
     assert pool.ref_count(a) == 2 and pool.ref_count(c) == 1
-    assert pool.match_prefix([h(2), h(1)]) == []
+    assert kv.match_prefix(second, [h(2), h(1)], keep_free=0).num_blocks == 0 and second.block_ids == []
     assert pool.lookup(h(3)) == c and pool.ref_count(c) == 1  # lookup: no ref change
 
 
@@ -187,9 +193,12 @@ def test_lru_evicts_least_recently_released_first() -> None:
         pool.publish(b[i], h(i))
     for i in (1, 0, 2):  # release order defines LRU
         pool.free(b[i])
-    # touching b[1] via match_prefix then releasing makes it most recent
-    assert pool.match_prefix([h(1)]) == [b[1]]
-    pool.free(b[1])
+    # touching b[1] via a prefix match then releasing makes it most recent
+    kv = TieredKVCache(pool, fingerprint=FP)
+    table = kv.new_table()
+    kv.match_prefix(table, [h(1)], keep_free=0)
+    assert table.block_ids == [b[1]]
+    kv.free(table)
     evicted_order = []
     for _ in range(3):
         before = {i for i in range(3) if pool.lookup(h(i)) is not None}
@@ -271,7 +280,13 @@ def test_randomized_invariants() -> None:
                 assert model_hash.get(canon) == hh and b not in model_hash
         else:
             query = [h(rng.randrange(20)) for _ in range(rng.randrange(1, 5))]
-            got = pool.match_prefix(query)
+            got = []  # a device prefix match: look up each leading hash and reference its block
+            for hh in query:
+                b = pool.lookup(hh)
+                if b is None:
+                    break
+                pool.incref(b)
+                got.append(b)
             for b, hh in zip(got, query):
                 assert model_hash[b] == hh
             if len(got) < len(query):

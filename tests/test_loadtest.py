@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+import strata.loadtest
+from helpers import run_strata
+
 BENCH_METRICS = [
     "request_throughput", "output_throughput", "total_token_throughput", "goodput",
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")),
@@ -22,9 +24,9 @@ def test_headless_locust_run_has_no_failures(serve_server, tmp_path: Path) -> No
     locust = Path(sys.executable).with_name("locust")
     prefix = tmp_path / "strata"
     proc = subprocess.run(
-        [str(locust), "-f", "loadtest/locustfile.py", "--headless", "-u", "6", "-r", "6", "-t", "20s",
+        [str(locust), "-f", str(Path(strata.loadtest.__file__).with_name("locustfile.py")), "--headless", "-u", "6", "-r", "6", "-t", "20s",
          "--host", serve_server.base_url, "--csv", str(prefix), "--only-summary"],
-        cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO), "STRATA_LONG_PROMPT_WORDS": "120"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "STRATA_LONG_PROMPT_WORDS": "120"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["Name"]: r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
@@ -41,8 +43,7 @@ def test_bench_serve_reports_every_metric(serve_server, tmp_path: Path, dataset:
             "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path), "--no-progress"]
     if dataset == "random":
         args += ["--sweep", "1", "4", "--request-rate", "50"]
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_strata(*args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = tmp_path.glob("bench-*.json")
     runs = json.loads(result.read_text())["runs"]

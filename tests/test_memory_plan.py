@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pipeline.cli import main
-from pipeline.memory_plan import count_params, format_plan, load_model_shape, parse_count, parse_size, plan_memory
-from pipeline.model_config import ModelConfigError
-from pipeline.tiny_model import ARCHITECTURES
+from strata.cli import main
+from strata.pipeline.memory_plan import count_params, format_plan, load_model_shape, parse_count, parse_size, plan_memory
+from strata.pipeline.model_config import ModelConfigError
+from strata.pipeline.tiny_model import ARCHITECTURES
 
 GiB = 1 << 30
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.tiny_model import ARCHITECTURES
-from tests.helpers import build, greedy, prefill_logits
+from strata.pipeline.tiny_model import ARCHITECTURES
+from helpers import build, greedy, prefill_logits
 
 PROMPT = "Tell me a story about the sea and the stars."
 NEW_TOKENS = 24

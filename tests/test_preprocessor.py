@@ -13,7 +13,7 @@ import torch
 import transformers
 from PIL import Image
 
-from stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
+from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
 
 TOLERANCE = 1e-5
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.sampler import Sampler, StopResult, check_stop, make_generator
-from pipeline.sampling_params import SamplingParams
+from strata.pipeline.sampler import Sampler, StopResult, check_stop, make_generator
+from strata.pipeline.sampling_params import SamplingParams
 
 VOCAB = 50
 

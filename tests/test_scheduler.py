@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from kvstore import BlockPool, KVLayout, TieredKVCache
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
-from pipeline.scheduler import Scheduler
-from pipeline.sequence import Sequence
+from strata.kvstore import BlockPool, KVLayout, TieredKVCache
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.scheduler import Scheduler
+from strata.pipeline.sequence import Sequence
 
 FP = b"fingerprint"
 
 
 def _sched(num_blocks: int = 64, **cfg) -> Scheduler:
     config = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **cfg)
-    return Scheduler(config, TieredKVCache(BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks)), FP)
+    return Scheduler(config, TieredKVCache(BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks), fingerprint=FP))
 
 
 def _seq(i: int, n: int) -> Sequence:
@@ -36,15 +36,15 @@ def test_budget_chunk_cap_and_decode_priority() -> None:
     s.add(a)
     s.add(b)
     out = s.schedule()
-    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [("s0", 6), ("s1", 4)]
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("s0", 6), ("s1", 4)]
     _run(s, out)
     out = s.schedule()
-    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [("s0", 3), ("s1", 5)]
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("s0", 3), ("s1", 5)]
     _run(s, out)
     s.add(_seq(2, 20))
     out = s.schedule()
     # both decode (1 token each) before the new prompt gets the rest of the budget
-    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [("s0", 1), ("s1", 1), ("s2", 6)]
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("s0", 1), ("s1", 1), ("s2", 6)]
     assert out.num_tokens <= 10
 
 
@@ -54,10 +54,10 @@ def test_preempts_newest_when_pool_is_dry_and_requeues_it_first() -> None:
     s.add(a)
     s.add(b)
     _run(s, s.schedule())
-    assert s.pool.num_free() == 1
+    assert s.kv.pool.num_free() == 1
     for _ in range(4):  # a and b each cross into a new block; only one more block exists
         _run(s, s.schedule())
     assert s.num_preemptions >= 1
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
     assert s.waiting and s.waiting[0] is b and b.num_computed_tokens == 0
-    s.pool.check_invariants()
+    s.kv.pool.check_invariants()

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.helpers import build, greedy
+from helpers import build, greedy
 
 MODEL = "strata-test"
 

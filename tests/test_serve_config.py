@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.app import deployment_options
-from deployments.config import SIGNALS, STAGES, ServeConfig
+from strata.deployments.app import deployment_options
+from strata.deployments.config import SIGNALS, STAGES, ServeConfig
 
 
 def test_every_stage_gets_its_own_policy_and_bounded_queues() -> None:
@@ -27,7 +27,7 @@ def test_every_stage_gets_its_own_policy_and_bounded_queues() -> None:
 def test_the_policy_scales_on_the_stage_signal() -> None:
     from types import SimpleNamespace
 
-    from deployments.autoscaling import StageSignalPolicy
+    from strata.deployments.autoscaling import StageSignalPolicy
 
     policy = StageSignalPolicy("queued_prompt_tokens", 1000.0, stage="prefill")
     ctx = lambda metrics, current=1: SimpleNamespace(  # noqa: E731

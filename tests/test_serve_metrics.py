@@ -93,7 +93,7 @@ def test_the_grafana_dashboard_only_queries_metrics_we_export() -> None:
     import json as _json
     from pathlib import Path
 
-    from deployments import metrics
+    from strata.deployments import metrics
 
     dashboard = _json.loads((Path(metrics.__file__).parent / "grafana" / "strata_dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]

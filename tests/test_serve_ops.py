@@ -130,7 +130,7 @@ def test_a_burst_scales_prefill_up_and_idleness_scales_it_down(serve_server) -> 
 
 def test_the_server_listens_on_loopback_only(serve_server) -> None:
     new = serve_server.sockets_before
-    from tests.serve_process import listening_sockets
+    from serve_process import listening_sockets
 
     opened = [addr for addr, proc in listening_sockets() - new if ("ray" in proc or "python" in proc or "raylet" in proc
                                                                  or "gcs_server" in proc or "strata" in proc)]

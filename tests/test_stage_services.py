@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
-from pipeline.sequence import Sequence
-from pipeline.sequence_wire import sequence_from_wire, sequence_to_wire
-from stages.factory import build_decode_service, build_prefill_service
-from tests.helpers import build, greedy
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.handoff import Handoff
+from strata.pipeline.request import ImageEmbedding, Request, TokenEvent, pack_events, unpack_events
+from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.sequence import Sequence
+from strata.stages.factory import build_decode_service, build_prefill_service
+from helpers import build, greedy
 
 PROMPTS = ["Tell me about the tides and the moon. " * 6, "A short one.", "Why is the sea salty? " * 3]
 
@@ -27,19 +28,20 @@ def services(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     decode.close()
 
 
-def _wire(engine, rid: str, prompt: str, params: SamplingParams) -> dict:
-    enc = engine.tokenizer.encode(engine.tokenizer.render_user_prompt(prompt), 0)
-    return sequence_to_wire(Sequence(rid, enc.token_ids, params, 16))
+def _request(engine, rid: str, prompt: str, params: SamplingParams) -> Request:
+    return engine.intake.make_request(rid, params, prompt=prompt)[0]
 
 
-async def _complete(prefill, decode, wire: dict) -> tuple[list[int], str, int]:
-    first = await prefill.prefill(wire)
-    tokens, text = [first["token_id"]], first["text_delta"]
-    if not first["finished"]:
-        async for batch in decode.generate(first["seq"], first["handle"]):
-            tokens += [e["token_id"] for e in batch]
-            text += "".join(e["text_delta"] for e in batch)
-    return tokens, text, first["num_cached_tokens"]
+async def _complete(prefill, decode, request: Request) -> tuple[list[int], str, int]:
+    handoff = Handoff.from_msgpack((await prefill.prefill(request)).to_msgpack())  # as it crosses replicas
+    tokens, text = [handoff.first.token_id], handoff.first.text_delta
+    if not handoff.first.finished:
+        async for batch in decode.generate(handoff):
+            batch = unpack_events(pack_events(batch))
+            assert {e.request_id for e in batch} == {request.request_id}
+            tokens += [e.token_id for e in batch]
+            text += "".join(e.text_delta for e in batch)
+    return tokens, text, handoff.num_cached_tokens
 
 
 def test_concurrent_requests_through_two_services_match_the_in_process_engine(services, llama_dir: Path) -> None:
@@ -49,22 +51,21 @@ def test_concurrent_requests_through_two_services_match_the_in_process_engine(se
     expected = engine.generate([{"prompt": p, "params": sp} for p, sp in zip(PROMPTS, params)])
 
     async def main():
-        wires = [_wire(engine, f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
-        return await asyncio.gather(*(_complete(prefill, decode, w) for w in wires))
+        requests = [_request(engine, f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+        return await asyncio.gather(*(_complete(prefill, decode, r) for r in requests))
 
     got = asyncio.run(main())
+    assert any(exp.finish_reason == "stop" for exp in expected)  # the stop-string case is covered
     for (tokens, text, _), exp in zip(got, expected):
         assert tokens == exp.output_token_ids  # seeded sampling continues from prefill's generator state
-        assert text == engine.tokenizer.decode(exp.output_token_ids) or exp.finish_reason == "stop"
+        assert text == exp.text  # streamed text, stop strings and EOS included, equals the engine's
 
 
 def test_a_second_turn_hits_the_prefix_cache(services, llama_dir: Path) -> None:
     prefill, decode = services
     engine = build(llama_dir)
-    wire = _wire(engine, "turn", PROMPTS[0], greedy(4))
-    asyncio.run(_complete(prefill, decode, wire))
-    wire["seq_id"] = "turn-again"
-    _, _, cached = asyncio.run(_complete(prefill, decode, wire))
+    asyncio.run(_complete(prefill, decode, _request(engine, "turn", PROMPTS[0], greedy(4))))
+    _, _, cached = asyncio.run(_complete(prefill, decode, _request(engine, "turn-again", PROMPTS[0], greedy(4))))
     assert cached >= 48
 
 
@@ -74,8 +75,8 @@ def test_closing_a_stream_early_frees_the_decode_blocks(services, llama_dir: Pat
 
     async def main() -> None:
         baseline = (await decode.stats())["kv"]["device"]["in_use"]
-        first = await prefill.prefill(_wire(engine, "gone", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True, temperature=0)))
-        stream = decode.generate(first["seq"], first["handle"])
+        handoff = await prefill.prefill(_request(engine, "gone", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True, temperature=0)))
+        stream = decode.generate(handoff)
         await stream.__anext__()
         assert (await decode.stats())["running"] == 1
         await stream.aclose()  # what a client disconnect does to the Ray streaming call
@@ -89,21 +90,38 @@ def test_closing_a_stream_early_frees_the_decode_blocks(services, llama_dir: Pat
     asyncio.run(main())
 
 
-def test_the_sequence_wire_round_trip_keeps_decoding_state(demo_images) -> None:
+def test_the_handoff_round_trip_keeps_decoding_state() -> None:
+    import numpy as np
     import torch
 
-    from pipeline.sequence import ImageEmbedding
-
+    embeds = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
     seq = Sequence("w", [1, 4, 4, 9], SamplingParams(max_tokens=3, seed=5, stop=["x"]), 16,
-                   [ImageEmbedding(1, torch.randn(2, 8), b"h" * 16)])
+                   [ImageEmbedding(1, embeds, b"h" * 16)])
     seq.token_ids.append(42)
     seq.text, seq.emitted_text_len = "ab", 1
     torch.rand(3, generator=seq.generator)  # advance the generator
-    back = sequence_from_wire(sequence_to_wire(seq), 16)
-    assert back.token_ids == seq.token_ids and back.num_prompt_tokens == 4 and back.output_token_ids == [42]
-    assert back.params == seq.params and back.text == "ab" and back.emitted_text_len == 1
-    assert torch.equal(back.images[0].embeds, seq.images[0].embeds) and back.image_spans == seq.image_spans
-    assert torch.equal(torch.rand(4, generator=back.generator), torch.rand(4, generator=seq.generator))
+    first = TokenEvent("w", 42, "ab", None, 0)
+    back = Handoff.from_msgpack(Handoff.from_sequence(seq, first, b"kv").to_msgpack())
+    assert back.first == first and back.kv_handle == b"kv"
+    again = back.to_sequence(16)
+    assert again.token_ids == seq.token_ids and again.num_prompt_tokens == 4 and again.output_token_ids == [42]
+    assert again.params == seq.params and again.text == "ab" and again.emitted_text_len == 1
+    assert np.array_equal(again.images[0].embeds, embeds) and again.image_spans == seq.image_spans
+    assert torch.equal(torch.rand(4, generator=again.generator), torch.rand(4, generator=seq.generator))
+
+
+def test_requests_and_events_round_trip_through_msgpack() -> None:
+    import numpy as np
+
+    req = Request("cmpl-1", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.5, stop=["\n"]),
+                  [ImageEmbedding(0, np.ones((3, 4), np.float32), b"c" * 16)])
+    back = Request.from_msgpack(req.to_msgpack())
+    assert (back.request_id, back.prompt_token_ids, back.params) == (req.request_id, req.prompt_token_ids, req.params)
+    assert np.array_equal(back.images[0].embeds, req.images[0].embeds)
+    events = [TokenEvent("a", 5, "x"), TokenEvent("b", 6, "", "length", 32)]
+    assert unpack_events(pack_events(events)) == events
+    with pytest.raises(ValueError, match="expected a request message"):
+        Request.from_msgpack(pack_events(events))
 
 
 def test_separate_processes_need_a_shared_tier(llama_dir: Path) -> None:

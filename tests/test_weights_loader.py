@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.model_loader import load_image_encoder, load_language_model
-from pipeline.weights import WeightsError, canonical_name, weight_map
+from strata.pipeline.model_loader import load_image_encoder, load_language_model
+from strata.pipeline.weights import WeightsError, canonical_name, weight_map
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

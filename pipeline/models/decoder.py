@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata, RotaryEmbedding, apply_rope, attend_offloaded, rms_norm, write_kv
-from pipeline.model_config import TextConfig
-from pipeline.models.mlp import DenseMLP, SparseMoE
+from strata.kernels import AttentionBackend, AttentionMetadata, RotaryEmbedding, apply_rope, attend_spilled, rms_norm, write_kv
+from strata.pipeline.model_config import TextConfig
+from strata.pipeline.models.mlp import DenseMLP, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +54,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        spilled = meta.offloaded is not None
+        spilled = meta.spilled is not None
         out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
         if spilled:
-            out = attend_offloaded(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
+            out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

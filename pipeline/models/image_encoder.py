@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.model_config import LlavaConfig
-from pipeline.models.projector import MultiModalProjector
-from pipeline.models.vision import VisionTower
+from strata.pipeline.model_config import LlavaConfig
+from strata.pipeline.models.projector import MultiModalProjector
+from strata.pipeline.models.vision import VisionTower
 
 
 class ImageEncoderModel(nn.Module):

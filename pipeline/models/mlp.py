@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import moe_experts, moe_route
-from pipeline.model_config import TextConfig
+from strata.kernels import moe_experts, moe_route
+from strata.pipeline.model_config import TextConfig
 
 
 class DenseMLP(nn.Module):

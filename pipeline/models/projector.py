@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.models.activations import activation
+from strata.pipeline.models.activations import activation
 
 
 class MultiModalProjector(nn.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import dense_attention, layer_norm
-from pipeline.model_config import VisionConfig
-from pipeline.models.activations import activation
+from strata.kernels import dense_attention, layer_norm
+from strata.pipeline.model_config import VisionConfig
+from strata.pipeline.models.activations import activation
 
 
 class VisionEmbeddings(nn.Module):

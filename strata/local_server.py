@@ -1,4 +1,7 @@
-"""Start `strata serve` as a child process and wait until it answers (benchmarks, tests, scripts)."""
+"""Start `strata serve` as a child process on free loopback ports and wait until it answers.
+
+Used by `strata bench serve-overhead` (and the tests): a real server in its own temporary cluster.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -38,13 +39,13 @@ class LocalServer:
         config_path.write_text(json.dumps(config))
         self._log_path = self.workdir / "serve.log"
         self._log = open(self._log_path, "w")
-        full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
                     **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(model_dir), "--config", str(config_path),
+            [sys.executable, "-m", "strata", "serve", "--model", str(model_dir), "--config", str(config_path),
              "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
              "--metrics-port", str(self.metrics_port), "--model-name", model_name],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=self.workdir, start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 240.0) -> "LocalServer":

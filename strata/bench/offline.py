@@ -15,13 +15,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
-from pipeline.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sampling_params import SamplingParams
+from strata.stages.factory import build_engine
+from strata.pipeline.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
 
 SIZES = {
     "tiny": TinyModelSpec(),
@@ -84,7 +85,7 @@ def _prefill_seconds(engine: Any, prompts: list[list[int]]) -> float:
     return time.perf_counter() - t0
 
 
-def _prefix_bench(args: argparse.Namespace, load_engine: Callable[..., Any]) -> dict[str, float]:
+def _prefix_bench(args: argparse.Namespace) -> dict[str, float]:
     model_dir = bench_model_dir(args.prefix_model)
     vocab = 512
     prefix = random_prompts(1, args.prefix_len, vocab, seed=1)[0]
@@ -92,16 +93,16 @@ def _prefix_bench(args: argparse.Namespace, load_engine: Callable[..., Any]) -> 
     prompts = [prefix + s for s in suffixes]
     blocks = args.prefix_requests * (-(-(args.prefix_len + 32) // 16)) + 64
     base = dict(num_kv_blocks=blocks, max_model_len=args.prefix_len + 64, max_num_seqs=args.prefix_requests)
-    cold = load_engine(model_dir, EngineConfig(enable_prefix_caching=False, **base))
+    cold = build_engine(model_dir, EngineConfig(enable_prefix_caching=False, **base))
     t_cold = _prefill_seconds(cold, prompts)
     del cold
-    warm = load_engine(model_dir, EngineConfig(enable_prefix_caching=True, **base))
+    warm = build_engine(model_dir, EngineConfig(enable_prefix_caching=True, **base))
     _prefill_seconds(warm, [prefix + [9] * 16])  # puts the shared prefix in the cache
     t_cached = _prefill_seconds(warm, prompts)
     return {"cold_s": t_cold, "cached_s": t_cached, "speedup": t_cold / t_cached}
 
 
-def run(args: argparse.Namespace, load_engine: Callable[..., Any]) -> int:
+def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     results: dict[str, Any] = {"throughput": [], "prefix": None}
     print(f"# engine vs transformers generate: greedy, {args.prompt_len} prompt / {args.output_len} output tokens, "
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace, load_engine: Callable[..., Any]) -> int:
     print(f"{'model':<7} {'batch':>5} {'hf tok/s':>10} {'engine tok/s':>13} {'ratio':>7}")
     for size in args.models:
         model_dir = bench_model_dir(size)
-        engine = load_engine(model_dir, EngineConfig(max_model_len=args.prompt_len + args.output_len + 16))
+        engine = build_engine(model_dir, EngineConfig(max_model_len=args.prompt_len + args.output_len + 16))
         for batch in args.batches:
             prompts = random_prompts(batch, args.prompt_len, 512, seed=batch)
             hf = _hf_tokens_per_s(model_dir, prompts, args.output_len)
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace, load_engine: Callable[..., Any]) -> int:
     if not args.skip_prefix:
         print(f"\n# prefill of {args.prefix_requests} requests sharing a {args.prefix_len}-token prefix "
               f"(+16 own tokens), model {args.prefix_model}: prefix cache off vs prefix already cached")
-        res = _prefix_bench(args, load_engine)
+        res = _prefix_bench(args)
         results["prefix"] = res
         print(f"cold {res['cold_s']:.2f} s   cached {res['cached_s']:.3f} s   speedup {res['speedup']:.1f}x")
     if args.json:

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def _prompts(n: int, words: int) -> list[str]:
 
 
 def _in_process(model: Path, prompts: list[str], concurrency: int, out_tokens: int) -> dict[str, float]:
-    from stages.factory import build_engine
+    from strata.stages.factory import build_engine
 
     engine = build_engine(model, EngineConfig())
     params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
@@ -113,7 +113,7 @@ def _served(url: str, prompts: list[str], concurrency: int, out_tokens: int) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.tiny_model import ensure_demo_model
+    from strata.pipeline.tiny_model import ensure_demo_model
 
     model = args.model or ensure_demo_model()
     server = None
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if url is None:
         import tempfile
 
-        from deployments.launcher import LocalServer
+        from strata.local_server import LocalServer
 
         work = Path(tempfile.mkdtemp(prefix="strata-bench-serve-"))
         config = {"engine": {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")},

@@ -1,22 +1,22 @@
-"""The `strata` command line: make-tiny-model, generate, bench, plan.
+"""The `strata` command line: make-tiny-model, generate, bench, plan, serve.
 
+The entry room: it only calls down into the rooms below (deployments, stages, pipeline, ...).
 Results go to stdout (generated text, benchmark tables); logs and progress go to stderr.
-Commands that need the stage implementations bind to ``stages`` late (by module name), so
-``pipeline`` itself never imports the rooms above it.
+Heavy rooms (Ray, the benchmarks) are imported when their command runs, so `strata --help`
+stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.config import EngineConfig, read_json_object
-from pipeline.sampling_params import SamplingParams
-from pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
+from strata.pipeline.config import EngineConfig, read_json_object
+from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 
 log = logging.getLogger("strata")
 
@@ -26,9 +26,10 @@ class CLIError(Exception):
 
 
 def load_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Any:
-    """Build the in-process engine from the stage implementations (late-bound: see module doc)."""
-    factory = importlib.import_module("stages.factory")
-    return factory.build_engine(model_dir, config)
+    """Build the in-process engine: the four stages composed in this process."""
+    from strata.stages.factory import build_engine
+
+    return build_engine(model_dir, config)
 
 
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +69,7 @@ def _add_make_demo_image(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_demo_image(args: argparse.Namespace) -> int:
-    from pipeline.tiny_model import make_demo_image
+    from strata.pipeline.tiny_model import make_demo_image
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(make_demo_image(args.out, args.size))
@@ -125,7 +126,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _resolve_model(model: Path | None) -> Path:
     if model is None:
-        from pipeline.tiny_model import ensure_demo_model
+        from strata.pipeline.tiny_model import ensure_demo_model
 
         return ensure_demo_model()
     if not model.is_dir():
@@ -174,36 +175,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from strata.bench import add_bench_commands
+
     p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench_command", required=True)
-    off = bench.add_parser("offline", help="engine vs transformers generate, and cached-prefix prefill")
-    from pipeline.bench_offline import add_arguments
-
-    add_arguments(off)
-    off.set_defaults(func=_cmd_bench_offline)
-    kv = bench.add_parser("kv", help="tiered KV store: TTFT per tier, decode vs context, largest context")
-    from pipeline.bench_tiers import add_arguments as add_kv_arguments
-
-    add_kv_arguments(kv)
-    kv.set_defaults(func=_cmd_bench_kv)
-    overhead = bench.add_parser("serve-overhead", help="TTFT and ITL through the Serve path vs the in-process engine")
-    importlib.import_module("deployments.bench_overhead").add_arguments(overhead)
-    overhead.set_defaults(func=lambda args: importlib.import_module("deployments.bench_overhead").run(args))
-    load = bench.add_parser("serve", help="load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots")
-    importlib.import_module("loadtest.bench").add_arguments(load)
-    load.set_defaults(func=lambda args: importlib.import_module("loadtest.bench").run(args))
-
-
-def _cmd_bench_offline(args: argparse.Namespace) -> int:
-    from pipeline.bench_offline import run
-
-    return run(args, load_engine)
-
-
-def _cmd_bench_kv(args: argparse.Namespace) -> int:
-    from pipeline.bench_tiers import run
-
-    return run(args, load_engine)
+    add_bench_commands(p.add_subparsers(dest="bench_command", required=True))
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -226,7 +201,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from pipeline.memory_plan import format_plan, parse_count, parse_size, plan_memory
+    from strata.pipeline.memory_plan import format_plan, parse_count, parse_size, plan_memory
 
     config = args.model / "config.json" if args.model.is_dir() else args.model
     if not config.is_file():
@@ -246,14 +221,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (Ray Serve)")
-    importlib.import_module("deployments.serve_cli").add_arguments(p)
+    from strata.deployments.serve_cli import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    serve_cli = importlib.import_module("deployments.serve_cli")
+    from strata.deployments.serve_cli import run
+
     try:
-        return serve_cli.run(args)
+        return run(args)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
 
@@ -272,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from kvstore import HandleError
-    from pipeline.model_config import ModelConfigError
-    from pipeline.weights import WeightsError
+    from strata.kvstore import HandleError
+    from strata.pipeline.model_config import ModelConfigError
+    from strata.pipeline.weights import WeightsError
 
     errors: list[type[BaseException]] = [CLIError, ModelConfigError, WeightsError, HandleError, ValueError, OSError]
     return tuple(errors)

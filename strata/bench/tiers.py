@@ -19,11 +19,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pipeline.bench_offline import SIZES, bench_model_dir, random_prompts
-from pipeline.config import EngineConfig
-from pipeline.sampling_params import SamplingParams
+from strata.bench.offline import SIZES, bench_model_dir, random_prompts
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.sampling_params import SamplingParams
+from strata.stages.factory import build_engine
 
 VOCAB = 512
 
@@ -55,7 +56,7 @@ def _ttft(engine: Any, prompt: list[int]) -> float:
 def _flops(model: Path, first: int, end: int) -> float:
     """Forward FLOPs of positions [first, end): 2 x params per token, plus QK and PV over every
     visible key (what a cached prefix cannot save: the suffix still attends to all of it)."""
-    from pipeline.model_config import load_llava_config
+    from strata.pipeline.model_config import load_llava_config
 
     t = load_llava_config(model).text
     per_token = 2 * (t.num_layers * (2 * t.hidden_size * t.num_heads * t.head_dim
@@ -65,7 +66,7 @@ def _flops(model: Path, first: int, end: int) -> float:
     return per_token * (end - first) + 4 * t.num_layers * t.num_heads * t.head_dim * keys
 
 
-def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> dict[str, Any]:
+def _ttft_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = bench_model_dir(args.model)
     n = args.prompt_len
     shared = int(n * args.shared)
@@ -78,7 +79,7 @@ def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work:
         "host": dict(host_kv_blocks=blocks, host_kv_dir=str(work / "host")),
         "disk": dict(disk_kv_blocks=blocks, disk_kv_dir=str(work / "disk")),
     }
-    cold = load_engine(model, EngineConfig(enable_prefix_caching=False, **common))
+    cold = build_engine(model, EngineConfig(enable_prefix_caching=False, **common))
     warmup = random_prompts(1, 64, VOCAB, seed=99)[0]  # shares no block with the measured prompts
     _ttft(cold, warmup)
     out: dict[str, Any] = {"prompt_len": n, "shared_tokens": shared, "cold_s": _ttft(cold, later[0])}
@@ -87,9 +88,9 @@ def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work:
           f"{out['ideal_speedup']:.1f}x, attention to the whole context included)", flush=True)
     del cold
     for name, extra in tiers.items():
-        writer = load_engine(model, EngineConfig(**common, **extra))
+        writer = build_engine(model, EngineConfig(**common, **extra))
         _ttft(writer, base)  # the earlier request: its blocks land on the device and are written through
-        reader = writer if name == "device" else load_engine(model, EngineConfig(**common, **extra))
+        reader = writer if name == "device" else build_engine(model, EngineConfig(**common, **extra))
         _ttft(reader, warmup)
         times = [_ttft(reader, p) for p in later[1:]]
         out[f"{name}_s"] = statistics.median(times)
@@ -99,14 +100,14 @@ def _ttft_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work:
     return out
 
 
-def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> list[dict[str, Any]]:
+def _decode_bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     model = bench_model_dir("tiny")
     longest = max(args.contexts)
     config = EngineConfig(
         max_model_len=longest + args.decode_steps + 64, num_kv_blocks=args.device_blocks,
         host_kv_blocks=-(-longest // 16) * 2 + 64, host_kv_dir=str(work / "decode-host"), max_num_batched_tokens=2048,
     )
-    engine = load_engine(model, config)
+    engine = build_engine(model, config)
     kv = engine.prefiller.core.runner.kv
     device_bytes = kv.pool.kv.numel() * kv.pool.kv.element_size() + kv.staging_nbytes()
     rows = []
@@ -132,7 +133,7 @@ def _decode_bench(args: argparse.Namespace, load_engine: Callable[..., Any], wor
     return rows
 
 
-def _max_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: Path) -> dict[str, Any]:
+def _max_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = bench_model_dir("tiny")
     ctx, best, last_s = args.max_start, None, 0.0
     while True:
@@ -140,7 +141,7 @@ def _max_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: 
             max_model_len=ctx + 64, num_kv_blocks=args.max_device_blocks, prefill_chunk_tokens=args.max_chunk,
             max_num_batched_tokens=args.max_chunk, host_kv_blocks=-(-ctx // 16) + 64, host_kv_dir=str(work / f"max-{ctx}"),
         )
-        engine = load_engine(model, config)
+        engine = build_engine(model, config)
         prompt = random_prompts(1, ctx, VOCAB, seed=ctx + 1)[0]
         t0 = time.perf_counter()
         first = None
@@ -160,23 +161,23 @@ def _max_bench(args: argparse.Namespace, load_engine: Callable[..., Any], work: 
     return {"largest": best, "budget_s": args.budget_s}
 
 
-def run(args: argparse.Namespace, load_engine: Callable[..., Any]) -> int:
+def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="strata-bench-kv-") as tmp:
         work = args.workdir or Path(tmp)
         if "ttft" in args.parts:
             print(f"# TTFT, {args.prompt_len}-token prompt sharing {args.shared:.0%} with an earlier one, model "
                   f"{args.model}, fp32 CPU; cached rows: median of {args.repeats} prompts with fresh suffixes")
-            results["ttft"] = _ttft_bench(args, load_engine, work)
+            results["ttft"] = _ttft_bench(args, work)
         if "decode" in args.parts:
             print(f"\n# decode step vs context, tiny model, device tier fixed at {args.device_blocks} blocks "
                   f"(+ staging), older blocks streamed from the host tier")
             print(f"{'context':>8} {'prefill s':>10} {'step ms':>12} {'ms/1K tokens':>14} {'device MiB':>12} {'peak blk':>10}")
-            results["decode"] = _decode_bench(args, load_engine, work)
+            results["decode"] = _decode_bench(args, work)
         if "max" in args.parts:
             print(f"\n# largest context end to end (prefill + 4 tokens) within {args.budget_s:.0f} s, tiny model, "
                   f"device tier {args.max_device_blocks} blocks + host tier, chunks of {args.max_chunk}")
-            results["max"] = _max_bench(args, load_engine, work)
+            results["max"] = _max_bench(args, work)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     sys.stdout.flush()

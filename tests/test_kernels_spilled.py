@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, attend_offloaded, get_attention_backend, write_kv
-from test_kernels import BS, _dense_reference
+from strata.kernels import AttentionMetadata, attend_spilled, get_attention_backend, write_kv
+from helpers import BS, dense_reference as _dense_reference
 
 
 class _HostBlocks:
-    """OffloadedKV over plain tensors, counting loads (stands in for the host/disk tiers)."""
+    """SpilledKV over plain tensors, counting loads (stands in for the host/disk tiers)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, segment_blocks: int) -> None:
         self.k = k.view(-1, BS, *k.shape[1:])
@@ -28,11 +28,11 @@ class _HostBlocks:
 
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-def test_offloaded_segments_merge_to_the_dense_result(hq: int, hkv: int, window: int | None) -> None:
+def test_spilled_segments_merge_to_the_dense_result(hq: int, hkv: int, window: int | None) -> None:
     gen = torch.Generator().manual_seed(hq + hkv + (window or 0))
     d = 8
     seq_lens = [100, 70, 33]
-    query_lens = [1, 12, 33]  # a decode, a chunk after an offloaded prefix, and a seq with nothing offloaded
+    query_lens = [1, 12, 33]  # a decode, a chunk after an spilled prefix, and a seq with nothing spilled
     spilled_blocks = [5, 3, 0]
     k_cache = torch.zeros(30, BS, hkv, d)
     v_cache = torch.zeros(30, BS, hkv, d)
@@ -50,12 +50,12 @@ def test_offloaded_segments_merge_to_the_dense_result(hq: int, hkv: int, window:
         tables.append(blocks)
         slots.extend(all_slots[len(all_slots) - q_len :].tolist())
     meta = AttentionMetadata.build(
-        query_lens, seq_lens, tables, slots, BS, kv_offsets=[n * BS for n in spilled_blocks], offloaded=sources
+        query_lens, seq_lens, tables, slots, BS, kv_offsets=[n * BS for n in spilled_blocks], spilled=sources
     )
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     scale = d**-0.5
     out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
-    out = attend_offloaded(q, out, lse, meta, 0, scale, window)
+    out = attend_spilled(q, out, lse, meta, 0, scale, window)
     start = 0
     for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):
         ref = _dense_reference(q[start : start + q_len], k, v, torch.arange(s_len - q_len, s_len), window)
@@ -64,20 +64,20 @@ def test_offloaded_segments_merge_to_the_dense_result(hq: int, hkv: int, window:
     decode_source = sources[0]
     assert decode_source is not None
     if window is None:
-        assert decode_source.loaded_blocks == 5  # every offloaded block, in segments of 2
+        assert decode_source.loaded_blocks == 5  # every spilled block, in segments of 2
     else:
         assert decode_source.loaded_blocks < 5  # blocks wholly outside the window are never loaded
 
 
-def test_metadata_without_offload_keeps_the_fast_path() -> None:
-    meta = AttentionMetadata.build([1], [5], [[0]], [4], BS, kv_offsets=[0], offloaded=[None])
-    assert meta.offloaded is None and meta.kv_offsets == []
+def test_metadata_without_spill_keeps_the_fast_path() -> None:
+    meta = AttentionMetadata.build([1], [5], [[0]], [4], BS, kv_offsets=[0], spilled=[None])
+    assert meta.spilled is None and meta.kv_offsets == []
 
 
 @pytest.mark.parametrize("window", [None, 100])
 def test_long_key_ranges_are_attended_in_bounded_segments(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
     """The LSE path splits keys so scores stay bounded; the merged result equals one big softmax."""
-    import kernels.attention_torch as attention_torch
+    import strata.kernels.attention_torch as attention_torch
 
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 300, 4, 8, generator=gen)
@@ -97,7 +97,7 @@ def test_long_key_ranges_are_attended_in_bounded_segments(monkeypatch: pytest.Mo
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_fused_lse_path_equals_the_explicit_softmax(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, window) -> None:
     """The fused kernel (with LSE) and the explicit scores path agree, including rows that see no key."""
-    import kernels.attention_torch as attention_torch
+    import strata.kernels.attention_torch as attention_torch
 
     gen = torch.Generator().manual_seed(hq + hkv)
     q = torch.randn(2, 20, hq, 8, generator=gen)

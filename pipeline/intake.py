@@ -1,0 +1,98 @@
+"""Request intake, shared by the in-process engine and the HTTP ingress: a prompt (one user
+message, a whole chat, raw text or token ids) plus image count in, a checked :class:`Request`
+and the positions its image embeddings go to out. Both front doors accept and refuse exactly
+the same requests with the same messages; only how they embed images differs (in this process,
+or through the encoder deployments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.request import ImageEmbedding, Request
+from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.tokenizer import EncodedPrompt, PromptTokenizer
+
+
+class PromptTooLongError(ValueError):
+    """Prompt plus requested output exceed the context limit (an HTTP 400 for API callers)."""
+
+
+@dataclass
+class Intake:
+    tokenizer: PromptTokenizer
+    config: EngineConfig
+
+    def make_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        num_images: int = 0,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        raw_prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        max_tokens_default: bool = False,
+    ) -> tuple[Request, list[int]]:
+        """Validate and tokenize exactly one of prompt / messages / raw_prompt / prompt_token_ids.
+
+        Returns the request (images not attached yet) and each image's placeholder offset. With
+        ``max_tokens_default`` the request may generate whatever room the context leaves (the
+        OpenAI default when ``max_tokens`` is absent).
+        """
+        if max_tokens_default:
+            params.max_tokens = 1  # validated as 1, then widened to the room left
+        params.validate()
+        encoded = self._encode(params, num_images, prompt, messages, raw_prompt, prompt_token_ids)
+        check_length(self.config, len(encoded.token_ids), params)
+        if max_tokens_default:
+            params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
+        return Request(request_id, encoded.token_ids, params), encoded.image_offsets
+
+    def _encode(self, params: SamplingParams, num_images: int, prompt: str | None,
+                messages: list[dict[str, Any]] | None, raw_prompt: str | None,
+                prompt_token_ids: list[int] | None) -> EncodedPrompt:
+        if sum(x is not None for x in (prompt, messages, raw_prompt, prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of prompt, messages, raw_prompt or prompt_token_ids")
+        if num_images > self.config.max_images_per_request:
+            raise ValueError(f"at most {self.config.max_images_per_request} images per request, got {num_images}")
+        tok = self.tokenizer
+        if prompt_token_ids is not None:
+            return tok.expand_ids(list(prompt_token_ids), num_images)
+        if prompt is not None:
+            if not prompt.strip() and not num_images:
+                raise ValueError("prompt is empty")
+            text = tok.render_user_prompt(prompt, num_images)
+        elif messages is not None:
+            text = tok.render_chat(messages)
+        else:
+            assert raw_prompt is not None
+            text = raw_prompt
+        return tok.encode(text, num_images)
+
+
+def attach_images(request: Request, offsets: list[int], features: Seq[np.ndarray], hashes: Seq[bytes]) -> Request:
+    """Put each image's embeddings (float32 [tokens, hidden]) at its placeholder span."""
+    request.images = [ImageEmbedding(off, np.asarray(f, dtype=np.float32), h) for off, f, h in zip(offsets, features, hashes)]
+    return request
+
+
+def check_length(config: EngineConfig, num_prompt: int, params: SamplingParams) -> None:
+    if num_prompt == 0:
+        raise ValueError("prompt is empty after tokenization")
+    total = num_prompt + params.max_tokens
+    if total > config.max_model_len:
+        raise PromptTooLongError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {config.max_model_len}"
+        )
+    blocks = -(-total // config.block_size)
+    if config.has_lower_tiers and config.enable_prefix_caching:
+        # Older blocks can be spilled; the device only needs one chunk's working set.
+        blocks = -(-config.prefill_chunk_tokens // config.block_size) + 1
+    if blocks > config.num_kv_blocks:
+        raise ValueError(f"request needs {blocks} KV blocks but the device pool holds {config.num_kv_blocks}")

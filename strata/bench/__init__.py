@@ -1,0 +1,27 @@
+"""`strata bench ...`: benchmarks that compare Strata with a reference side by side in one run.
+
+Each module measures one room from above it: ``offline`` (engine vs transformers), ``tiers``
+(the tiered KV store), ``serve_overhead`` (the Serve path vs the in-process engine); ``serve``
+is the HTTP load generator in ``loadtest``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_commands(bench: argparse._SubParsersAction) -> None:
+    """Register the bench subcommands; each module is imported when its command is parsed for."""
+    from strata.bench import offline, serve_overhead, tiers
+    from strata.loadtest import bench as load_bench
+
+    commands = (
+        ("offline", "engine vs transformers generate, and cached-prefix prefill", offline),
+        ("kv", "tiered KV store: TTFT per tier, decode vs context, largest context", tiers),
+        ("serve-overhead", "TTFT and ITL through the Serve path vs the in-process engine", serve_overhead),
+        ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
+    )
+    for name, help_text, module in commands:
+        p = bench.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)

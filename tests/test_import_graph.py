@@ -1,0 +1,79 @@
+"""The rooms import one way (strata entry -> deployments -> stages -> pipeline -> kvstore -> kernels),
+with no cycles, and every module is importable under exactly one name: ``strata.<room>...``."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from helpers import REPO, run_python
+from import_graph import ROOMS, cycles, read_graph, room_of, upward_imports
+
+
+def test_no_room_imports_a_room_above_it() -> None:
+    bad = upward_imports(read_graph(REPO))
+    assert not bad, "upward imports:\n" + "\n".join(f"{i.source}:{i.line} -> {i.target} ({i.how})" for i in bad)
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    assert cycles(read_graph(REPO)) == []
+
+
+def test_the_reader_sees_function_level_and_importlib_imports(tmp_path) -> None:
+    """The checker itself can fail: an upward import hidden in a function or a string is found."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / "a.py").write_text(
+        "import importlib\n\ndef f():\n    from strata.pipeline import engine\n    return importlib.import_module('stages.factory')\n")
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "__init__.py").write_text("")
+    (tmp_path / "pipeline" / "engine.py").write_text("from strata.kernels import a\n")
+    graph = read_graph(tmp_path)
+    targets = {(i.target, i.how) for i in upward_imports(graph)}
+    assert ("strata.pipeline", "from") in targets and ("strata.stages.factory", "importlib") in targets
+    assert cycles(graph) == [["strata.kernels.a", "strata.pipeline.engine"]]
+
+
+def test_ray_is_imported_only_in_deployments() -> None:
+    graph = read_graph(REPO)
+    offenders = []
+    for module, path in graph.modules.items():
+        if room_of(module) == "deployments":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{module}:{node.lineno}" for n in names if n.split(".")[0] == "ray"]
+    assert not offenders, offenders
+
+
+_IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+import strata
+names = []
+for info in pkgutil.walk_packages(strata.__path__, "strata."):
+    names.append(info.name)
+for name in ("strata.kernels", "strata.kvstore", "strata.pipeline", "strata.stages", "strata.deployments", "strata.loadtest"):
+    pkg = importlib.import_module(name)
+    names.append(name)
+    names += [i.name for i in pkgutil.walk_packages(pkg.__path__, name + ".")]
+for name in names:
+    if name.endswith("locustfile") or name.endswith("__main__"):
+        continue  # a locust script (gevent monkey-patching) and the CLI's `python -m` entry
+    importlib.import_module(name)
+bare = sorted(m for m in sys.modules if m.split(".")[0] in ("kernels", "kvstore", "pipeline", "stages", "deployments", "loadtest"))
+files = {m: getattr(sys.modules[m], "__file__", None) for m in sys.modules if m.startswith("strata")}
+print(json.dumps({"imported": len(set(names)), "bare": bare, "files": files}))
+"""
+
+
+def test_every_module_imports_under_the_strata_name_only() -> None:
+    res = run_python("-c", _IMPORT_ALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["bare"] == []
+    assert out["imported"] >= 60
+    # One file, one name: no source file is loaded twice under different module names.
+    paths = [p for p in out["files"].values() if p]
+    assert len(paths) == len(set(paths))
+    assert set(ROOMS) - {"strata"} <= {m.split(".")[1] for m in out["files"] if m.count(".") >= 1}

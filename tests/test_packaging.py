@@ -1,0 +1,119 @@
+"""Both install paths give one import package, ``strata``: the wheel (into a fresh venv) and the
+editable install the Makefile makes. Nothing generic (``kernels``, ``pipeline``...) lands in
+site-packages, and Ray workers of a separately started cluster import the same package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run_python
+
+pytestmark = pytest.mark.slow
+ROOM_NAMES = ("kernels", "kvstore", "pipeline", "stages", "deployments", "loadtest")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # Build from a copy of the files git knows (setuptools leaves a build/ folder behind, and a stale
+    # one would put deleted modules into the wheel); no build isolation: nothing is downloaded.
+    src = out / "src"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                          "--no-index", "-w", str(out), "-q"], capture_output=True, text=True, timeout=300,
+                         cwd=out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = out.glob("strata-*.whl")
+    return path
+
+
+def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"strata", next(t for t in tops if t.endswith(".dist-info"))}
+    assert "strata/kernels/attention_torch.py" in names and "strata/pipeline/engine.py" in names
+    assert "strata/deployments/grafana/strata_dashboard.json" in names
+    assert not any(n.startswith("strata/tests/") or "/tests/" in n for n in names)
+
+
+def test_the_wheel_installs_and_runs_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # The fresh venv sees the main venv's packages (torch, ray, ...) through a .pth line: nothing is downloaded.
+    (site / "main-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                          "--ignore-installed", str(wheel)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not any((site / name).exists() for name in ROOM_NAMES), sorted(p.name for p in site.iterdir())
+    help_ = subprocess.run([str(venv / "bin" / "strata"), "--help"], capture_output=True, text=True, timeout=120,
+                           env=env, cwd=tmp_path)
+    assert help_.returncode == 0 and "serve" in help_.stdout, help_.stderr
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import strata.pipeline, strata.kernels; print(strata.pipeline.__file__)"],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert probe.returncode == 0, probe.stderr
+    assert Path(probe.stdout.strip()).is_relative_to(site)
+
+
+def test_the_editable_install_maps_the_rooms_into_strata() -> None:
+    res = run_python("-c", "import json, strata.pipeline, strata.kernels; "
+                     "print(json.dumps([strata.pipeline.__file__, strata.kernels.__file__]))")
+    assert res.returncode == 0, res.stderr
+    assert [Path(p) for p in json.loads(res.stdout)] == [REPO / "pipeline" / "__init__.py", REPO / "kernels" / "__init__.py"]
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert not any((site / name).exists() for name in ROOM_NAMES)
+    res = subprocess.run([str(Path(sys.executable).with_name("strata")), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "generate" in res.stdout
+
+
+_WORKER_PROBE = """
+import json, ray, sys
+from ray.cluster_utils import Cluster
+
+# A head node started apart from the driver (what `ray start --head` gives), joined by address.
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                      "temp_dir": sys.argv[1]})
+try:
+    ray.init(address=cluster.address, logging_level="ERROR")
+
+    @ray.remote
+    def probe():
+        import sys
+        import strata.stages.factory, strata.pipeline
+        bare = sorted(m for m in sys.modules if m.split(".")[0] in %r)
+        return strata.pipeline.__file__, bare
+
+    print(json.dumps(ray.get(probe.remote())))
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+""" % (ROOM_NAMES,)
+
+
+def test_ray_workers_of_a_cluster_joined_by_address_import_the_same_package() -> None:
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        res = run_python("-c", _WORKER_PROBE, ray_temp, env=env, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        worker_file, bare = json.loads(res.stdout.strip().splitlines()[-1])
+        assert Path(worker_file) == REPO / "pipeline" / "__init__.py" and bare == []
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
