@@ -14,7 +14,7 @@ from strata.kernels.cache_ops import write_kv
 from strata.kernels.merge import merge_attention_states
 from strata.kernels.moe import moe_experts, moe_route
 from strata.kernels.norm import layer_norm, rms_norm
-from strata.kernels.rope import RotaryEmbedding, apply_rope
+from strata.kernels.rope import RotaryEmbedding, apply_rope, rotate_heads, signed_sin
 
 __all__ = [
     "AttentionBackend",
@@ -32,5 +32,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "rms_norm",
+    "rotate_heads",
+    "signed_sin",
     "write_kv",
 ]

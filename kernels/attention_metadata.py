@@ -1,9 +1,9 @@
-"""The one description of a batch that every attention backend reads (vLLM-style)."""
+"""The one description of a batch that every attention backend reads (vLLM-style), built once per step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -30,17 +30,25 @@ class AttentionMetadata:
     ``seq_lens[i] - query_len_i + j``. Keys of sequence ``i`` are token positions
     ``kv_offsets[i] .. seq_lens[i]-1`` stored in blocks ``block_tables[i, :]``; keys before
     ``kv_offsets[i]`` (block aligned) are off the device, described by ``spilled[i]``.
+
+    Built once per step and read by every layer: tensors live on the model's device, the python
+    lists let backends branch without a device sync, and ``prepared`` holds what a backend derives
+    from the metadata (its partition of the batch, say) so the work is not repeated per layer.
     """
 
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
     seq_lens: torch.Tensor  # int64 [num_seqs], kv length after this step's tokens are written
-    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with 0
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0
     slot_mapping: torch.Tensor  # int64 [num_tokens], flat cache slot of each new token
     block_size: int
-    query_lens: list[int]  # python copies: backends branch on them without a device sync
+    query_lens: list[int]
     seq_lens_list: list[int]
     kv_offsets: list[int] = field(default_factory=list)  # first key position in the block table, per sequence
     spilled: list[SpilledKV | None] | None = None  # None when every key is on the device
+    kv_offsets_t: torch.Tensor | None = None  # int64 [num_seqs], the same as a tensor
+    slot_blocks: torch.Tensor | None = None  # int64 [num_tokens]: slot_mapping // block_size
+    slot_offsets: torch.Tensor | None = None  # int64 [num_tokens]: slot_mapping % block_size
+    prepared: dict[Any, Any] = field(default_factory=dict)
 
     def kv_offset(self, i: int) -> int:
         return self.kv_offsets[i] if self.kv_offsets else 0
@@ -69,25 +77,27 @@ class AttentionMetadata:
         kv_offsets: Sequence[int] | None = None,
         spilled: Sequence[SpilledKV | None] | None = None,
     ) -> "AttentionMetadata":
-        """Assemble tensors from plain lists (what the model runner has at hand)."""
+        """Assemble tensors from plain lists (what the model runner has at hand): one tensor per field."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         width = max((len(t) for t in block_tables), default=0) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int64)
-        for i, row in enumerate(block_tables):
-            if row:
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        offsets = list(kv_offsets) if kv_offsets is not None else [0] * len(query_lens)
+        slots = torch.tensor(slot_mapping, dtype=torch.int64, device=device)
         return cls(
             query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            block_tables=table.to(device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+            slot_mapping=slots,
             block_size=block_size,
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
-            kv_offsets=list(kv_offsets) if kv_offsets is not None and any(kv_offsets) else [],
+            kv_offsets=offsets if any(offsets) else [],
             spilled=list(spilled) if spilled is not None and any(o is not None for o in spilled) else None,
+            kv_offsets_t=torch.tensor(offsets, dtype=torch.int64, device=device),
+            slot_blocks=torch.div(slots, block_size, rounding_mode="floor"),
+            slot_offsets=torch.remainder(slots, block_size),
         )

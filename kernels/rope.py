@@ -67,3 +67,18 @@ def apply_rope(
     c = cos.unsqueeze(1)
     s = sin.unsqueeze(1)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: what :func:`rotate_heads` multiplies the swapped halves by."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` for one tensor of heads x [T, H, D] in three ops: rotate_half(x) * sin equals
+    swap_halves(x) * signed_sin(sin) product for product (the sign moves from x to sin, exactly), so
+    the result is the same to the bit. q and k heads can go through in one call."""
+    half = x.shape[-1] // 2
+    swapped = x.view(*x.shape[:-1], 2, half).flip(-2).view(x.shape)
+    return x * cos.unsqueeze(1) + swapped * sin_signed.unsqueeze(1)

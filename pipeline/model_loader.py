@@ -28,6 +28,7 @@ def load_language_model(
     with torch.device("meta"):
         model = LanguageModel(cfg.text)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device)
+    model.fuse_projections()
     return model.eval(), stats
 
 

@@ -23,41 +23,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear."""
+        """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear.
+
+        One pass over the chunks gathers everything the step needs (O(sequences) Python work, plus
+        the tokens of prefill chunks); the metadata is built once and read by every layer.
+        """
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_rows: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        offsets: list[int] = []
+        spilled = []
+        bs = self.block_size
         for chunk in chunks:
-            seq = chunk.seq
-            token_ids.extend(seq.token_ids[chunk.start : chunk.end])
-            positions.extend(range(chunk.start, chunk.end))
-            slots.extend(seq.block_table.slots(chunk.start, chunk.end))
-            if chunk.samples:
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            table = seq.block_table
+            if end - start == 1:  # a decode: one token, one slot
+                token_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table.block_ids[start // bs - table.num_spilled] * bs + start % bs)
+            else:
+                token_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table.slots(start, end))
+            if end == seq.num_tokens:
                 last_rows.append(len(token_ids) - 1)
-        meta = AttentionMetadata.build(
-            query_lens=[c.num_tokens for c in chunks],
-            seq_lens=[c.end for c in chunks],
-            block_tables=[c.seq.block_table.block_ids for c in chunks],
-            slot_mapping=slots,
-            block_size=self.block_size,
-            device=self.device,
-            kv_offsets=[c.seq.block_table.first_resident_token for c in chunks],
-            spilled=[self.kv.spilled(c.seq.block_table) for c in chunks],
-        )
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(table.block_ids)
+            offsets.append(table.first_resident_token)
+            spilled.append(self.kv.spilled(table) if table.num_spilled else None)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, bs, self.device, offsets, spilled)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         embeds = self.model.embed(ids)
         self._overlay_images(embeds, chunks)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(embeds, pos, self.kv.device_kv, meta, self.backend)
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
-        return self.model.logits(hidden[rows])
+        hidden = self.model.forward(embeds, pos, self.kv.device_kv, meta, self.backend)
+        if len(last_rows) != len(token_ids):  # keep only the rows whose logits are sampled
+            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64, device=self.device)]
+        return self.model.logits(hidden)
 
     @staticmethod
     def _overlay_images(embeds: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
         """Replace placeholder-token embeddings with the image embeddings covering those positions."""
         row = 0
         for chunk in chunks:
+            if not chunk.seq.images:
+                row += chunk.num_tokens
+                continue
             for img in chunk.seq.images:
                 lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
                 if lo < hi:

@@ -27,6 +27,19 @@ class PromptTokenizer:
         self.num_image_tokens = cfg.num_image_tokens
         self.vocab_size = cfg.text.vocab_size
         self.eos_token_ids = self._eos_ids(Path(model_dir), cfg)
+        self._backend = self._plain_backend()
+
+    def _plain_backend(self) -> Any:
+        """The Rust tokenizer, when decoding through it equals ``tokenizer.decode`` (no text clean-up
+        step applies): the incremental detokenizer decodes twice per generated token, and the Python
+        wrapper around the Rust call costs four times the call itself."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if backend is None or not hasattr(backend, "decode"):
+            return None
+        cleanup = bool(getattr(self.tokenizer, "clean_up_tokenization_spaces", False))
+        bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
+        forced = bool(getattr(self.tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        return backend if not cleanup or (bpe and not forced) else None
 
     def _eos_ids(self, model_dir: Path, cfg: LlavaConfig) -> tuple[int, ...]:
         ids: list[int] = list(cfg.eos_token_ids)
@@ -72,4 +85,6 @@ class PromptTokenizer:
         return EncodedPrompt(out, offsets)
 
     def decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=True)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -10,7 +10,20 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from strata.kernels import available_backends  # noqa: E402
 from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=available_backends("cpu"))
+def attention_backend(request: pytest.FixtureRequest):
+    """Runs a module once per attention backend here (the fast one and the torch reference): engines
+    from `helpers.build` use it. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import helpers
+
+    previous = helpers.DEFAULT_BACKEND["name"]
+    helpers.DEFAULT_BACKEND["name"] = request.param
+    yield request.param
+    helpers.DEFAULT_BACKEND["name"] = previous
 
 
 @pytest.fixture(scope="session")

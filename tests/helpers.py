@@ -23,11 +23,15 @@ from strata.pipeline.sequence import Sequence
 REPO = Path(__file__).resolve().parents[1]
 BS = 16  # block size the kernel tests use
 MODEL_NAME = "strata-test"  # the model id the shared test server serves
+# The attention backend engines built by `build` use unless a test names one; the
+# `attention_backend` fixture runs a whole module once per backend by setting it.
+DEFAULT_BACKEND = {"name": "auto"}
 
 
 def build(model_dir: Path, **config: Any):
     from strata.stages.factory import build_engine
 
+    config.setdefault("attention_backend", DEFAULT_BACKEND["name"])
     return build_engine(model_dir, EngineConfig(**config))
 
 
@@ -71,5 +75,25 @@ def prefill_logits(engine: Any, prompt: str, images: list[bytes]) -> torch.Tenso
     assert kv.reserve(seq.block_table, seq.num_tokens)
     try:
         return engine.prefiller.core.runner.execute([ScheduledChunk(seq, 0, seq.num_tokens)])[0]
+    finally:
+        kv.free(seq.block_table)
+
+
+def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``token_ids`` (one prefill chunk through our model runner): what a
+    teacher-forced comparison with a reference needs."""
+    from strata.kernels import AttentionMetadata
+
+    kv, runner = engine.prefiller.kv, engine.prefiller.core.runner
+    seq = Sequence("all-positions", list(token_ids), greedy(1), kv.layout.block_size)
+    assert kv.reserve(seq.block_table, seq.num_tokens)
+    try:
+        t = seq.num_tokens
+        meta = AttentionMetadata.build([t], [t], [seq.block_table.block_ids], seq.block_table.slots(0, t),
+                                       kv.layout.block_size)
+        with torch.inference_mode():
+            embeds = runner.model.embed(torch.tensor(seq.token_ids))
+            hidden = runner.model.forward(embeds, torch.arange(t), kv.device_kv, meta, runner.backend)
+            return runner.model.logits(hidden)
     finally:
         kv.free(seq.block_table)

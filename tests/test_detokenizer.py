@@ -26,3 +26,17 @@ def test_incremental_equals_full_decode(llama_dir) -> None:
             text += detok.step(decode, ids[:n])
         text += detok.step(decode, ids, final=True)
         assert text == decode(ids)
+
+
+def test_the_fast_decode_equals_the_tokenizers_decode(llama_dir) -> None:
+    """PromptTokenizer.decode skips the Python wrapper; the text must not change."""
+    from strata.pipeline.model_config import load_llava_config
+    from strata.pipeline.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(llama_dir, load_llava_config(llama_dir))
+    assert tok._backend is not None  # the fast path is what this test covers
+    rng = random.Random(1)
+    vocab = len(tok.tokenizer)
+    for _ in range(50):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        assert tok.decode(ids) == tok.tokenizer.decode(ids, skip_special_tokens=True)

@@ -8,6 +8,8 @@ import pytest
 
 from helpers import build, greedy
 
+pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
+
 PROMPTS = [
     "Describe the picture.",
     "What colour is the circle?",
@@ -34,7 +36,7 @@ def _tokens(engine, reqs: list[dict]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(llama_dir: Path, demo_images) -> list[list[int]]:
+def baseline(llama_dir: Path, demo_images, attention_backend: str) -> list[list[int]]:
     """Each request alone, prefix caching off, whole prompt in one chunk."""
     engine = build(llama_dir, enable_prefix_caching=False)
     return [_tokens(engine, [r])[0] for r in _requests(demo_images)]

@@ -12,11 +12,14 @@ from strata.kernels import (
     AttentionMetadata,
     RotaryEmbedding,
     apply_rope,
+    available_backends,
     get_attention_backend,
     merge_attention_states,
     moe_experts,
     moe_route,
     rms_norm,
+    rotate_heads,
+    signed_sin,
     write_kv,
 )
 from strata.kernels.attention_torch import attend_with_positions
@@ -43,18 +46,23 @@ def _paged_batch(seq_lens, query_lens, hkv, d, num_blocks, gen):
     return k_cache, v_cache, dense, meta
 
 
+BACKENDS = available_backends("cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "fused"])
 @pytest.mark.parametrize("window", [None, 5, 23])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
-def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None, with_lse: bool) -> None:
+def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None, with_lse: bool, backend: str) -> None:
     gen = torch.Generator().manual_seed(hq * 10 + hkv + (window or 0))
     d = 16
-    seq_lens = [1, 17, 33, 50, 64, 7]  # not multiples of the block size, decodes and chunks mixed
-    query_lens = [1, 17, 1, 19, 5, 1]  # whole prompt, decode, chunk after context, ...
-    k_cache, v_cache, dense, meta = _paged_batch(seq_lens, query_lens, hkv, d, 40, gen)
+    # Not multiples of the block size; decodes, short chunks, long chunks (the flash path), a chunk after context.
+    seq_lens = [1, 17, 33, 50, 64, 7, 90, 40]
+    query_lens = [1, 17, 1, 19, 5, 1, 45, 40]
+    k_cache, v_cache, dense, meta = _paged_batch(seq_lens, query_lens, hkv, d, 60, gen)
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     scale = d**-0.5
-    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=with_lse)
+    out, lse = get_attention_backend(backend).forward(q, k_cache, v_cache, meta, scale, window, return_lse=with_lse)
     start = 0
     for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):
         q_pos = torch.arange(s_len - q_len, s_len)
@@ -64,6 +72,39 @@ def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None
     assert (lse is not None) == with_lse
     if with_lse:
         assert torch.isfinite(lse).all()
+        ref_out, ref_lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (24, 16), (16, 8)], ids=["vector", "odd-dim", "small-block"])
+def test_backends_agree_on_bf16_caches_and_other_shapes(backend: str, head_dim: int, block_size: int) -> None:
+    """bf16 KV (the kernel widens it) and shapes off the vector path; the torch backend is the oracle."""
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    hq, hkv, num_blocks = 8, 2, 48
+    seq_lens, query_lens = [5, 70, 36, 120], [1, 1, 36, 50]
+    pool = torch.randn(num_blocks, 2, 2, block_size, hkv, head_dim, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    slots = [s for t, n, ql in zip(tables, seq_lens, query_lens)
+             for s in (t[p // block_size] * block_size + p % block_size for p in range(n - ql, n))]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, block_size)
+    q = torch.randn(sum(query_lens), hq, head_dim, generator=gen).to(torch.bfloat16)
+    k, v = pool[:, 1, 0], pool[:, 1, 1]
+    ref, ref_lse = get_attention_backend("torch").forward(q, k, v, meta, 0.1, None, return_lse=True)
+    out, lse = get_attention_backend(backend).forward(q, k, v, meta, 0.1, None, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_prefers_the_fast_backend_when_it_builds() -> None:
+    from strata.kernels.cpu_kernels import cpu_kernels, unavailable_reason
+
+    assert BACKENDS[-1] == "torch"
+    if cpu_kernels() is None:
+        pytest.skip(f"CPU kernels not built here: {unavailable_reason()}")
+    assert get_attention_backend("auto").name == "cpu"
 
 
 def test_lse_merge_of_two_halves_equals_whole() -> None:
@@ -93,13 +134,22 @@ def test_merge_with_an_empty_segment_is_identity() -> None:
     torch.testing.assert_close(merged_lse, lse)
 
 
-def test_rms_norm_matches_transformers() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    ref = LlamaRMSNorm(64, eps=1e-5)
-    ref.weight.data = torch.rand(64) + 0.5
-    x = torch.randn(10, 64) * 3
+    ref = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    ref.weight.data = (torch.rand(64) + 0.5).to(dtype)
+    x = (torch.randn(10, 64) * 3).to(dtype)
     torch.testing.assert_close(rms_norm(x, ref.weight, 1e-5), ref(x), rtol=0, atol=0)
+
+
+def test_rotating_q_and_k_heads_together_is_bit_identical() -> None:
+    q, k = torch.randn(9, 8, 64), torch.randn(9, 4, 64)
+    cos, sin = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4}).cos_sin(torch.arange(9) * 37, torch.float32)
+    q_ref, k_ref = apply_rope(q, k, cos, sin)
+    qk = rotate_heads(torch.cat([q, k], dim=1), cos, signed_sin(sin))
+    assert torch.equal(qk[:, :8], q_ref) and torch.equal(qk[:, 8:], k_ref)
 
 
 @pytest.mark.parametrize(

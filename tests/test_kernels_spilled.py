@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels import AttentionMetadata, attend_spilled, get_attention_backend, write_kv
+from strata.kernels import AttentionMetadata, attend_spilled, available_backends, get_attention_backend, write_kv
 from helpers import BS, dense_reference as _dense_reference
 
 
@@ -26,14 +26,16 @@ class _HostBlocks:
         return self.k[sl].clone(), self.v[sl].clone()
 
 
+@pytest.mark.parametrize("backend", available_backends("cpu"))
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-def test_spilled_segments_merge_to_the_dense_result(hq: int, hkv: int, window: int | None) -> None:
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 8), (8, 2, 16)])
+def test_spilled_segments_merge_to_the_dense_result(hq: int, hkv: int, d: int, window: int | None, backend: str) -> None:
+    """The device part's log-sum-exp comes from the backend under test (the fast one included)."""
     gen = torch.Generator().manual_seed(hq + hkv + (window or 0))
-    d = 8
-    seq_lens = [100, 70, 33]
-    query_lens = [1, 12, 33]  # a decode, a chunk after an spilled prefix, and a seq with nothing spilled
-    spilled_blocks = [5, 3, 0]
+    seq_lens = [100, 70, 33, 120]
+    # a decode, a chunk after a spilled prefix, a seq with nothing spilled, a long chunk after a spilled prefix
+    query_lens = [1, 12, 33, 40]
+    spilled_blocks = [5, 3, 0, 2]
     k_cache = torch.zeros(30, BS, hkv, d)
     v_cache = torch.zeros(30, BS, hkv, d)
     free = list(range(30))
@@ -54,7 +56,7 @@ def test_spilled_segments_merge_to_the_dense_result(hq: int, hkv: int, window: i
     )
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     scale = d**-0.5
-    out, lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
+    out, lse = get_attention_backend(backend).forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
     out = attend_spilled(q, out, lse, meta, 0, scale, window)
     start = 0
     for (k, v), s_len, q_len in zip(dense, seq_lens, query_lens):

@@ -13,6 +13,8 @@ from PIL import Image
 
 from helpers import build, greedy
 
+pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
+
 DEVICE_BLOCKS = 96  # 1,536 tokens of device tier
 
 

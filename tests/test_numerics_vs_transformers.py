@@ -12,6 +12,8 @@ from PIL import Image
 from strata.pipeline.tiny_model import ARCHITECTURES
 from helpers import build, greedy, prefill_logits
 
+pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
+
 PROMPT = "Tell me a story about the sea and the stars."
 NEW_TOKENS = 24
 

@@ -2,16 +2,25 @@
 
 Tokens of all sequences in a step are flattened to [T, hidden]; attention reads and
 writes the block pool through :class:`kernels.AttentionMetadata`.
+
+The modules keep the checkpoint's parameter names (``q_proj``, ``gate_proj``, ...) so weights load
+by name; after loading, :meth:`LanguageModel.fuse_projections` concatenates q/k/v and gate/up into
+one matrix each (the per-projection weights become views of it) so a layer runs two GEMMs fewer.
+The hot path calls ``F.linear`` and the layers' ``forward`` directly: on a small model, per-op
+and per-module Python overhead is a large share of a decode step.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import AttentionBackend, AttentionMetadata, RotaryEmbedding, apply_rope, attend_spilled, rms_norm, write_kv
+from strata.kernels import (
+    AttentionBackend, AttentionMetadata, RotaryEmbedding, attend_spilled, rms_norm, rotate_heads, signed_sin, write_kv,
+)
 from strata.pipeline.model_config import TextConfig
-from strata.pipeline.models.mlp import DenseMLP, SparseMoE
+from strata.pipeline.models.mlp import DenseMLP, SparseMoE, fuse_rows
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +46,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -47,18 +61,20 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, cos, sin)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(t, hq + 2 * hkv, d)
+        qk = rotate_heads(qkv[:, : hq + hkv], cos, sin)  # q and k heads rotated in one pass
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
         k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         spilled = meta.spilled is not None
         out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
         if spilled:
             out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return F.linear(out.reshape(t, hq * d), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -70,8 +86,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoE(cfg) if cfg.num_experts else DenseMLP(cfg)
 
     def forward(self, x, cos, sin, kv, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x = x + self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), cos, sin, kv, meta, backend)
+        return x + self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps))
 
 
 class LanguageModel(nn.Module):
@@ -86,6 +103,13 @@ class LanguageModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters)
 
+    def fuse_projections(self) -> None:
+        """After loading: one q/k/v matrix and one gate/up matrix per layer (weights become views)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, DenseMLP):
+                layer.mlp.fuse()
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)
 
@@ -99,10 +123,11 @@ class LanguageModel(nn.Module):
     ) -> torch.Tensor:
         """Run all layers over flattened token embeddings [T, hidden]; returns final-normed hidden [T, hidden]."""
         cos, sin = self.rope.cos_sin(positions, embeds.dtype)
+        sin_signed = signed_sin(sin)
         x = embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, meta, backend)
-        return self.norm(x)
+            x = layer.forward(x, cos, sin_signed, kv, meta, backend)
+        return rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()

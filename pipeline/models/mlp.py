@@ -10,15 +10,38 @@ from strata.kernels import moe_experts, moe_route
 from strata.pipeline.model_config import TextConfig
 
 
+def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' rows in order; each linear's parameters become
+    views of it, so nothing is stored twice and names still resolve."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
 class DenseMLP(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_weight, self.gate_up_bias = fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class MoEExperts(nn.Module):

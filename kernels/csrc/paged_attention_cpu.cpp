@@ -1,0 +1,355 @@
+// Paged attention on the CPU: queries of many sequences against keys and values read in place from
+// the block-major KV pool (no gather), with an online softmax and an optional log-sum-exp output.
+//
+// One call covers every selected sequence of a step. A work item is (sequence, tile of query rows)
+// with every head, spread over ATen's thread pool. Keys are visited block by block, 16 at a time:
+// a token's K row (all kv heads) is contiguous in the pool, so a group of 16 keys is read once and
+// serves every query row of the tile. Per (row, head) the 16 scores come from 16 partial dot
+// products folded by a shuffle tree into one vector (no per-key horizontal sum), the softmax update
+// runs on that vector, and the weighted sum of V accumulates in registers. Accumulation is fp32;
+// caches may be fp32 or bf16 (widened once per key group). Shapes the vector path does not cover
+// (head dim or block size not a multiple of 16) take a plain scalar loop with the same math.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+constexpr int kLanes = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr int kRowTile = 16;  // query rows per work item (prefill chunks)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Flush denormals to zero while a worker runs: softmax weights of far-below-max keys times small
+// values land in the denormal range, where x86 arithmetic is ~100x slower; their contribution is
+// below 2^-126 of the result either way. The caller's floating-point state is restored after.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned int saved_;
+#endif
+};
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 splat(float x) { return v16{} + x; }
+
+struct Geometry {
+  int64_t heads_q, heads_kv, head_dim, block_size;
+  int64_t k_block_stride, k_token_stride;
+  int64_t v_block_stride, v_token_stride;
+  int64_t table_stride;
+  float scale;
+  int64_t window;  // <= 0: no sliding window
+};
+
+// Sixteen vectors of partial sums -> one vector whose lane t is the full sum of vector t.
+// Each level adds neighbouring lanes and interleaves two inputs, halving the vector count.
+inline v16 fold16(const v16* p) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// exp(x) lane-wise for x <= 0 or -inf (softmax weights after subtracting the running max): Cody-Waite
+// range reduction, the degree-6 polynomial of Cephes expf (~1 ulp), the power of two built in the
+// exponent bits. Below -87 the result is 0 (the true value is under 2^-125).
+inline v16 exp_nonpositive(v16 x) {
+  const v16 lo = splat(-87.f);
+  const v16 c = x < lo ? lo : x;
+  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const v16 n = (c * 1.44269504088896341f + magic) - magic;
+  v16 r = c - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+  const v16 y = p * reinterpret_cast<const v16&>(bits);
+  return x < lo ? v16{} : y;
+}
+
+inline float lane_max(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float lane_sum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Rows of K/V for `count` tokens starting at `src` as fp32: the pool itself for an fp32 cache,
+// widened into `buf` for bf16. Returns the row pointer and its stride in floats.
+inline const float* widen(const float* src, int64_t, int64_t stride, int64_t, float*, int64_t* out_stride) {
+  *out_stride = stride;
+  return src;
+}
+inline const float* widen(const at::BFloat16* src, int64_t count, int64_t stride, int64_t width, float* buf,
+                          int64_t* out_stride) {
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t i = 0; i < width; ++i) buf[t * width + i] = static_cast<float>(src[t * stride + i]);
+  *out_stride = width;
+  return buf;
+}
+
+// Ask for 16 tokens' rows (`width` elements each) ahead of use: a block is a few pages of the pool
+// far from the previous one, where the hardware prefetcher has nothing to go on.
+template <typename KV>
+inline void prefetch_rows(const KV* first, int64_t stride, int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(KV));
+  for (int t = 0; t < kLanes; ++t) {
+    const char* row = reinterpret_cast<const char*>(first + t * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
+// Per-(row, head) softmax state of one work item.
+struct State {
+  std::vector<float> m, l, acc, q;
+  State(int64_t rows, int64_t dim) : m(rows, kNegInf), l(rows, 0.f), acc(rows * dim, 0.f), q(rows * dim) {}
+};
+
+// The vector path: head dim HD (a multiple of 16), key groups of 16.
+template <typename KV, int HD>
+void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const KV* vc, const int32_t* table,
+                     int64_t q_first_row, int64_t q_len, int64_t seq_len, int64_t kv_offset, int64_t row0,
+                     int64_t row1, const Geometry& g) {
+  constexpr int C = HD / kLanes;
+  const int64_t Hq = g.heads_q, Hkv = g.heads_kv, G = Hq / Hkv, bs = g.block_size;
+  const int64_t tile_rows = row1 - row0;
+  State st(tile_rows * Hq, HD);
+  for (int64_t r = 0; r < tile_rows; ++r)
+    for (int64_t i = 0; i < Hq * HD; ++i) st.q[r * Hq * HD + i] = q[(q_first_row + row0 + r) * Hq * HD + i] * g.scale;
+  std::vector<float> kbuf(std::is_same<KV, float>::value ? 0 : kLanes * Hkv * HD);
+  std::vector<float> vbuf(kbuf.size());
+  const int64_t first_pos = seq_len - q_len;  // absolute position of query row 0
+  const int64_t last_pos = first_pos + row1 - 1;
+  int64_t lo_key = kv_offset;
+  if (g.window > 0) lo_key = std::max(lo_key, first_pos + row0 - g.window + 1);
+  const int64_t first_group = (lo_key - kv_offset) / kLanes;
+  const int64_t end_group = (last_pos - kv_offset) / kLanes + 1;
+  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t grp = first_group; grp < end_group; ++grp) {
+    const int64_t key0 = kv_offset + grp * kLanes;
+    const int64_t block = (grp * kLanes) / bs, in_block = (grp * kLanes) % bs;
+    const int64_t nkeys = std::min<int64_t>(kLanes, last_pos - key0 + 1);
+    if (grp + 1 < end_group) {  // the next group's rows live in another block: start fetching them now
+      const int64_t nb = ((grp + 1) * kLanes) / bs, ni = ((grp + 1) * kLanes) % bs;
+      prefetch_rows(kc + table[nb] * g.k_block_stride + ni * g.k_token_stride, g.k_token_stride, Hkv * HD);
+      prefetch_rows(vc + table[nb] * g.v_block_stride + ni * g.v_token_stride, g.v_token_stride, Hkv * HD);
+    }
+    int64_t ks, vs;
+    const float* kp = widen(kc + table[block] * g.k_block_stride + in_block * g.k_token_stride, nkeys,
+                            g.k_token_stride, Hkv * HD, kbuf.data(), &ks);
+    const float* vp = widen(vc + table[block] * g.v_block_stride + in_block * g.v_token_stride, nkeys,
+                            g.v_token_stride, Hkv * HD, vbuf.data(), &vs);
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      const int64_t pos = first_pos + row0 + r;
+      const int64_t k_hi = std::min(nkeys, pos - key0 + 1);  // visible keys of the row: [k_lo, k_hi)
+      const int64_t k_lo = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1 - key0) : 0;
+      if (k_hi <= k_lo) continue;
+      const auto visible = (iota >= static_cast<float>(k_lo)) & (iota < static_cast<float>(k_hi));
+      for (int64_t head = 0; head < Hq; ++head) {
+        const int64_t row = r * Hq + head;
+        const int64_t koff = (head / G) * HD;
+        v16 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = load(st.q.data() + row * HD + c * kLanes);
+        v16 part[kLanes];
+        for (int t = 0; t < kLanes; ++t) {
+          if (t >= nkeys) { part[t] = v16{}; continue; }
+          const float* krow = kp + t * ks + koff;
+          v16 s = qv[0] * load(krow);
+          for (int c = 1; c < C; ++c) s += qv[c] * load(krow + c * kLanes);
+          part[t] = s;
+        }
+        const v16 scores = visible ? fold16(part) : splat(kNegInf);
+        const float new_m = std::max(st.m[row], lane_max(scores));
+        const float correction = std::exp(st.m[row] - new_m);  // exp(-inf) = 0 on the first group
+        const v16 p = exp_nonpositive(scores - new_m);
+        st.l[row] = st.l[row] * correction + lane_sum(p);
+        st.m[row] = new_m;
+        float* a = st.acc.data() + row * HD;
+        v16 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = load(a + c * kLanes) * correction;
+        for (int64_t t = k_lo; t < k_hi; ++t) {
+          const float* vrow = vp + t * vs + koff;
+          for (int c = 0; c < C; ++c) acc[c] += p[t] * load(vrow + c * kLanes);
+        }
+        for (int c = 0; c < C; ++c) store(a + c * kLanes, acc[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tile_rows; ++r)
+    for (int64_t head = 0; head < Hq; ++head) {
+      const int64_t row = r * Hq + head;
+      const int64_t out_row = (q_first_row + row0 + r) * Hq + head;
+      const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
+      for (int64_t d = 0; d < HD; ++d) out[out_row * HD + d] = st.acc[row * HD + d] * inv;
+      if (lse != nullptr) lse[out_row] = st.l[row] > 0.f ? st.m[row] + std::log(st.l[row]) : kNegInf;
+    }
+}
+
+// The scalar path: any head dim and block size, the same online softmax one key at a time.
+template <typename KV>
+void attend_tile_scalar(const float* q, float* out, float* lse, const KV* kc, const KV* vc, const int32_t* table,
+                        int64_t q_first_row, int64_t q_len, int64_t seq_len, int64_t kv_offset, int64_t row0,
+                        int64_t row1, const Geometry& g) {
+  const int64_t Hq = g.heads_q, G = Hq / g.heads_kv, D = g.head_dim, bs = g.block_size;
+  const int64_t first_pos = seq_len - q_len;
+  for (int64_t r = row0; r < row1; ++r) {
+    const int64_t pos = first_pos + r;
+    const int64_t lo = g.window > 0 ? std::max(kv_offset, pos - g.window + 1) : kv_offset;
+    for (int64_t head = 0; head < Hq; ++head) {
+      const float* qr = q + ((q_first_row + r) * Hq + head) * D;
+      const int64_t koff = (head / G) * D;
+      float m = kNegInf, l = 0.f;
+      std::vector<float> acc(D, 0.f);
+      for (int64_t key = lo; key <= pos; ++key) {
+        const int64_t rel = key - kv_offset;
+        const KV* krow = kc + table[rel / bs] * g.k_block_stride + (rel % bs) * g.k_token_stride + koff;
+        const KV* vrow = vc + table[rel / bs] * g.v_block_stride + (rel % bs) * g.v_token_stride + koff;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(krow[d]);
+        s *= g.scale;
+        const float new_m = std::max(m, s);
+        const float correction = std::exp(m - new_m), p = std::exp(s - new_m);
+        l = l * correction + p;
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * correction + p * static_cast<float>(vrow[d]);
+        m = new_m;
+      }
+      const int64_t out_row = (q_first_row + r) * Hq + head;
+      for (int64_t d = 0; d < D; ++d) out[out_row * D + d] = l > 0.f ? acc[d] / l : 0.f;
+      if (lse != nullptr) lse[out_row] = l > 0.f ? m + std::log(l) : kNegInf;
+    }
+  }
+}
+
+template <typename KV>
+using TileFn = void (*)(const float*, float*, float*, const KV*, const KV*, const int32_t*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, const Geometry&);
+
+template <typename KV>
+TileFn<KV> tile_for(const Geometry& g) {
+  if (g.block_size % kLanes == 0) {
+    switch (g.head_dim) {
+      case 16: return attend_tile_vec<KV, 16>;
+      case 32: return attend_tile_vec<KV, 32>;
+      case 64: return attend_tile_vec<KV, 64>;
+      case 128: return attend_tile_vec<KV, 128>;
+      case 256: return attend_tile_vec<KV, 256>;
+      default: break;
+    }
+  }
+  return attend_tile_scalar<KV>;
+}
+
+template <typename KV>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out, float* lse,
+         const at::Tensor& query_start, const at::Tensor& seq_lens, const at::Tensor& kv_offsets,
+         const at::Tensor& block_tables, const at::Tensor& seqs, const Geometry& g) {
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const KV* kc = k_cache.data_ptr<KV>();
+  const KV* vc = v_cache.data_ptr<KV>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* ko = kv_offsets.data_ptr<int64_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t* sel = seqs.data_ptr<int64_t>();
+  const TileFn<KV> tile = tile_for<KV>(g);
+  struct Item { int64_t seq, row0, row1; };  // a decode is one item; a prefill chunk one per row tile
+  std::vector<Item> items;
+  for (int64_t i = 0; i < seqs.numel(); ++i) {
+    const int64_t s = sel[i];
+    const int64_t q_len = qs[s + 1] - qs[s];
+    for (int64_t r = 0; r < q_len; r += kRowTile) items.push_back({s, r, std::min(q_len, r + kRowTile)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      tile(qp, op, lse, kc, vc, bt + it.seq * g.table_stride, qs[it.seq], qs[it.seq + 1] - qs[it.seq], sl[it.seq],
+           ko[it.seq], it.row0, it.row1, g);
+    }
+  });
+}
+
+}  // namespace
+
+// q [T, Hq, D] fp32 contiguous; k_cache/v_cache [blocks, bs, Hkv, D] (views of the pool; a token's
+// heads contiguous); out [T, Hq, D] fp32 and lse [T, Hq] fp32 (or an empty tensor) are written for
+// the selected sequences' rows only. query_start [S+1], seq_lens [S], kv_offsets [S] (first key
+// position held in the table, block aligned), seqs [n] int64; block_tables [S, W] int32.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor out,
+                     at::Tensor lse, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                     const at::Tensor& kv_offsets, const at::Tensor& block_tables, const at::Tensor& seqs,
+                     double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be contiguous fp32 [T, Hq, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must match q");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a dtype");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  v_cache.stride(2) == v_cache.size(3),
+              "a token's heads must be contiguous in the caches");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables must be int32");
+  for (const auto* t : {&query_start, &seq_lens, &kv_offsets, &seqs})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "metadata vectors must be contiguous int64");
+  const Geometry g{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
+                   v_cache.stride(0), v_cache.stride(1), block_tables.size(1), static_cast<float>(scale), window};
+  TORCH_CHECK(g.heads_q % g.heads_kv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(g.head_dim <= kMaxHeadDim && k_cache.size(3) == g.head_dim, "head dim of q and the caches differ");
+  float* lse_ptr = nullptr;
+  if (lse.numel() > 0) {
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.size(0) == q.size(0) &&
+                    lse.size(1) == q.size(1),
+                "lse must be contiguous fp32 [T, Hq]");
+    lse_ptr = lse.data_ptr<float>();
+  }
+  if (k_cache.scalar_type() == at::kFloat) {
+    run<float>(q, k_cache, v_cache, out, lse_ptr, query_start, seq_lens, kv_offsets, block_tables, seqs, g);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q, k_cache, v_cache, out, lse_ptr, query_start, seq_lens, kv_offsets, block_tables, seqs, g);
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");
+}
