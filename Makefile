@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_IMAGE ?= $(HOME)/.cache/strata/demo.png
 
-.PHONY: install demo generate test bench clean
+.PHONY: install demo generate test bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,9 @@ bench: install
 	$(VENV)/bin/strata bench offline
 	$(VENV)/bin/strata bench kv
 	$(VENV)/bin/strata bench serve-overhead
+
+gpu-check: install  # CUDA tests and a short benchmark (< 8 min); needs a GPU
+	PY=$(PY) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

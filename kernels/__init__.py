@@ -11,6 +11,7 @@ from strata.kernels.attention_torch import TorchAttentionBackend, dense_attentio
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.backends import available_backends, get_attention_backend
 from strata.kernels.cache_ops import write_kv
+from strata.kernels.linear import linear
 from strata.kernels.merge import merge_attention_states
 from strata.kernels.moe import moe_experts, moe_route
 from strata.kernels.norm import layer_norm, rms_norm
@@ -28,6 +29,7 @@ __all__ = [
     "dense_attention",
     "get_attention_backend",
     "layer_norm",
+    "linear",
     "merge_attention_states",
     "moe_experts",
     "moe_route",

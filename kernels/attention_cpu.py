@@ -59,7 +59,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         plan = self._plan(meta, sliding_window is not None)
         qf = q.float().contiguous()
-        out = torch.empty_like(qf)
+        out = torch.empty(qf.shape, dtype=torch.float32, device=qf.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else _NO_LSE
         if plan.kernel_seqs.numel():
             self._kernels.paged_attention(

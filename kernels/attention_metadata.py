@@ -16,7 +16,8 @@ class SpilledKV(Protocol):
     segment_blocks: int  # most blocks one ``load`` may return (the staging buffer's size)
 
     def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [num_blocks, block_size, Hkv, D] of ``layer``; valid until the next load."""
+        """K and V [num_blocks, block_size, Hkv, D] of ``layer``; valid until the next load. A source
+        may also offer ``prefetch(layer, first_block, num_blocks)`` to stage the next segment early."""
         ...
 
 

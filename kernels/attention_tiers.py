@@ -41,9 +41,13 @@ def attend_spilled(
         seq_out, seq_lse = out[lo : lo + n], lse[lo : lo + n]
         # With a sliding window, blocks wholly before the first query's window are never seen.
         first_block = max(0, first_q - sliding_window + 1) // bs if sliding_window is not None else 0
+        prefetch = getattr(source, "prefetch", None)
         for b in range(first_block, source.num_blocks, source.segment_blocks):
             count = min(source.segment_blocks, source.num_blocks - b)
             k, v = source.load(layer, b, count)
+            nxt = b + source.segment_blocks
+            if prefetch is not None and nxt < source.num_blocks:  # stage the next segment while this one computes
+                prefetch(layer, nxt, min(source.segment_blocks, source.num_blocks - nxt))
             k = k.reshape(1, count * bs, *k.shape[2:])
             v = v.reshape(1, count * bs, *v.shape[2:])
             k_pos = torch.arange(b * bs, (b + count) * bs, device=q.device).unsqueeze(0)

@@ -117,7 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         return_lse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
         if decode_rows:

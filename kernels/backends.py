@@ -1,9 +1,10 @@
 """Run-time discovery of attention backends.
 
-The torch backend is always present and is the numerical reference. ``cpu`` (the paged C++ kernel
-plus torch's flash kernel) is the fast backend on CPUs; it is built on first use and skipped if it
-cannot be. Vendor kernels (vllm-flash-attn, flashinfer) are optional, found at run time, and never
-required. ``auto`` picks the first available in ``PREFERENCE`` order for the device.
+The torch backend is always present and is the numerical reference. On CPUs the fast backend is
+``cpu`` (the paged C++ kernel plus torch's flash kernel), built on first use and skipped if it
+cannot be. On CUDA, ``auto`` prefers a vendor kernel (vllm-flash-attn, flashinfer) that is
+installed and passes its self-check, then our own ``triton`` kernel, then the reference. Vendor
+kernels are optional, found at run time, and never required.
 """
 
 from __future__ import annotations
@@ -15,24 +16,28 @@ import torch
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.attention_cpu import CpuPagedAttentionBackend
 from strata.kernels.attention_torch import TorchAttentionBackend
+from strata.kernels.attention_triton import TritonAttentionBackend
+from strata.kernels.attention_vendor import FlashInferBackend, VllmFlashAttnBackend
 
 REGISTRY: dict[str, type[AttentionBackend]] = {
-    CpuPagedAttentionBackend.name: CpuPagedAttentionBackend,
-    TorchAttentionBackend.name: TorchAttentionBackend,
+    cls.name: cls
+    for cls in (VllmFlashAttnBackend, FlashInferBackend, TritonAttentionBackend, CpuPagedAttentionBackend,
+                TorchAttentionBackend)
 }
-PREFERENCE = ("cpu", "torch")  # fastest first; the reference is always last
+# What `auto` tries, fastest first, per device type; the reference is always last.
+PREFERENCE = {"cuda": ("vllm_flash_attn", "flashinfer", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 
 def _vendor_modules() -> dict[str, str]:
     """Vendor backends we know of and the module that would provide each."""
-    return {"vllm_flash_attn": "vllm_flash_attn", "flashinfer": "flashinfer"}
+    return {cls.name: cls.module for cls in (VllmFlashAttnBackend, FlashInferBackend)}
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names usable on ``device`` right now. Vendor kernels are listed only once an
     implementation of this interface exists for them and their module imports."""
     dev = torch.device(device)
-    return [name for name in PREFERENCE if REGISTRY[name].is_available(dev)]
+    return [name for name in PREFERENCE.get(dev.type, ("torch",)) if REGISTRY[name].is_available(dev)]
 
 
 def vendor_kernels_importable() -> dict[str, bool]:
@@ -45,8 +50,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if name == "auto":
         name = available_backends(device)[0]
     if name not in REGISTRY:
-        known = ", ".join(sorted(set(REGISTRY) | set(_vendor_modules())))
-        raise ValueError(f"attention backend {name!r} is not available here (known: {known})")
+        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(sorted(REGISTRY))})")
     cls = REGISTRY[name]
     if not cls.is_available(torch.device(device)):
         raise ValueError(f"attention backend {name!r} cannot run on {device}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.linear import linear
+
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 over experts, keep the top-k, optionally renormalise to sum 1.
@@ -38,9 +40,9 @@ def moe_experts(
         if e >= num_experts:
             continue
         tok, slot = torch.where(ids == e)
-        h = F.linear(x[tok], gate_up[e])
+        h = linear(x[tok], gate_up[e])
         gate, up = h.chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down[e])
+        h = linear(F.silu(gate) * up, down[e])
         h = h * weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out

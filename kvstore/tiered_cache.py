@@ -30,6 +30,7 @@ from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
 from strata.kvstore.block_table import BlockTable
 from strata.kvstore.handle import HandleError, KVHandle
 from strata.kvstore.lower_tiers import LowerTiers
+from strata.kvstore.staging import StagingBuffers
 
 
 class KVBlockLostError(RuntimeError):
@@ -69,9 +70,7 @@ class TieredKVCache:
         self.staging_blocks = staging_blocks
         lay = self.layout
         shape = (staging_blocks, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        device = pool.kv.device
-        self._host_stage = torch.empty(shape, dtype=lay.dtype, pin_memory=device.type == "cuda")
-        self._device_stage = self._host_stage if device.type == "cpu" else torch.empty(shape, dtype=lay.dtype, device=device)
+        self._stage = StagingBuffers(shape, lay.dtype, pool.kv.device)
         self._host_block = torch.empty(lay.block_shape(), dtype=lay.dtype)  # promotion scratch
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
         self._pins: dict[bytes, int] = {}  # tables of this process reading each spilled block
@@ -91,7 +90,7 @@ class TieredKVCache:
         return self.pool.kv
 
     def staging_nbytes(self) -> int:
-        return self._device_stage.numel() * self._device_stage.element_size()
+        return self._stage.nbytes()
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.layout.block_size)
@@ -345,25 +344,38 @@ class TieredKVCache:
 
     def load_spilled(self, hashes: Sequence[bytes], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for up to ``staging_blocks`` spilled blocks, as [n, bs, H, D] views
-        of the staging buffer (valid until the next call). A block still cached on the device is
-        copied from there; the rest is read from the first tier with a good copy."""
+        of a staging buffer (valid until the next load). A block still cached on the device is copied
+        from there; the rest is read from the first tier with a good copy. KVBlockLostError if a
+        block is in no tier."""
         n = len(hashes)
         if n > self.staging_blocks:
             raise ValueError(f"{n} blocks exceed the staging buffer ({self.staging_blocks})")
-        host = self._host_stage
-        to_copy: list[tuple[int, int]] = []
-        for i, h in enumerate(hashes):
-            block_id = self.pool.lookup(h)
-            if block_id is not None:
-                to_copy.append((i, block_id))
-            elif self.lower is None or not self.lower.read_layers(h, _bytes_view(host[i]), layer, 1):
-                raise KVBlockLostError(h)
-        stage = self._device_stage
-        if stage is not host:
-            stage[:n].copy_(host[:n], non_blocking=True)
-        for i, block_id in to_copy:
-            stage[i].copy_(self.pool.kv[block_id, layer])
-        return stage[:n, 0], stage[:n, 1]
+        on_device = {i: self.pool.lookup(h) for i, h in enumerate(hashes)}
+        on_device = {i: b for i, b in on_device.items() if b is not None}
+
+        def read(host: torch.Tensor) -> None:
+            for i, h in enumerate(hashes):
+                if i not in on_device:
+                    self._read_layer(h, host[i], layer)
+
+        def patch(dev: torch.Tensor) -> None:
+            for i, block_id in on_device.items():
+                dev[i].copy_(self.pool.kv[block_id, layer])
+
+        stage = self._stage.get((tuple(hashes), layer), n, read, patch)
+        return stage[:, 0], stage[:, 1]
+
+    def prefetch_spilled(self, hashes: Sequence[bytes], layer: int) -> None:
+        """Start staging a later segment (CUDA: file reads and the copy overlap the current compute)."""
+        def read_all(host: torch.Tensor) -> None:
+            for i, h in enumerate(hashes):
+                self._read_layer(h, host[i], layer)
+
+        self._stage.prefetch((tuple(hashes), layer), len(hashes), read_all)
+
+    def _read_layer(self, block_hash: bytes, out: torch.Tensor, layer: int) -> None:
+        if self.lower is None or not self.lower.read_layers(block_hash, _bytes_view(out), layer, 1):
+            raise KVBlockLostError(block_hash)
 
     def stats(self) -> dict[str, object]:
         bs = self.layout.block_size
@@ -389,3 +401,6 @@ class SpilledBlocks:
 
     def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.load_spilled(self.hashes[first_block : first_block + num_blocks], layer)
+
+    def prefetch(self, layer: int, first_block: int, num_blocks: int) -> None:
+        self.cache.prefetch_spilled(self.hashes[first_block : first_block + num_blocks], layer)

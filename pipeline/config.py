@@ -14,9 +14,10 @@ from typing import Any
 class EngineConfig:
     """Knobs of the engine core. Defaults suit the tiny demo model on a CPU."""
 
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 (exact vs transformers) or bfloat16 (weights and KV); float16 on CUDA
     device: str = "cpu"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto, cpu (paged C++ kernel + flash), torch (reference), triton (CUDA)
+    compile: bool = False  # torch.compile the dense parts of a step (CUDA graphs on CUDA); see pipeline/compiled.py
     block_size: int = 16
     num_kv_blocks: int = 1024  # device-tier capacity in blocks
     host_kv_blocks: int = 0  # host tier (block files on tmpfs, shared by the node's processes); 0 = off
@@ -44,6 +45,10 @@ class EngineConfig:
         for name in ("host_kv_blocks", "disk_kv_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")

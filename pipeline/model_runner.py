@@ -20,6 +20,7 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
+        self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -78,5 +79,5 @@ class ModelRunner:
                 lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
                 if lo < hi:
                     src = torch.from_numpy(img.embeds[lo - img.offset : hi - img.offset])
-                    embeds[row + lo - chunk.start : row + hi - chunk.start] = src.to(embeds.dtype)
+                    embeds[row + lo - chunk.start : row + hi - chunk.start] = src.to(embeds.device, embeds.dtype)
             row += chunk.num_tokens

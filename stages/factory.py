@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from strata.kernels import get_attention_backend
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache, model_fingerprint
+from strata.pipeline.compiled import compile_model
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.engine import Engine
 from strata.pipeline.engine_core import EngineCore
@@ -54,6 +57,8 @@ class LanguageStage:
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         backend = get_attention_backend(config.attention_backend, config.device)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
+        if config.compile:
+            self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs)
 
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""

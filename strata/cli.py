@@ -96,7 +96,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 # Engine knobs a command line may set; a --config JSON file sets any of them, flags win over it.
 _ENGINE_FLAGS: dict[str, type] = {
-    "dtype": str, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
+    "dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
     "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str,
 }
 
@@ -104,8 +104,12 @@ _ENGINE_FLAGS: dict[str, type] = {
 def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="JSON engine config (flat, or under an \"engine\" key)")
     for name, kind in _ENGINE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=f"engine config {name} (default {getattr(EngineConfig, name)})")
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, action="store_const", const=True, default=None,
+                           help=f"engine config {name} (default {getattr(EngineConfig, name)})")
+        else:
+            p.add_argument(flag, type=kind, default=None, help=f"engine config {name} (default {getattr(EngineConfig, name)})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -200,6 +200,29 @@ def test_moe_matches_mixtral_block() -> None:
     assert math.isclose(weights.sum(-1).mean().item(), 1.0, rel_tol=1e-6)
 
 
-def test_unknown_backend_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="not available"):
-        get_attention_backend("flashinfer")
+def test_unknown_or_unusable_backends_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash")
+    for name in ("flashinfer", "vllm_flash_attn", "triton"):  # CUDA-only here (no GPU, no interpreter)
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            get_attention_backend(name, "cpu")
+    assert "triton" not in available_backends("cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("k", [64, 200, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_equals_torch_for_every_batch_size_and_shape(rows: int, k: int, dtype: torch.dtype) -> None:
+    """The streaming kernel (<= 8 rows) and the GEMM path (more) both equal F.linear, bias included."""
+    from strata.kernels import linear
+
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(96, k, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    ref = F.linear(x.float(), w.float(), b.float())
+    out = linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref if dtype == torch.float32 else ref.to(dtype).float(), rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(linear(x, w).float(), F.linear(x.float(), w.float()).to(dtype).float(), rtol=tol, atol=tol * 4)

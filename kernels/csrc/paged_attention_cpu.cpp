@@ -349,7 +349,3 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");
-}

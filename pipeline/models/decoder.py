@@ -6,8 +6,10 @@ writes the block pool through :class:`kernels.AttentionMetadata`.
 The modules keep the checkpoint's parameter names (``q_proj``, ``gate_proj``, ...) so weights load
 by name; after loading, :meth:`LanguageModel.fuse_projections` concatenates q/k/v and gate/up into
 one matrix each (the per-projection weights become views of it) so a layer runs two GEMMs fewer.
-The hot path calls ``F.linear`` and the layers' ``forward`` directly: on a small model, per-op
-and per-module Python overhead is a large share of a decode step.
+A layer step is: dense part before attention (norm, q/k/v, RoPE), paged attention (eager: it reads
+the KV pool through the metadata), dense part after it (output projection, norm, MLP). The dense
+parts are pure tensor functions in :class:`DenseSteps`, which ``pipeline.compiled`` can swap for
+``torch.compile``d versions shared by every layer.
 """
 
 from __future__ import annotations
@@ -17,10 +19,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import (
-    AttentionBackend, AttentionMetadata, RotaryEmbedding, attend_spilled, rms_norm, rotate_heads, signed_sin, write_kv,
+    AttentionBackend, AttentionMetadata, RotaryEmbedding, attend_spilled, linear, rms_norm, rotate_heads, signed_sin,
+    write_kv,
 )
 from strata.pipeline.model_config import TextConfig
 from strata.pipeline.models.mlp import DenseMLP, SparseMoE, fuse_rows
+
+
+def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+             cos: torch.Tensor, sin_signed: torch.Tensor, hq: int, hkv: int, d: int):
+    """Input norm, one q/k/v GEMM, RoPE on q and k heads in one pass: (q, k, v) as [T, heads, D]."""
+    t = x.shape[0]
+    qkv = linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b).view(t, hq + 2 * hkv, d)
+    qk = rotate_heads(qkv[:, : hq + hkv], cos, sin_signed)
+    return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+
+
+def out_proj_norm(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                  ln_w: torch.Tensor, eps: float):
+    """Residual after attention's output projection, and the post-attention norm of it."""
+    x = x + linear(attn.reshape(x.shape[0], -1), o_w, o_b)
+    return x, rms_norm(x, ln_w, eps)
+
+
+def out_proj_mlp(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, ln_w: torch.Tensor,
+                 eps: float, gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None, down_w: torch.Tensor,
+                 down_b: torch.Tensor | None) -> torch.Tensor:
+    """Everything after attention in a dense layer: output projection, residual, norm, SwiGLU MLP, residual."""
+    x, h = out_proj_norm(x, attn, o_w, o_b, ln_w, eps)
+    gate, up = linear(h, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down_w, down_b)
+
+
+class DenseSteps:
+    """The dense parts of a layer step, shared by every layer (eager here; compiled by ``pipeline.compiled``)."""
+
+    def __init__(self) -> None:
+        self.qkv_rope = qkv_rope
+        self.out_proj_norm = out_proj_norm
+        self.out_proj_mlp = out_proj_mlp
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +71,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Projections and paged attention of one layer (the projections run in :class:`DecoderLayer`)."""
+
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -46,35 +85,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse
         self.qkv_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(t, hq + 2 * hkv, d)
-        qk = rotate_heads(qkv[:, : hq + hkv], cos, sin)  # q and k heads rotated in one pass
-        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+               backend: AttentionBackend) -> torch.Tensor:
+        """Write this step's k/v into the pool, attend over it (and over spilled blocks): [T, Hq, D]."""
         k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         spilled = meta.spilled is not None
         out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
         if spilled:
             out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
-        return F.linear(out.reshape(t, hq * d), self.o_proj.weight, self.o_proj.bias)
+        return out.contiguous()  # one layout whatever the backend (compiled steps guard on strides)
 
 
 class DecoderLayer(nn.Module):
@@ -85,10 +111,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = SparseMoE(cfg) if cfg.num_experts else DenseMLP(cfg)
 
-    def forward(self, x, cos, sin, kv, meta, backend) -> torch.Tensor:
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x = x + self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), cos, sin, kv, meta, backend)
-        return x + self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps))
+    def forward(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
+        a, ln1, ln2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
+        if a.qkv_weight is None:
+            a.fuse()
+        q, k, v = steps.qkv_rope(x, ln1.weight, ln1.eps, a.qkv_weight, a.qkv_bias, cos, sin_signed,
+                                 a.num_heads, a.num_kv_heads, a.head_dim)
+        attn = a.attend(q, k, v, kv, meta, backend)
+        o = a.o_proj
+        if isinstance(mlp, DenseMLP):
+            if mlp.gate_up_weight is None:
+                mlp.fuse()
+            return steps.out_proj_mlp(x, attn, o.weight, o.bias, ln2.weight, ln2.eps, mlp.gate_up_weight,
+                                      mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
+        x, h = steps.out_proj_norm(x, attn, o.weight, o.bias, ln2.weight, ln2.eps)
+        return x + mlp.forward(h)  # MoE: data-dependent routing stays eager
 
 
 class LanguageModel(nn.Module):
@@ -102,6 +139,7 @@ class LanguageModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters)
+        self.steps = DenseSteps()
 
     def fuse_projections(self) -> None:
         """After loading: one q/k/v matrix and one gate/up matrix per layer (weights become views)."""
@@ -126,8 +164,8 @@ class LanguageModel(nn.Module):
         sin_signed = signed_sin(sin)
         x = embeds
         for layer in self.layers:
-            x = layer.forward(x, cos, sin_signed, kv, meta, backend)
+            x = layer.forward(x, cos, sin_signed, kv, meta, backend, self.steps)
         return rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()

@@ -38,10 +38,8 @@ class DenseMLP(nn.Module):
         self.gate_up_weight, self.gate_up_bias = fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        """The unfused reference order (the decoder layer runs the fused form in ``out_proj_mlp``)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEExperts(nn.Module):
