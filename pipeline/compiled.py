@@ -64,7 +64,7 @@ def _pad(a: Any, t: int, size: int) -> Any:
     return torch.cat([a, a.new_zeros((size - t, *a.shape[1:]))])
 
 
-def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens: int) -> float:
+def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens: int, max_step_tokens: int) -> float:
     """Swap the model's dense steps for compiled ones and compile them now; returns the seconds spent."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "strata" / "inductor"))
     eager = DenseSteps()
@@ -81,7 +81,9 @@ def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens:
         steps = DenseSteps()
         for name in ("qkv_rope", "out_proj_norm", "out_proj_mlp"):
             setattr(steps, name, torch.compile(getattr(eager, name), dynamic=True))
-        warm = (1, 8)  # one token is specialised by dynamo; any other count shares the dynamic graph
+        # One token is specialised by dynamo; the dynamic graph's guards cover counts up to the one it
+        # was traced with, so it is traced with the largest a step can have.
+        warm = (1, max(2, max_step_tokens))
     log.warning("compiling the model step (%s, token counts %s); cached on disk for later runs",
                 "CUDA graphs" if device.type == "cuda" else "inductor C++", ", ".join(map(str, warm)))
     t0 = time.perf_counter()

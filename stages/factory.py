@@ -58,7 +58,8 @@ class LanguageStage:
         backend = get_attention_backend(config.attention_backend, config.device)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
-            self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs)
+            self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
+                                                       config.max_num_batched_tokens)
 
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""

@@ -111,3 +111,11 @@ def test_other_image_never_reuses_image_blocks(llama_dir, demo_images) -> None:
     assert same.output_token_ids == first.output_token_ids
     solo = build(llama_dir).generate([{"prompt": prompt, "images": demo_images[1:2], "params": greedy(8)}])[0]
     assert other.output_token_ids == solo.output_token_ids
+
+
+@pytest.mark.slow
+def test_a_compiled_step_gives_the_eager_tokens(llama_dir, demo_images, baseline) -> None:
+    """EngineConfig.compile (torch.compile of the dense step parts) changes speed, never tokens."""
+    engine = build(llama_dir, compile=True, enable_prefix_caching=False)
+    assert engine.decoder.core.runner.compile_seconds > 0
+    assert _tokens(engine, _requests(demo_images)) == baseline
