@@ -1,4 +1,8 @@
-"""Builds the one Serve application from one config: four stages behind the ingress."""
+"""Builds the one Serve application from one config, in the configured mode.
+
+aggregated:     Preprocess, Encode, and LLM (the HTTP ingress, running prefill and decode over one pool)
+disaggregated:  Preprocess, Encode, Prefill, Decode, behind the Ingress
+"""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
         policy_kwargs={
             "signal": SIGNALS[stage],
             "target": config.target(stage),
-            "occupancy_target": sc.kv_occupancy_target if stage == "decode" else None,
+            "occupancy_target": sc.kv_occupancy_target if stage in ("decode", "llm") else None,
             "stage": stage,
         },
     )
@@ -55,13 +59,29 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
     }
 
 
+def engine_for(config: ServeConfig, stage: str) -> dict[str, Any]:
+    """The engine config of one stage's replicas: torch uses as many threads as the replica has
+    CPUs reserved (``num_cpus``), so replicas sharing a node do not each run a full set."""
+    engine = config.engine.to_dict()
+    cpus = config.stages[stage].num_cpus
+    if cpus >= 1 and not engine.get("num_threads"):
+        engine["num_threads"] = int(cpus)
+    return engine
+
+
 def build_app(config: ServeConfig) -> serve.Application:
     config = resolve_model(config)
     config.validate()
-    model, engine = config.model_dir, config.engine.to_dict()
-    preprocess = Preprocess.options(**deployment_options(config, "preprocess")).bind(model, engine)
-    encode = Encode.options(**deployment_options(config, "encode")).bind(model, engine)
-    prefill = Prefill.options(**deployment_options(config, "prefill")).bind(model, engine)
-    decode = Decode.options(**deployment_options(config, "decode")).bind(model, engine)
+    model = config.model_dir
+    preprocess = Preprocess.options(name="Preprocess", **deployment_options(config, "preprocess")).bind(
+        model, engine_for(config, "preprocess"))
+    encode = Encode.options(name="Encode", **deployment_options(config, "encode")).bind(model, engine_for(config, "encode"))
+    if config.mode == "aggregated":
+        llm = Ingress.options(name="LLM", **deployment_options(config, "llm"))
+        llm_config = config.to_dict()
+        llm_config["engine"] = engine_for(config, "llm")
+        return llm.bind(preprocess, encode, None, None, llm_config)
+    prefill = Prefill.options(**deployment_options(config, "prefill")).bind(model, engine_for(config, "prefill"))
+    decode = Decode.options(**deployment_options(config, "decode")).bind(model, engine_for(config, "decode"))
     ingress = Ingress.options(**deployment_options(config, "ingress"))
     return ingress.bind(preprocess, encode, prefill, decode, config.to_dict())

@@ -14,7 +14,16 @@ from typing import Any
 
 from strata.pipeline.config import EngineConfig, read_json_object, reject_unknown_keys
 
-STAGES = ("preprocess", "encode", "prefill", "decode", "ingress")
+STAGES = ("preprocess", "encode", "prefill", "decode", "ingress", "llm")
+MODES = ("aggregated", "disaggregated")
+# The deployments of each mode (stage name -> deployment name). Aggregated: one LLM replica is the
+# HTTP ingress and runs prefill and decode over one KV pool; disaggregated: an ingress and separate
+# prefill and decode deployments that hand KV over through the host tier.
+DEPLOYMENTS = {
+    "aggregated": {"preprocess": "Preprocess", "encode": "Encode", "llm": "LLM"},
+    "disaggregated": {"preprocess": "Preprocess", "encode": "Encode", "prefill": "Prefill", "decode": "Decode",
+                      "ingress": "Ingress"},
+}
 
 # What each stage's policy scales on, and how much of it one replica should carry.
 SIGNALS = {
@@ -23,8 +32,9 @@ SIGNALS = {
     "prefill": "queued_prompt_tokens",
     "decode": "running_sequences",
     "ingress": "ongoing_requests",
+    "llm": "running_sequences",
 }
-_DEFAULT_TARGETS = {"preprocess": 8.0, "encode": 8.0, "prefill": 4096.0, "decode": 32.0, "ingress": 64.0}
+_DEFAULT_TARGETS = {"preprocess": 8.0, "encode": 8.0, "prefill": 4096.0, "decode": 32.0, "ingress": 64.0, "llm": 32.0}
 
 
 @dataclass
@@ -39,7 +49,7 @@ class StageConfig:
     max_queued_requests: int = 512  # per caller; past it: HTTP 429 with Retry-After (never unbounded memory)
     retry_after_s: float = 1.0
     target_per_replica: float = 0.0  # the stage signal one replica should carry (0: the stage default)
-    kv_occupancy_target: float = 0.85  # decode only: scale up past this device-tier occupancy
+    kv_occupancy_target: float = 0.85  # decode and llm: scale up past this device-tier occupancy
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 10.0
     metrics_interval_s: float = 0.5
@@ -63,6 +73,11 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     stages: dict[str, StageConfig] = field(default_factory=lambda: {s: StageConfig() for s in STAGES})
     max_image_bytes: int = 20 * 1024 * 1024
+    mode: str = "aggregated"  # or "disaggregated" (see DEPLOYMENTS)
+    startup_timeout_s: float = 600.0  # a request waits at most this long for a model still loading
+    # aggregated: after a stream's first token, gather its tokens up to this long per write (0: every step).
+    # 5 ms keeps the per-token cost of 16 concurrent streams near the engine's (docs/architecture.md).
+    stream_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         for name in STAGES:
@@ -77,8 +92,15 @@ class ServeConfig:
             if name not in STAGES:
                 raise ValueError(f"unknown stage {name!r} (stages: {', '.join(STAGES)})")
             stage.validate(name)
-        if not self.engine.has_lower_tiers:
-            raise ValueError("serving runs prefill and decode in separate processes: engine.host_kv_blocks must be > 0")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be > 0")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ValueError("stream_interval_ms must be in [0, 1000]")
+        if self.mode == "disaggregated" and not self.engine.has_lower_tiers:
+            raise ValueError("the disaggregated mode runs prefill and decode in separate processes: "
+                             "engine.host_kv_blocks must be > 0")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +109,8 @@ class ServeConfig:
     def from_dict(cls, data: dict[str, Any]) -> "ServeConfig":
         reject_unknown_keys(cls, data, "unknown serve config keys")
         data = dict(data)
-        engine = EngineConfig.from_dict({**_SERVE_ENGINE_DEFAULTS, **data.pop("engine", {})})
+        defaults = _SERVE_ENGINE_DEFAULTS if data.get("mode", cls.mode) == "disaggregated" else {}
+        engine = EngineConfig.from_dict({**defaults, **data.pop("engine", {})})
         stages = {}
         for name, raw in (data.pop("stages", None) or {}).items():
             reject_unknown_keys(StageConfig, raw, f"unknown keys in stages.{name}")
@@ -101,7 +124,8 @@ class ServeConfig:
         return cls.from_dict(read_json_object(path))
 
 
-# Serving needs the host tier: prefill and decode replicas are separate processes with their own pools.
+# The disaggregated mode needs the host tier: prefill and decode replicas are separate processes with their
+# own pools. The aggregated mode keeps one pool and writes nothing through unless a host tier is configured.
 _SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"host_kv_blocks": 4096}
 
 

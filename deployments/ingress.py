@@ -4,11 +4,18 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
 tests). Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
 server-sent events ending with ``data: [DONE]``.
+
+In the aggregated mode this deployment (named ``LLM``) also runs the engine: prefill and decode in
+one step loop over one KV pool, so the replica that generates a token is the one that writes it to
+the HTTP stream. The model loads on a background thread; until it has, and in the disaggregated
+mode until every stage answers, ``/health`` is a 503 saying what it waits for.
 """
 
 
+import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -24,9 +31,9 @@ from strata.deployments.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse_request, split_chat, usage,
 )
 from strata.deployments.openai_responses import (
-    chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
+    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
 )
-from strata.deployments.request_flow import RequestFlow
+from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
 from strata.pipeline.intake import Intake
 from strata.pipeline.model_config import load_llava_config
 from strata.pipeline.request import Request, TokenEvent
@@ -53,18 +60,72 @@ async def _json_body(request: HTTPRequest) -> Any:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, preprocess: Any, encode: Any, prefill: Any, decode: Any, config: dict[str, Any]) -> None:
+        """``prefill``/``decode`` are the stage handles (disaggregated mode), or None: this replica runs
+        the engine itself (aggregated mode)."""
         self.config = ServeConfig.from_dict(config)
         model_dir = Path(self.config.model_dir or "")
         self.model_name = self.config.model_name or model_dir.name
         self.tokenizer = PromptTokenizer(model_dir, load_llava_config(model_dir))
-        self.flow = RequestFlow(Intake(self.tokenizer, self.config.engine), preprocess, encode, prefill, decode)
-        self.stage_handles = {"prefill": prefill, "decode": decode, "encode": encode}
+        intake = Intake(self.tokenizer, self.config.engine)
         self.ongoing = 0
+        self._deltas = metrics.CounterDelta()
+        self.service: Any = None
+        self._load_error: str | None = None
+        self._loaded = threading.Event()
+        self._all_ready = False
+        if prefill is None:
+            self.stage_handles = {"encode": encode}
+            self.flow: RequestFlow = LocalFlow(intake, preprocess, encode, None)
+            threading.Thread(target=self._load_engine, args=(model_dir,), name="engine-load", daemon=True).start()
+        else:
+            self.stage_handles = {"prefill": prefill, "decode": decode, "encode": encode}
+            self.flow = StageFlow(intake, preprocess, encode, prefill, decode)
+            self._loaded.set()
+        self.readiness_handles = {"preprocess": preprocess, **self.stage_handles}
+
+    def _load_engine(self, model_dir: Path) -> None:
+        from strata.stages.engine_service import EngineService
+        from strata.stages.factory import build_engine
+
+        try:
+            engine = build_engine(model_dir, self.config.engine)
+            self.service = EngineService(engine, self.config.stream_interval_ms / 1000)
+            self.flow.service = self.service  # type: ignore[attr-defined]
+        except Exception as exc:  # reported by /health and to every request; never a hang
+            log.exception("loading the model failed")
+            self._load_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._loaded.set()
+
+    async def _engine_ready(self) -> None:
+        """Wait (bounded) for a model still loading; a request never waits forever."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not self._loaded.is_set():
+            if time.monotonic() > deadline:
+                raise APIError(503, "the model is still loading; retry shortly", type_="server_error")
+            await asyncio.sleep(0.05)
+        if self._load_error is not None:
+            raise APIError(503, "the model failed to load on this replica", type_="server_error")
 
     # ------------------------------------------------------------ small routes
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """200 once this replica and every stage it calls can serve; 503 with what it waits for."""
+        if not self._loaded.is_set():
+            return JSONResponse({"status": "starting", "waiting_for": ["model"]}, status_code=503)
+        if self._load_error is not None:
+            return JSONResponse({"status": "failed", "reason": "the model failed to load"}, status_code=503)
+        if not self._all_ready:
+            waiting = []
+            for name, handle in self.readiness_handles.items():
+                try:
+                    await asyncio.wait_for(handle.ready.remote(), timeout=2.0)
+                except Exception:  # not up yet (or gone): say which, never hang
+                    waiting.append(name)
+            if waiting:
+                return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
+            self._all_ready = True
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -76,11 +137,20 @@ class Ingress:
     @app.get("/strata/stats")
     async def stats(self) -> dict[str, Any]:
         out = {name: await handle.stats.remote() for name, handle in self.stage_handles.items()}
-        out["ingress"] = {"ongoing_requests": self.ongoing}
+        if self.service is not None:  # aggregated: prefill and decode are this replica's engine
+            engine = await self.service.stats()
+            out["prefill"] = out["decode"] = engine
+        out["ingress"] = {"ongoing_requests": self.ongoing, "mode": self.config.mode}
         return out
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"ongoing_requests": float(self.ongoing)}
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        signals = {"ongoing_requests": float(self.ongoing)}
+        if self.service is not None:
+            stats = await self.service.stats()
+            metrics.queue_depth().set(float(stats["running"]), tags={"stage": "llm"})
+            metrics.record_kv("llm", stats, self._deltas)
+            signals.update(running_sequences=float(stats["running"]), kv_occupancy=float(stats["kv_occupancy"]))
+        return signals
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/chat/completions")
@@ -91,6 +161,7 @@ class Ingress:
             self._check_model(req.model)
             messages, images = split_chat(req.messages, self.config.max_image_bytes)
             params = req.sampling_params(default_max_tokens=1)
+            await self._engine_ready()
             prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages)
         except APIError as exc:
             return _error(exc, "chat")
@@ -103,6 +174,7 @@ class Ingress:
             req = parse_request(CompletionRequest, await _json_body(request))
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
+            await self._engine_ready()
             prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
         except APIError as exc:
             return _error(exc, "completions")
@@ -163,6 +235,7 @@ class Ingress:
         try:
             if chat:
                 yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            content = ContentChunks(rid, model, created, chat)
             n, cached, reason = 0, 0, None
             async for batch in self._timed(self.flow.events(prepared), endpoint, t0):
                 out = []  # one chunk per token, one write per batch: fewer hops through the proxy
@@ -172,9 +245,7 @@ class Ingress:
                     if ev.finished:
                         reason = openai_finish_reason(ev.finish_reason)
                     if ev.text_delta:
-                        delta = ev.text_delta
-                        out.append(sse(chat_chunk(rid, model, created, {"content": delta}, None) if chat
-                                       else completion_chunk(rid, model, created, delta, None)))
+                        out.append(content(ev.text_delta))
                 if reason is not None:
                     out.append(sse(chat_chunk(rid, model, created, {}, reason) if chat
                                    else completion_chunk(rid, model, created, "", reason)))

@@ -11,6 +11,22 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class ContentChunks:
+    """The SSE line of each text delta of one streamed response. The JSON around the text is the same
+    for every token of a response, so it is formatted once: the same bytes as ``sse(chat_chunk(...))``
+    at a fraction of the cost per token."""
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool) -> None:
+        marker = "\x00"
+        base = chat_chunk(rid, model, created, {"content": marker}, None) if chat else \
+            completion_chunk(rid, model, created, marker, None)
+        head, tail = sse(base).split(json.dumps(marker))
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text) + self.tail
+
+
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -1,12 +1,12 @@
-"""One request through the stage deployments: a checked request in, token events out.
+"""One request through the serving pipeline: a checked request in, token events out.
 
     prompt --Intake--> Request ; images --Preprocess--> pixels --Encode--> embeddings
-    Prefill(Request) -> Handoff (first token event + sequence state + KV handle)
-    Decode(Handoff) -> stream of token-event batches
+    aggregated:     the LLM replica's own engine (prefill + decode, one pool) -> token-event batches
+    disaggregated:  Prefill(Request) -> Handoff ; Decode(Handoff) -> token-event batches
 
 Everything that crosses a deployment boundary is one msgpack message of the request contract
-(``pipeline.request``, ``pipeline.handoff``). Cancelling the consumer cancels the in-flight handle
-call, which aborts the sequence in the stage that holds it and frees its blocks.
+(``pipeline.request``, ``pipeline.handoff``). Cancelling the consumer cancels the in-flight work,
+which aborts the sequence in the stage that holds it and frees its blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
+from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.intake import Intake, PromptTooLongError, attach_images
@@ -26,14 +27,15 @@ log = logging.getLogger("strata.ingress")
 
 
 class RequestFlow:
-    def __init__(self, intake: Intake, preprocess: Any, encode: Any, prefill: Any, decode: Any) -> None:
+    """Intake and image embedding (shared by both modes); subclasses say where tokens come from."""
+
+    def __init__(self, intake: Intake, preprocess: Any, encode: Any) -> None:
         self.intake = intake
-        self.preprocess, self.encode, self.prefill = preprocess, encode, prefill
-        self.decode = decode.options(stream=True)
+        self.preprocess, self.encode = preprocess, encode
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
                       **prompt: Any) -> Request:
-        """Tokenize, check lengths, embed images: the request to prefill. User errors -> 400."""
+        """Tokenize, check lengths, embed images: the request to run. User errors -> 400."""
         try:
             request, offsets = self.intake.make_request(request_id, params, len(images),
                                                         max_tokens_default=default_max_tokens, **prompt)
@@ -53,9 +55,40 @@ class RequestFlow:
         feats = await self.encode.encode.remote(processed)
         attach_images(request, offsets, feats, [p.content_hash for p in processed])
 
+    def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+        raise NotImplementedError
+
+
+class LocalFlow(RequestFlow):
+    """Aggregated mode: this replica's engine service runs prefill and decode; tokens never leave it
+    before they go out as HTTP (the replica that generates them is the ingress)."""
+
+    def __init__(self, intake: Intake, preprocess: Any, encode: Any, service: Any) -> None:
+        super().__init__(intake, preprocess, encode)
+        self.service = service
+
     async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
-        """Token events in the batches they arrive in (a decode step's worth or more); the first
-        batch is prefill's event, which carries ``num_cached_tokens`` (prefix-cache hit)."""
+        first = True
+        async for batch in self.service.generate(request):
+            if first:  # the prefix-cache figures the Prefill deployment records in the other mode
+                metrics.prefix_tokens().inc(float(request.num_prompt_tokens), tags={"kind": "queried"})
+                if batch[0].num_cached_tokens:
+                    metrics.prefix_tokens().inc(float(batch[0].num_cached_tokens), tags={"kind": "hit"})
+                first = False
+            yield batch
+
+
+class StageFlow(RequestFlow):
+    """Disaggregated mode: prefill and decode deployments, KV handed over through the host tier."""
+
+    def __init__(self, intake: Intake, preprocess: Any, encode: Any, prefill: Any, decode: Any) -> None:
+        super().__init__(intake, preprocess, encode)
+        self.prefill = prefill
+        self.decode = decode.options(stream=True)
+
+    async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+        """Token events in the batches they arrive in; the first batch is prefill's event, which
+        carries ``num_cached_tokens`` (prefix-cache hit)."""
         handoff = Handoff.from_msgpack(await self.prefill.prefill.remote(request.to_msgpack()))
         yield [handoff.first]
         if handoff.first.finished:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-port", type=int, default=8265)
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics endpoint of this node")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of a local cluster (default: max(8, cores))")
+    p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
+                   help="use Ray Serve's default request path instead of its throughput-optimized one (replicas "
+                        "that serve HTTP themselves, user code on the replica's event loop, calls between "
+                        "deployments over gRPC)")
 
 
 def load_config(args: argparse.Namespace) -> Any:
@@ -44,10 +49,19 @@ def load_config(args: argparse.Namespace) -> Any:
     return config
 
 
+# Ray Serve's throughput-optimized path (read by every Serve process when it imports Serve, so set before
+# Ray starts). Measured with `strata bench serve-overhead` (docs/architecture.md): the replica's own HTTP
+# port takes the proxy hop out of every streamed token. Replica logs stay on the console.
+FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
+
+
 def _start_ray(args: argparse.Namespace) -> Any:
     if args.address is None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node IP 127.0.0.1 (read when ray is imported)
         os.environ[LOOPBACK_ENV] = "1"
+    if getattr(args, "fast_path", True):
+        for key, value in FAST_PATH_ENV.items():
+            os.environ.setdefault(key, value)
     import ray
 
     if args.address is not None:
@@ -69,6 +83,29 @@ def _auth_hint() -> str:
     return f"dashboard auth: send 'Authorization: Bearer <token>'; the token is in {token} (or $RAY_AUTH_TOKEN)"
 
 
+def _direct_endpoints(proxy_port: int, wait_s: float = 20.0) -> list[str]:
+    """The replicas' own HTTP addresses when Serve's direct ingress is on (none otherwise), once the
+    ingress replicas run. Serve only exposes them through its controller, so a failure here just
+    means none are printed."""
+    if os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") != "1" and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        return []
+    try:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        controller = _get_global_client()._controller
+        deadline = time.monotonic() + wait_s
+        while True:
+            groups = ray.get(controller.get_target_groups.remote(), timeout=10)
+            ports = {t.port for g in groups if str(getattr(g, "protocol", "")).endswith("HTTP")
+                     for t in g.targets if t.port not in (None, proxy_port)}
+            if ports or time.monotonic() > deadline:
+                return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
+            time.sleep(0.5)
+    except Exception:
+        return []
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args)  # a bad config fails before any cluster starts
     context = _start_ray(args)
@@ -85,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         dashboard = getattr(context, "dashboard_url", None) or f"127.0.0.1:{args.dashboard_port}"
         print(f"Strata is serving {config.model_name} (from {config.model_dir})", flush=True)
         print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1", flush=True)
+        for url in _direct_endpoints(args.port):
+            print(f"  Direct endpoint: {url}/v1  (an LLM/ingress replica's own port: no proxy hop)", flush=True)
         print(f"  Ray dashboard:   http://{dashboard}", flush=True)
         print(f"  Prometheus:      http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
         print(f"  {_auth_hint()}", flush=True)

@@ -31,8 +31,13 @@ class Preprocess:
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         config = EngineConfig.from_dict(engine)
+        config.apply_threads()
         self.preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels)
         self.pending = 0
+
+    async def ready(self) -> bool:
+        """Answered once this replica is up (the ingress's /health asks every stage)."""
+        return True
 
     async def process(self, data: bytes) -> PreprocessedImage | ImageError:
         """The preprocessed image, or the :class:`ImageError` that says what the user must fix (a 400)."""
@@ -76,6 +81,9 @@ class Encode:
     def stats(self) -> dict[str, int]:
         return {"cache_hits": self.encoder.cache_hits, "cache_misses": self.encoder.cache_misses}
 
+    async def ready(self) -> bool:
+        return True
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         metrics.queue_depth().set(float(self.pending), tags={"stage": "encode"})
         return {"pending_images": float(self.pending)}
@@ -103,6 +111,9 @@ class Prefill:
     async def stats(self) -> dict[str, Any]:
         return await self.service.stats()
 
+    async def ready(self) -> bool:
+        return True
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         stats = await self.service.stats()
         metrics.queue_depth().set(float(stats["queued_prompt_tokens"]), tags={"stage": "prefill"})
@@ -128,6 +139,9 @@ class Decode:
 
     async def stats(self) -> dict[str, Any]:
         return await self.service.stats()
+
+    async def ready(self) -> bool:
+        return True
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         stats = await self.service.stats()

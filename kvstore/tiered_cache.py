@@ -301,6 +301,27 @@ class TieredKVCache:
         self._live[id(table)] = table
         return table
 
+    def export_tail(self, table: BlockTable) -> bytes:
+        """The partial last block of a table (every layer, device layout) as bytes, or b"" when the
+        table ends on a block boundary: what a hand-off to another pool ships so the receiver does not
+        recompute it (a partial block is never published, so no tier holds it)."""
+        if table.num_tokens % table.block_size == 0:
+            return b""
+        return bytes(self._block_bytes(table.block_ids[table.num_tokens // table.block_size - table.num_spilled]))
+
+    def import_tail(self, table: BlockTable, data: bytes, num_tokens: int) -> bool:
+        """Append an exported partial block to ``table`` (which must hold exactly the full blocks before
+        it) so that it covers ``num_tokens``; False, with the table unchanged, if there is no room."""
+        bs = table.block_size
+        if table.num_blocks != num_tokens // bs or len(data) != self.layout.bytes_per_block():
+            raise ValueError("the tail does not continue this table")
+        if not self.reserve(table, num_tokens):
+            return False
+        block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype).view(self.layout.block_shape())
+        self.pool.kv[table.block_ids[-1]].copy_(block)
+        table.num_tokens = num_tokens
+        return True
+
     # ------------------------------------------------------------ release
     def free(self, table: BlockTable) -> None:
         """Drop every reference the table holds: device refs and lower-tier pins. Idempotent."""

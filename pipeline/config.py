@@ -18,6 +18,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # auto, cpu (paged C++ kernel + flash), torch (reference), triton (CUDA)
     compile: bool = False  # torch.compile the dense parts of a step (CUDA graphs on CUDA); see pipeline/compiled.py
+    num_threads: int = 0  # torch intra-op threads of this process (0: torch's default, one per core)
     block_size: int = 16
     num_kv_blocks: int = 1024  # device-tier capacity in blocks
     host_kv_blocks: int = 0  # host tier (block files on tmpfs, shared by the node's processes); 0 = off
@@ -42,7 +43,7 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("host_kv_blocks", "disk_kv_blocks"):
+        for name in ("host_kv_blocks", "disk_kv_blocks", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -52,6 +53,13 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    def apply_threads(self) -> None:
+        """Give torch this process's thread budget (a serving replica's reserved CPUs)."""
+        if self.num_threads > 0:
+            import torch
+
+            torch.set_num_threads(self.num_threads)
 
     @property
     def has_lower_tiers(self) -> bool:

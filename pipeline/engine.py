@@ -76,10 +76,16 @@ class Engine:
             prompt=prompt, messages=messages, raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids,
         )
         self._embed_images(request, list(images), offsets)
+        return self.add(request)
+
+    def add(self, request: Request) -> str:
+        """Queue a request that went through intake already (images embedded): what a server hands over."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         seq = Sequence.from_request(request, self.config.block_size)
-        self._requests[request_id] = seq
+        self._requests[request.request_id] = seq
         self.prefiller.add(seq)
-        return request_id
+        return request.request_id
 
     def _embed_images(self, request: Request, images: list[bytes], offsets: list[int]) -> None:
         if images:
@@ -96,6 +102,13 @@ class Engine:
     # -- the loop -------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return self.decoder.num_running
+
+    def num_queued_prompt_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for s in self._requests.values() if s.is_prefilling)
 
     def step(self) -> list[TokenEvent]:
         """One iteration: decode every running sequence, then spend what is left of the budget on prefill."""

@@ -32,6 +32,7 @@ class Handoff:
     first: TokenEvent  # prefill's token event (its token is the last of token_ids)
     kv_handle: bytes
     images: list[ImageEmbedding] = field(default_factory=list)
+    tail_kv: bytes = b""  # the partial last block's KV (every layer), so decode does not recompute it
     generator_state: bytes | None = None
     text: str = ""
     emitted_text_len: int = 0
@@ -40,11 +41,11 @@ class Handoff:
     num_preemptions: int = 0
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, first: TokenEvent, kv_handle: bytes) -> "Handoff":
+    def from_sequence(cls, seq: Sequence, first: TokenEvent, kv_handle: bytes, tail_kv: bytes = b"") -> "Handoff":
         state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
         return cls(
             seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, first, kv_handle,
-            list(seq.images), state, seq.text, seq.emitted_text_len,
+            list(seq.images), tail_kv, state, seq.text, seq.emitted_text_len,
             (seq.detokenizer.prefix_offset, seq.detokenizer.read_offset), seq.num_cached_tokens, seq.num_preemptions,
         )
 
@@ -65,7 +66,7 @@ class Handoff:
     def to_msgpack(self) -> bytes:
         return message(
             "handoff", HANDOFF_VERSION, id=self.request_id, tokens=self.token_ids, prompt_len=self.num_prompt_tokens,
-            params=asdict(self.params), first=self.first.to_obj(), kv=self.kv_handle,
+            params=asdict(self.params), first=self.first.to_obj(), kv=self.kv_handle, tail=self.tail_kv,
             images=[i.to_obj() for i in self.images], generator=self.generator_state, text=self.text,
             emitted=self.emitted_text_len, detok=list(self.detokenizer), cached=self.num_cached_tokens,
             preemptions=self.num_preemptions,
@@ -76,6 +77,6 @@ class Handoff:
         o = open_message(data, "handoff", HANDOFF_VERSION)
         return cls(
             o["id"], list(o["tokens"]), o["prompt_len"], SamplingParams(**o["params"]), TokenEvent.from_obj(o["first"]),
-            o["kv"], [ImageEmbedding.from_obj(i) for i in o["images"]], o["generator"], o["text"], o["emitted"],
+            o["kv"], [ImageEmbedding.from_obj(i) for i in o["images"]], o["tail"], o["generator"], o["text"], o["emitted"],
             tuple(o["detok"]), o["cached"], o["preemptions"],
         )

@@ -23,8 +23,7 @@ class DecodeService:
         self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop")
 
     def _step(self) -> None:
-        for event in self.decoder.step():
-            self.delivery.send(event.request_id, event)
+        self.delivery.send_many([(event.request_id, event) for event in self.decoder.step()])
 
     async def generate(self, handoff: Handoff) -> AsyncIterator[list[TokenEvent]]:
         """Admit a prefilled sequence and yield its new token events, a batch per wake-up."""
@@ -32,7 +31,7 @@ class DecodeService:
         events = self.delivery.open(seq.request_id)
         finished = False
         try:
-            await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle))
+            await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle, handoff.tail_kv))
             while not finished:
                 batch = [await events.get()]
                 while not events.empty():
@@ -51,7 +50,7 @@ class DecodeService:
         kv = self.decoder.kv
         pool = kv.pool.stats()
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
-                "preemptions": self.decoder.scheduler.num_preemptions}
+                "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens)}
 
     def close(self) -> None:
         self.loop.stop()

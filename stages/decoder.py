@@ -17,29 +17,47 @@ class Decoder:
         self.core = core
         self.scheduler = core.scheduler
         self.kv = core.scheduler.kv
+        # Tokens of handed-over sequences this decoder took over with their KV, and those it had to
+        # recompute (a block missing from the host tier, no room, or no shipped tail).
+        self.handoff_tokens = {"adopted": 0, "recomputed": 0}
 
-    def admit(self, seq: Sequence, kv_handle: bytes) -> None:
-        """Rebuild the sequence's block table from its handle and join the running batch."""
+    def admit(self, seq: Sequence, kv_handle: bytes, tail_kv: bytes = b"") -> None:
+        """Rebuild the sequence's block table from its handle and join the running batch. ``tail_kv``
+        is the partial last block a prefill on another pool shipped along."""
         handle = KVHandle.from_bytes(kv_handle, expected_fingerprint=self.kv.fingerprint)
         if handle.num_tokens != seq.num_tokens - 1:
             raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
         table = self.kv.adopt(handle)
         if table is None:
-            self._admit_from_other_pool(seq)
+            self._admit_from_other_pool(seq, handle, tail_kv)
             return
         seq.block_table = table
         seq.num_computed_tokens = handle.num_tokens
         log.debug("decode %s: admitted with %d tokens of KV in place", seq.request_id, handle.num_tokens)
         self.scheduler.add_running(seq)
 
-    def _admit_from_other_pool(self, seq: Sequence) -> None:
-        """Blocks made by another process: adopt the full ones by hash through the host/disk
-        tiers (the scheduler's prefix match does that) and recompute the partial tail here."""
+    def _admit_from_other_pool(self, seq: Sequence, handle: KVHandle, tail_kv: bytes) -> None:
+        """Blocks made by another process: adopt the full ones by hash from the host/disk tiers and the
+        partial tail from the bytes shipped with the hand-off, then decode at once. If a full block
+        cannot be found or there is no room, the sequence is recomputed instead (counted)."""
         if not (self.kv.can_spill and self.scheduler.config.enable_prefix_caching):
             raise HandleError("KV handle points at another block pool; adopting it needs a host or disk tier")
-        seq.block_table = self.kv.new_table()
+        seq.block_table = table = self.kv.new_table()
+        full = handle.num_tokens // self.kv.layout.block_size
+        match = self.kv.match_prefix(table, handle.block_hashes[:full], keep_free=1)
+        complete = match.num_blocks == full and (handle.num_tokens == full * table.block_size or (
+            tail_kv and self.kv.import_tail(table, tail_kv, handle.num_tokens)))
+        if complete:
+            table.num_tokens = handle.num_tokens
+            seq.num_computed_tokens = handle.num_tokens
+            self.handoff_tokens["adopted"] += handle.num_tokens
+            log.debug("decode %s: adopted %d tokens of KV from another pool", seq.request_id, handle.num_tokens)
+            self.scheduler.add_running(seq)
+            return
+        self.kv.free(table)
         seq.num_computed_tokens = 0
-        log.debug("decode %s: admitted from another pool, adopting blocks by hash", seq.request_id)
+        self.handoff_tokens["recomputed"] += handle.num_tokens
+        log.debug("decode %s: KV incomplete here, recomputing %d tokens", seq.request_id, handle.num_tokens)
         self.scheduler.add(seq)
 
     def step(self, budget: int | None = None) -> list[TokenEvent]:

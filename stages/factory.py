@@ -45,6 +45,7 @@ class LanguageStage:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
         config.validate()
+        config.apply_threads()
         self.model_dir = Path(model_dir)
         self.config = config
         self.model_config = load_llava_config(self.model_dir)

@@ -41,7 +41,7 @@ class PrefillService:
             raise
         finally:
             self.delivery.close(seq.request_id)
-        return Handoff.from_sequence(result.seq, result.event, result.kv_handle or b"")
+        return Handoff.from_sequence(result.seq, result.event, result.kv_handle or b"", result.tail_kv)
 
     async def stats(self) -> dict[str, Any]:
         """KV store and queue figures, read on the loop thread (consistent with the scheduler)."""

@@ -20,6 +20,7 @@ class PrefillResult:
     seq: Sequence
     event: TokenEvent
     kv_handle: bytes | None  # msgpack KVHandle; None when the first token already finished the request
+    tail_kv: bytes = b""  # the partial last block, shipped when the decoder is on another pool
 
 
 class Prefiller:
@@ -45,10 +46,11 @@ class Prefiller:
                 continue
             # Ownership of the blocks passes to the handle: leave the batch without freeing them.
             self.scheduler.remove(seq, free_blocks=False)
+            tail = self.kv.export_tail(seq.block_table) if self.release_on_handoff else b""
             handle = self.kv.make_handle(seq.block_table, release=self.release_on_handoff)
             log.debug("prefill %s: done, %d tokens (%d cached), handing off", seq.request_id, seq.num_tokens,
                       seq.num_cached_tokens)
-            results.append(PrefillResult(seq, event, handle.to_bytes()))
+            results.append(PrefillResult(seq, event, handle.to_bytes(), tail))
         return results
 
     def abort(self, seq: Sequence) -> None:

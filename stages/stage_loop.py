@@ -103,12 +103,25 @@ class Delivery:
             self._sinks.pop(key, None)
 
     def send(self, key: str, item: Any) -> None:
+        self.send_many([(key, item)])
+
+    def send_many(self, items: list[tuple[str, Any]]) -> None:
+        """Deliver a step's results for many requests with one wake-up per event loop (not one per
+        request): at high concurrency the hand-off between the step thread and the loop is per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
-            sink = self._sinks.get(key)
-        if sink is not None:
-            loop, q = sink
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            for key, item in items:
+                sink = self._sinks.get(key)
+                if sink is not None:
+                    by_loop.setdefault(sink[0], []).append((sink[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._sinks)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)

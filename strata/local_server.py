@@ -54,12 +54,22 @@ class LocalServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"strata serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                # Healthy, and the CLI has printed its endpoints (they come after deployment).
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200 and "Ctrl-C stops" in self.tail(200):
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(1)
         raise TimeoutError(f"strata serve not ready after {timeout}s:\n{self.tail()}")
+
+    @property
+    def direct_url(self) -> str | None:
+        """A replica's own HTTP address, when `strata serve` printed one (Serve's direct ingress)."""
+        self._log.flush()
+        for line in self._log_path.read_text().splitlines():
+            if line.strip().startswith("Direct endpoint:"):
+                return line.split("Direct endpoint:", 1)[1].split()[0].removesuffix("/v1")
+        return None
 
     def tail(self, n: int = 60) -> str:
         self._log.flush()

@@ -51,6 +51,7 @@ def demo_images(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 
 # Fast autoscaling for tests: prefill scales 1 -> 2 on queued prompt tokens, back after idling.
 SERVE_TEST_CONFIG = {
+    "mode": "disaggregated",
     "engine": {"max_model_len": 2048, "host_kv_blocks": 2048},
     "max_image_bytes": 200_000,
     "stages": {
@@ -60,16 +61,35 @@ SERVE_TEST_CONFIG = {
 }
 
 
-@pytest.fixture(scope="session")
-def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real `strata serve` (Ray cluster on loopback + HTTP proxy) for the whole test session."""
+def _serve(llama_dir: Path, workdir: Path, config: dict):
     from serve_process import ServeProcess
 
-    workdir = tmp_path_factory.mktemp("serve")
-    config = {**SERVE_TEST_CONFIG, "engine": {**SERVE_TEST_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}
     server = ServeProcess(llama_dir, workdir, config)
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real `strata serve` in the disaggregated mode (Ray cluster on loopback + HTTP proxy) for
+    the whole test session."""
+    workdir = tmp_path_factory.mktemp("serve")
+    config = {**SERVE_TEST_CONFIG, "engine": {**SERVE_TEST_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}
+    yield from _serve(llama_dir, workdir, config)
+
+
+@pytest.fixture(scope="session")
+def aggregated_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A second real `strata serve`, in the aggregated mode (the default): one LLM replica is the ingress."""
+    workdir = tmp_path_factory.mktemp("serve-aggregated")
+    yield from _serve(llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
+                                           "max_image_bytes": 200_000})
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "aggregated"])
+def any_server(request: pytest.FixtureRequest):
+    """Each serving mode's server in turn: the API must be the same in both."""
+    return request.getfixturevalue("serve_server" if request.param == "disaggregated" else "aggregated_server")

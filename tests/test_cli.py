@@ -109,9 +109,12 @@ def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], messa
         ('{"stages": {"prefill": {"max_replicaz": 2}}}', "unknown keys in stages.prefill: max_replicaz"),
         ('{"stages": {"warp": {}}}', "unknown stage 'warp'"),
         ('{"stages": {"decode": {"min_replicas": 3, "max_replicas": 2}}}', "min_replicas <= max_replicas"),
-        ('{"engine": {"host_kv_blocks": 0}}', "host_kv_blocks must be > 0"),
+        ('{"mode": "disaggregated", "engine": {"host_kv_blocks": 0}}', "host_kv_blocks must be > 0"),
+        ('{"mode": "pipelined"}', "mode must be one of"),
+        ('{"stream_interval_ms": -1}', "stream_interval_ms"),
     ],
-    ids=["bad-json", "unknown-key", "unknown-stage-key", "unknown-stage", "bad-bounds", "no-host-tier"],
+    ids=["bad-json", "unknown-key", "unknown-stage-key", "unknown-stage", "bad-bounds", "no-host-tier", "bad-mode",
+         "bad-interval"],
 )
 def test_serve_refuses_a_bad_config_before_starting_anything(config: str, message: str, tmp_path: Path) -> None:
     path = tmp_path / "serve.json"

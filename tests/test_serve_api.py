@@ -16,8 +16,8 @@ MODEL = "strata-test"
 
 
 @pytest.fixture(scope="module")
-def client(serve_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=serve_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(any_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=any_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from strata.kvstore import KVHandle
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import ImageEmbedding, Request, TokenEvent, pack_events, unpack_events
@@ -54,7 +55,14 @@ def test_concurrent_requests_through_two_services_match_the_in_process_engine(se
         requests = [_request(engine, f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
         return await asyncio.gather(*(_complete(prefill, decode, r) for r in requests))
 
+    before = asyncio.run(decode.stats())["handoff_tokens"]
     got = asyncio.run(main())
+    after = asyncio.run(decode.stats())["handoff_tokens"]
+    # Decode took every prompt's KV over (full blocks from the host tier, the partial tail shipped in
+    # the hand-off) and recomputed nothing.
+    prompt_tokens = sum(len(engine.intake.make_request("x", greedy(1), prompt=p)[0].prompt_token_ids) for p in PROMPTS)
+    assert after["recomputed"] == before["recomputed"]
+    assert after["adopted"] - before["adopted"] == prompt_tokens
     assert any(exp.finish_reason == "stop" for exp in expected)  # the stop-string case is covered
     for (tokens, text, _), exp in zip(got, expected):
         assert tokens == exp.output_token_ids  # seeded sampling continues from prefill's generator state
@@ -127,3 +135,27 @@ def test_requests_and_events_round_trip_through_msgpack() -> None:
 def test_separate_processes_need_a_shared_tier(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="host tier"):
         build_prefill_service(llama_dir, EngineConfig())
+
+
+def test_a_block_missing_from_the_host_tier_is_recomputed_by_decode(services, llama_dir: Path) -> None:
+    """A hand-off whose full block vanished from the shared tier is recomputed, never served wrong."""
+    prefill, decode = services
+    engine = build(llama_dir)
+    prompt = "A story about a lighthouse, the sea and the keeper who never slept. " * 3
+    expected = engine.generate([{"prompt": prompt, "params": greedy(8)}])[0].output_token_ids
+
+    async def main() -> tuple[list[int], dict]:
+        handoff = await prefill.prefill(_request(engine, "lost-block", prompt, greedy(8)))
+        handle = KVHandle.from_bytes(handoff.kv_handle)
+        tier = prefill.prefiller.kv.lower.top
+        tier.remove(handle.block_hashes[1])  # gone from the host tier before decode adopts it
+        before = (await decode.stats())["handoff_tokens"]
+        tokens = [handoff.first.token_id]
+        async for batch in decode.generate(handoff):
+            tokens += [e.token_id for e in batch]
+        after = (await decode.stats())["handoff_tokens"]
+        return tokens, {k: after[k] - before[k] for k in after}
+
+    tokens, delta = asyncio.run(main())
+    assert tokens == expected
+    assert delta["recomputed"] > 0 and delta["adopted"] == 0

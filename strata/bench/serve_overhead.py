@@ -3,9 +3,10 @@ replicas + KV hand-off through the host tier) adds to time-to-first-token and in
 latency, against the in-process engine on the same model, the same prompts and the same
 concurrency, measured side by side in one run.
 
-Both sides stream text: TTFT is the time to the first non-empty text delta; TPOT is a
-request's mean gap between text deltas after the first (robust to deltas that arrive in
-bursts); ITL is every single gap. Greedy, ignore EOS, fixed prompt and output lengths.
+Both sides stream text: TTFT is the time to the first non-empty text delta; TPOT is vLLM's
+(first to last text delta over output tokens - 1, whatever the chunking); ITL is every gap
+between deltas. Greedy, ignore EOS, fixed prompt and output lengths. The HTTP clients keep
+their connections open, as the openai client does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.sampling_params import SamplingParams
@@ -31,7 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--url", help="an already running `strata serve` (default: start one for the run)")
+    p.add_argument("--url", help="an already running `strata serve` (default: start one per mode for the run)")
+    p.add_argument("--stream-interval-ms", type=float, default=5.0, help="serve config stream_interval_ms")
+    p.add_argument("--load-model", choices=("tiny", "small", "none"), default="small",
+                   help="model of the closed-loop throughput comparison (none: skip it)")
+    p.add_argument("--load-prompts", type=int, default=32)
+    p.add_argument("--load-in", type=int, default=256, help="prompt tokens of the throughput comparison")
+    p.add_argument("--load-out", type=int, default=64, help="output tokens of the throughput comparison")
+    p.add_argument("--load-concurrency", type=int, default=16)
+    p.add_argument("--handoff-lens", nargs="*", type=int, default=[1024, 8192, 32768],
+                   help="prompt lengths of the prefill->decode hand-off measurement (none: skip it)")
+    p.add_argument("--modes", nargs="+", choices=("aggregated", "disaggregated"), default=["aggregated", "disaggregated"],
+                   help="serving modes to start and measure (ignored with --url)")
     p.add_argument("--json", type=Path)
 
 
@@ -40,9 +53,11 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def _summary(ttfts: list[float], gaps: list[list[float]]) -> dict[str, float]:
+def _summary(ttfts: list[float], gaps: list[list[float]], out_tokens: int) -> dict[str, float]:
+    """TPOT per request is vLLM's: time from the first to the last text / (output tokens - 1), so it
+    does not depend on how many tokens a streamed chunk carries; ITL is every gap between chunks."""
     itls = [g for request in gaps for g in request]
-    tpots = [sum(request) / len(request) for request in gaps if request]
+    tpots = [sum(request) / max(1, out_tokens - 1) for request in gaps if request]
     return {"ttft_p50_ms": statistics.median(ttfts) * 1e3, "ttft_p99_ms": _percentile(ttfts, 0.99) * 1e3,
             "tpot_p50_ms": statistics.median(tpots) * 1e3,
             "itl_p50_ms": statistics.median(itls) * 1e3, "itl_p99_ms": _percentile(itls, 0.99) * 1e3}
@@ -75,14 +90,15 @@ def _in_process(model: Path, prompts: list[str], concurrency: int, out_tokens: i
                 ttfts.append(now - t0)
             last[out.request_id] = now
         itls.extend(gaps.values())
-    return _summary(ttfts, itls)
+    return _summary(ttfts, itls, out_tokens)
 
 
-def _one_stream(url: str, model: str, prompt: str, out_tokens: int, t0: float, ttfts: list, itls: list) -> None:
+def _one_stream(client: httpx.Client, url: str, model: str, prompt: str, out_tokens: int, t0: float, ttfts: list,
+                itls: list) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": out_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     last, gaps = None, []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -97,57 +113,254 @@ def _one_stream(url: str, model: str, prompt: str, out_tokens: int, t0: float, t
 
 
 def _served(url: str, prompts: list[str], concurrency: int, out_tokens: int) -> dict[str, float]:
-    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    _one_stream(url, model, "warm up", 2, time.perf_counter(), [], [])
-    ttfts: list[float] = []
-    itls: list[float] = []
-    for start in range(0, len(prompts), concurrency):
+    """Each of ``concurrency`` client threads keeps one HTTP connection open (as the openai client
+    does): connection setup is not part of what the server adds."""
+    clients = [httpx.Client(timeout=600) for _ in range(concurrency)]
+    try:
+        model = clients[0].get(url + "/v1/models").json()["data"][0]["id"]
+        for c in clients:  # open every connection before timing
+            _one_stream(c, url, model, "warm up", 2, time.perf_counter(), [], [])
+        ttfts: list[float] = []
+        itls: list[float] = []
+        for start in range(0, len(prompts), concurrency):
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=_one_stream, args=(c, url, model, p, out_tokens, t0, ttfts, itls))
+                       for c, p in zip(clients, prompts[start : start + concurrency])]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        return _summary(ttfts, itls, out_tokens)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _start(model: Path, mode: str, stream_interval_ms: float = 0.0) -> Any:
+    import tempfile
+
+    from strata.local_server import LocalServer
+
+    work = Path(tempfile.mkdtemp(prefix="strata-bench-serve-"))
+    config: dict[str, Any] = {"mode": mode, "stream_interval_ms": stream_interval_ms, "stages": {"ingress": {"max_ongoing_requests": 1024},
+                                                      "llm": {"max_ongoing_requests": 1024}}}
+    if mode == "disaggregated":
+        config["engine"] = {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")}
+    return LocalServer(model, work, config, env={"RAY_AUTH_MODE": "disabled"}).wait_ready()
+
+
+def _load_prompts(model: Path, n: int, length: int) -> list[str]:
+    """Texts of about ``length`` tokens (random words added until the count is reached); both sides
+    send the same texts, so they see the same token ids."""
+    import random
+
+    from strata.pipeline.model_config import load_llava_config
+    from strata.pipeline.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(model, load_llava_config(model))
+    rng = random.Random(1234)
+    texts = []
+    for i in range(n):
+        words = [f"Request {i}:"]
+        while True:
+            words.extend(f"w{rng.randrange(10_000)}" for _ in range(8))
+            if len(tok.encode(" ".join(words), 0).token_ids) >= length:
+                break
+        texts.append(" ".join(words))
+    return texts
+
+
+def _percentiles(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _closed_loop_in_process(model: Path, texts: list[str], out: int, conc: int) -> dict[str, float]:
+    from strata.stages.factory import build_engine
+
+    engine = build_engine(model, EngineConfig(max_model_len=4096))
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+    engine.generate([{"raw_prompt": texts[0], "params": SamplingParams(max_tokens=2, temperature=0)}])
+    pending, first, last, tpots = list(texts), {}, {}, []
+    t0 = time.perf_counter()
+    live = 0
+    tokens = 0
+    while pending or engine.has_unfinished():
+        while pending and live < conc:
+            engine.add_request(raw_prompt=pending.pop(0), params=params)
+            live += 1
+        for ev in engine.step():
+            now = time.perf_counter()
+            tokens += 1
+            first.setdefault(ev.request_id, now)
+            last[ev.request_id] = now
+            if ev.finished:
+                live -= 1
+                tpots.append((now - first[ev.request_id]) / max(1, out - 1))
+    wall = time.perf_counter() - t0
+    return {"output_tok_s": tokens / wall, "tpot_p50_ms": _percentiles(tpots) * 1e3}
+
+
+def _closed_loop_served(url: str, texts: list[str], out: int, conc: int) -> dict[str, float]:
+    import queue as queue_mod
+
+    work: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    for t in texts:
+        work.put(t)
+    tpots: list[float] = []
+    counts: list[int] = []
+    clients = [httpx.Client(timeout=600) for _ in range(conc)]
+    model = clients[0].get(url + "/v1/models").json()["data"][0]["id"]
+
+    def worker(client: httpx.Client) -> None:
+        while True:
+            try:
+                text = work.get_nowait()
+            except queue_mod.Empty:
+                return
+            body = {"model": model, "prompt": text, "max_tokens": out, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t_first = t_last = None
+            n = 0
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        t_last = time.perf_counter()
+                        t_first = t_first or t_last
+            counts.append(n)
+            if t_first is not None:
+                tpots.append((t_last - t_first) / max(1, out - 1))
+
+    for c in clients:  # warm the connections
+        c.post(url + "/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 2})
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for c in clients:
+        c.close()
+    return {"output_tok_s": sum(counts) / wall, "tpot_p50_ms": _percentiles(tpots) * 1e3}
+
+
+def _handoff(model: Path, lengths: list[int]) -> list[dict[str, float]]:
+    """Prefill on one pool, decode on another (what two replicas do), KV through a host tier in tmpfs:
+    the decoder adopting a prompt's KV (full blocks by hash, the shipped tail) vs prefilling it."""
+    import tempfile
+
+    from strata.pipeline.sequence import Sequence
+    from strata.stages.decoder import Decoder
+    from strata.stages.factory import LanguageStage
+    from strata.stages.prefiller import Prefiller
+
+    longest = max(lengths)
+    host = Path(tempfile.mkdtemp(prefix="strata-handoff-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    blocks = -(-longest // 16) + 64
+    config = EngineConfig(max_model_len=longest + 16, num_kv_blocks=blocks, host_kv_blocks=2 * blocks,
+                          host_kv_dir=str(host), prefill_chunk_tokens=2048, max_num_batched_tokens=2048)
+    prefiller = Prefiller(LanguageStage(model, config).core(), release_on_handoff=True)
+    decoder = Decoder(LanguageStage(model, config).core())
+    print("\n# prefill -> decode hand-off: prefill on one pool, decode adopts on another (host tier in tmpfs); "
+          "tiny model fp32")
+    print(f"{'prompt':>8} {'prefill':>10} {'hand-off':>10} {'fraction':>9}")
+    rows = []
+    for n in lengths:
+        ids = torch.randint(8, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        seq = Sequence(f"handoff-{n}", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 16)
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=_one_stream, args=(url, model, p, out_tokens, t0, ttfts, itls))
-                   for p in prompts[start : start + concurrency]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return _summary(ttfts, itls)
+        prefiller.add(seq)
+        results = []
+        while not results:
+            results = prefiller.step()
+        t_prefill = time.perf_counter() - t0
+        (result,) = results
+        t0 = time.perf_counter()
+        decoder.admit(result.seq, result.kv_handle, result.tail_kv)
+        t_handoff = time.perf_counter() - t0
+        assert decoder.handoff_tokens["recomputed"] == 0, "the hand-off fell back to recomputing"
+        decoder.abort(result.seq)
+        rows.append({"prompt_tokens": n, "prefill_s": t_prefill, "handoff_s": t_handoff,
+                     "fraction": t_handoff / t_prefill})
+        print(f"{n:>8} {t_prefill * 1e3:>7.0f} ms {t_handoff * 1e3:>7.1f} ms {t_handoff / t_prefill:>8.1%}", flush=True)
+    import shutil
+
+    shutil.rmtree(host, ignore_errors=True)
+    return rows
+
+
+def _load(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from strata.bench.offline import bench_model_dir
+
+    model = bench_model_dir(args.load_model)
+    texts = _load_prompts(model, args.load_prompts, args.load_in)
+    print(f"\n# closed loop: {args.load_prompts} prompts of {args.load_in} tokens, {args.load_out} out, "
+          f"concurrency {args.load_concurrency}, model {args.load_model} fp32; streamed /v1/completions vs the "
+          f"in-process engine with the same prompts in flight")
+    print(f"{'mode/route':<21} {'tok/s serve':>12} {'tok/s in-proc':>14} {'ratio':>6} {'TPOT serve':>11} "
+          f"{'TPOT in-proc':>13} {'ratio':>6}")
+    rows = []
+    for mode in args.modes:
+        server = _start(model, mode, args.stream_interval_ms)
+        routes = [(f"{mode}/proxy", server.base_url)] + ([(f"{mode}/direct", server.direct_url)] if server.direct_url else [])
+        try:
+            for name, route in routes:
+                served = _closed_loop_served(route, texts, args.load_out, args.load_concurrency)
+                local = _closed_loop_in_process(model, texts, args.load_out, args.load_concurrency)
+                row = {"mode": name, "serve": served, "in_process": local,
+                       "throughput_ratio": served["output_tok_s"] / local["output_tok_s"],
+                       "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
+                rows.append(row)
+                print(f"{name:<21} {served['output_tok_s']:>12.1f} {local['output_tok_s']:>14.1f} "
+                      f"{row['throughput_ratio']:>5.2f}x {served['tpot_p50_ms']:>8.1f} ms {local['tpot_p50_ms']:>10.1f} ms "
+                      f"{row['tpot_ratio']:>5.2f}x", flush=True)
+        finally:
+            server.stop()
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
     from strata.pipeline.tiny_model import ensure_demo_model
 
     model = args.model or ensure_demo_model()
-    server = None
-    url = args.url
-    if url is None:
-        import tempfile
-
-        from strata.local_server import LocalServer
-
-        work = Path(tempfile.mkdtemp(prefix="strata-bench-serve-"))
-        config = {"engine": {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")},
-                  "stages": {"ingress": {"max_ongoing_requests": 1024}}}
-        server = LocalServer(model, work, config, env={"RAY_AUTH_MODE": "disabled"}).wait_ready()
-        url = server.base_url
     results: dict[str, Any] = {"levels": []}
     print(f"# Serve path vs in-process engine: {args.requests} requests per level, ~{args.prompt_words}-word prompts, "
           f"{args.output_tokens} output tokens, greedy, ignore EOS; text-delta timing on both sides")
-    print(f"{'conc':>5} {'TTFT p50 in-proc':>17} {'TTFT p50 serve':>15} {'added':>9} {'TPOT p50 in-proc':>17} "
-          f"{'TPOT p50 serve':>15} {'ratio':>7} {'ITL p50 in/serve':>17}")
-    try:
-        for conc in args.concurrency:
-            prompts = _prompts(args.requests, args.prompt_words)
-            local = _in_process(model, prompts, conc, args.output_tokens)
-            served = _served(url, prompts, conc, args.output_tokens)
-            row = {"concurrency": conc, "in_process": local, "serve": served,
-                   "ttft_added_ms": served["ttft_p50_ms"] - local["ttft_p50_ms"],
-                   "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
-            results["levels"].append(row)
-            print(f"{conc:>5} {local['ttft_p50_ms']:>14.1f} ms {served['ttft_p50_ms']:>12.1f} ms "
-                  f"{row['ttft_added_ms']:>6.1f} ms {local['tpot_p50_ms']:>14.2f} ms {served['tpot_p50_ms']:>12.2f} ms "
-                  f"{row['tpot_ratio']:>6.2f}x {local['itl_p50_ms']:>7.2f}/{served['itl_p50_ms']:.2f} ms", flush=True)
-    finally:
-        if server is not None:
-            server.stop()
+    print(f"{'mode/route':<21} {'conc':>4} {'TTFT p50 in-proc':>17} {'TTFT p50 serve':>15} {'added':>9} "
+          f"{'TPOT p50 in-proc':>17} {'TPOT p50 serve':>15} {'ratio':>7} {'ITL p50 in/serve':>17}")
+    targets = [("given", args.url, None)] if args.url else [(m, None, m) for m in args.modes]
+    for label, url, mode in targets:
+        server = _start(model, mode, args.stream_interval_ms) if url is None else None
+        # Through the proxy, and straight to the replica's own port when Serve's direct ingress is on.
+        routes = [(label, url)] if url else [(f"{label}/proxy", server.base_url)] + \
+            ([(f"{label}/direct", server.direct_url)] if server.direct_url else [])
+        try:
+            for name, route in routes:
+                for conc in args.concurrency:
+                    prompts = _prompts(args.requests, args.prompt_words)
+                    local = _in_process(model, prompts, conc, args.output_tokens)
+                    served = _served(route, prompts, conc, args.output_tokens)
+                    row = {"mode": name, "concurrency": conc, "in_process": local, "serve": served,
+                           "ttft_added_ms": served["ttft_p50_ms"] - local["ttft_p50_ms"],
+                           "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
+                    results["levels"].append(row)
+                    print(f"{name:<21} {conc:>4} {local['ttft_p50_ms']:>14.1f} ms {served['ttft_p50_ms']:>12.1f} ms "
+                          f"{row['ttft_added_ms']:>6.1f} ms {local['tpot_p50_ms']:>14.2f} ms "
+                          f"{served['tpot_p50_ms']:>12.2f} ms {row['tpot_ratio']:>6.2f}x "
+                          f"{local['itl_p50_ms']:>7.2f}/{served['itl_p50_ms']:.2f} ms", flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+    if args.load_model != "none" and not args.url:
+        results["load"] = _load(args)
+    if args.handoff_lens:
+        results["handoff"] = _handoff(model, args.handoff_lens)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     sys.stdout.flush()
