@@ -33,8 +33,10 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     return config
 
 
-def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
-    """Replica resources and the stage's own autoscaling policy, from its section of the config."""
+def deployment_options(config: ServeConfig, stage: str, access_log: bool = False) -> dict[str, Any]:
+    """Replica resources and the stage's own autoscaling policy, from its section of the config. The
+    HTTP-facing deployment admits requests itself (a JSON 429 with Retry-After past its limit), so
+    Serve's own limits sit above that."""
     sc = config.stages[stage]
     policy = AutoscalingPolicy(
         policy_function=StageSignalPolicy,
@@ -50,12 +52,14 @@ def deployment_options(config: ServeConfig, stage: str) -> dict[str, Any]:
         upscale_delay_s=sc.upscale_delay_s, downscale_delay_s=sc.downscale_delay_s,
         metrics_interval_s=sc.metrics_interval_s, look_back_period_s=sc.look_back_period_s, policy=policy,
     )
+    http_facing = stage in ("ingress", "llm")
     return {
         "autoscaling_config": autoscaling,
-        "max_ongoing_requests": sc.max_ongoing_requests,
-        "max_queued_requests": sc.max_queued_requests,
+        "max_ongoing_requests": sc.max_ongoing_requests + sc.max_queued_requests + 8 if http_facing else sc.max_ongoing_requests,
+        "max_queued_requests": 64 if http_facing else sc.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=sc.retry_after_s),
         "ray_actor_options": {"num_cpus": sc.num_cpus},
+        "logging_config": {"enable_access_log": access_log},
     }
 
 
@@ -69,19 +73,20 @@ def engine_for(config: ServeConfig, stage: str) -> dict[str, Any]:
     return engine
 
 
-def build_app(config: ServeConfig) -> serve.Application:
+def build_app(config: ServeConfig, access_log: bool = False) -> serve.Application:
     config = resolve_model(config)
     config.validate()
     model = config.model_dir
-    preprocess = Preprocess.options(name="Preprocess", **deployment_options(config, "preprocess")).bind(
-        model, engine_for(config, "preprocess"))
-    encode = Encode.options(name="Encode", **deployment_options(config, "encode")).bind(model, engine_for(config, "encode"))
+
+    def options(stage: str) -> dict[str, Any]:
+        return deployment_options(config, stage, access_log)
+
+    preprocess = Preprocess.options(name="Preprocess", **options("preprocess")).bind(model, engine_for(config, "preprocess"))
+    encode = Encode.options(name="Encode", **options("encode")).bind(model, engine_for(config, "encode"))
     if config.mode == "aggregated":
-        llm = Ingress.options(name="LLM", **deployment_options(config, "llm"))
         llm_config = config.to_dict()
         llm_config["engine"] = engine_for(config, "llm")
-        return llm.bind(preprocess, encode, None, None, llm_config)
-    prefill = Prefill.options(**deployment_options(config, "prefill")).bind(model, engine_for(config, "prefill"))
-    decode = Decode.options(**deployment_options(config, "decode")).bind(model, engine_for(config, "decode"))
-    ingress = Ingress.options(**deployment_options(config, "ingress"))
-    return ingress.bind(preprocess, encode, prefill, decode, config.to_dict())
+        return Ingress.options(name="LLM", **options("llm")).bind(preprocess, encode, None, None, llm_config)
+    prefill = Prefill.options(**options("prefill")).bind(model, engine_for(config, "prefill"))
+    decode = Decode.options(**options("decode")).bind(model, engine_for(config, "decode"))
+    return Ingress.options(**options("ingress")).bind(preprocess, encode, prefill, decode, config.to_dict())

@@ -72,7 +72,8 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as "model" (default: the directory name)
     engine: EngineConfig = field(default_factory=EngineConfig)
     stages: dict[str, StageConfig] = field(default_factory=lambda: {s: StageConfig() for s in STAGES})
-    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_bytes: int = 10 * 1024 * 1024  # one decoded image
+    max_request_bytes: int = 16 * 1024 * 1024  # a request body, refused (413) before it is read whole
     mode: str = "aggregated"  # or "disaggregated" (see DEPLOYMENTS)
     startup_timeout_s: float = 600.0  # a request waits at most this long for a model still loading
     # aggregated: after a stream's first token, gather its tokens up to this long per write (0: every step).
@@ -92,6 +93,8 @@ class ServeConfig:
             if name not in STAGES:
                 raise ValueError(f"unknown stage {name!r} (stages: {', '.join(STAGES)})")
             stage.validate(name)
+        if self.max_request_bytes < 1024 or self.max_image_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1024 and max_image_bytes >= 1")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.startup_timeout_s <= 0:

@@ -13,47 +13,31 @@ mode until every stage answers, ``/health`` is a 503 saying what it waits for.
 
 
 import asyncio
-import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from strata.deployments import metrics
 from strata.deployments.config import ServeConfig
+from strata.deployments.http_input import read_json
 from strata.deployments.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse_request, split_chat, usage,
-)
-from strata.deployments.openai_responses import (
-    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
+    APIError, ChatCompletionRequest, CompletionRequest, new_id, parse_request, split_chat,
 )
 from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
+from strata.deployments.responder import Responder, client_error, error_response
 from strata.pipeline.intake import Intake
 from strata.pipeline.model_config import load_llava_config
-from strata.pipeline.request import Request, TokenEvent
 from strata.pipeline.tokenizer import PromptTokenizer
 
 log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
-
-
-def _error(exc: APIError, endpoint: str) -> JSONResponse:
-    metrics.requests().inc(tags={"endpoint": endpoint, "status": str(exc.status)})
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _json_body(request: HTTPRequest) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
 
 
 @serve.deployment(name="Ingress")
@@ -67,7 +51,12 @@ class Ingress:
         self.model_name = self.config.model_name or model_dir.name
         self.tokenizer = PromptTokenizer(model_dir, load_llava_config(model_dir))
         intake = Intake(self.tokenizer, self.config.engine)
-        self.ongoing = 0
+        stage = self.config.stages["llm" if prefill is None else "ingress"]
+        self.admission_limit = stage.max_ongoing_requests + stage.max_queued_requests
+        self.retry_after_s = stage.retry_after_s
+        self.responder = Responder(self.model_name, self.tokenizer.decode, self.retry_after_s,
+                                   self.config.engine.request_timeout_s)
+        self._preparing = 0
         self._deltas = metrics.CounterDelta()
         self.service: Any = None
         self._load_error: str | None = None
@@ -140,11 +129,11 @@ class Ingress:
         if self.service is not None:  # aggregated: prefill and decode are this replica's engine
             engine = await self.service.stats()
             out["prefill"] = out["decode"] = engine
-        out["ingress"] = {"ongoing_requests": self.ongoing, "mode": self.config.mode}
+        out["ingress"] = {"ongoing_requests": self.responder.ongoing, "mode": self.config.mode}
         return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        signals = {"ongoing_requests": float(self.ongoing)}
+        signals = {"ongoing_requests": float(self.responder.ongoing)}
         if self.service is not None:
             stats = await self.service.stats()
             metrics.queue_depth().set(float(stats["running"]), tags={"stage": "llm"})
@@ -155,114 +144,42 @@ class Ingress:
     # ------------------------------------------------------------ completions
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: HTTPRequest) -> Response:
-        t0, rid = time.perf_counter(), new_id("chatcmpl")
-        try:
-            req = parse_request(ChatCompletionRequest, await _json_body(request))
-            self._check_model(req.model)
-            messages, images = split_chat(req.messages, self.config.max_image_bytes)
-            params = req.sampling_params(default_max_tokens=1)
-            await self._engine_ready()
-            prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages)
-        except APIError as exc:
-            return _error(exc, "chat")
-        return await self._respond(req, prepared, chat=True, t0=t0)
+        return await self._complete(request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: HTTPRequest) -> Response:
-        t0, rid = time.perf_counter(), new_id("cmpl")
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: HTTPRequest, chat: bool) -> Response:
+        t0, rid = time.perf_counter(), new_id("chatcmpl" if chat else "cmpl")
+        endpoint = "chat" if chat else "completions"
+        if self.responder.ongoing + self._preparing >= self.admission_limit:
+            return error_response(APIError(429, "the server is busy; retry shortly", type_="rate_limit_error",
+                                           code="rate_limit_exceeded", retry_after_s=self.retry_after_s), endpoint)
+        self._preparing += 1
         try:
-            req = parse_request(CompletionRequest, await _json_body(request))
+            body = await read_json(request, self.config.max_request_bytes)
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
             await self._engine_ready()
-            prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
-        except APIError as exc:
-            return _error(exc, "completions")
-        return await self._respond(req, prepared, chat=False, t0=t0)
+            if chat:
+                messages, images = split_chat(req.messages, self.config.max_image_bytes)
+                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages)
+            else:
+                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
+        except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals
+            if not isinstance(exc, APIError):
+                log.exception("request %s: intake failed", rid)
+            return error_response(client_error(exc, self.retry_after_s), endpoint)
+        finally:
+            self._preparing -= 1
+        events = self.flow.events(prepared)
+        if req.stream:
+            return await self.responder.stream(req, prepared, events, chat, t0)
+        return await self.responder.whole(req, prepared, events, chat, t0)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                            code="model_not_found", param="model")
-
-    async def _respond(self, req: Any, prepared: Request, chat: bool, t0: float) -> Response:
-        rid, created = prepared.request_id, now()
-        endpoint = "chat" if chat else "completions"
-        if req.stream:
-            return StreamingResponse(self._stream(req, prepared, chat, created, t0), media_type="text/event-stream")
-        self.ongoing += 1
-        try:
-            text, reason, n, cached = "", None, 0, 0
-            async for batch in self._timed(self.flow.events(prepared), endpoint, t0):
-                for ev in batch:
-                    n += 1
-                    text += ev.text_delta
-                    cached = max(cached, ev.num_cached_tokens)
-                    reason = ev.finish_reason or reason
-        except Exception as exc:  # a stage failed: the request cannot be completed
-            log.exception("request %s failed", rid)
-            return _error(APIError(500, f"generation failed: {exc}", type_="server_error"), endpoint)
-        finally:
-            self.ongoing -= 1
-        metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
-        use = usage(prepared.num_prompt_tokens, n, cached)
-        build = chat_completion if chat else completion
-        return JSONResponse(build(rid, self.model_name, created, text, openai_finish_reason(reason), use))
-
-    @staticmethod
-    async def _timed(batches: AsyncIterator[list[TokenEvent]], endpoint: str,
-                     t0: float) -> AsyncIterator[list[TokenEvent]]:
-        """Pass event batches through, observing TTFT, inter-token gaps (a batch of k tokens after a
-        gap g counts k gaps of g/k) and, at the end, E2E latency."""
-        tags = {"endpoint": endpoint}
-        last = None
-        async for batch in batches:
-            now_t = time.perf_counter()
-            if last is None:
-                metrics.ttft().observe(now_t - t0, tags=tags)
-            else:
-                for _ in batch:
-                    metrics.itl().observe((now_t - last) / len(batch), tags=tags)
-            last = now_t
-            yield batch
-        metrics.e2e().observe(time.perf_counter() - t0, tags=tags)
-
-    async def _stream(self, req: Any, prepared: Request, chat: bool, created: int, t0: float) -> AsyncIterator[str]:
-        model, rid = self.model_name, prepared.request_id
-        endpoint = "chat" if chat else "completions"
-        self.ongoing += 1
-        status = "499"  # until it completes: a stream that ends early was cancelled by the client
-        try:
-            if chat:
-                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
-            content = ContentChunks(rid, model, created, chat)
-            n, cached, reason = 0, 0, None
-            async for batch in self._timed(self.flow.events(prepared), endpoint, t0):
-                out = []  # one chunk per token, one write per batch: fewer hops through the proxy
-                for ev in batch:
-                    n += 1
-                    cached = max(cached, ev.num_cached_tokens)
-                    if ev.finished:
-                        reason = openai_finish_reason(ev.finish_reason)
-                    if ev.text_delta:
-                        out.append(content(ev.text_delta))
-                if reason is not None:
-                    out.append(sse(chat_chunk(rid, model, created, {}, reason) if chat
-                                   else completion_chunk(rid, model, created, "", reason)))
-                    if req.include_usage:
-                        obj = "chat.completion.chunk" if chat else "text_completion"
-                        out.append(sse(usage_chunk(rid, model, created, obj, usage(prepared.num_prompt_tokens, n, cached))))
-                    out.append(sse("[DONE]"))
-                if out:
-                    yield "".join(out)
-            if reason is None:  # the stages ended the stream without a finish event
-                raise RuntimeError("the token stream ended before the request finished")
-            status = "200"
-        except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
-            log.exception("stream %s failed", rid)
-            status = "500"
-            yield sse(APIError(500, f"generation failed: {exc}", type_="server_error").body())
-            yield sse("[DONE]")
-        finally:
-            self.ongoing -= 1
-            metrics.requests().inc(tags={"endpoint": endpoint, "status": status})

@@ -1,8 +1,10 @@
 """The OpenAI API surface Strata serves: request schemas, response shapes, error bodies.
 
-Requests are validated with pydantic; anything the schema or our engine cannot honour is an
+Requests are validated with pydantic in strict mode for numbers (``max_tokens: true`` or ``4.0``
+is an error, not a 1 or a 4); anything the schema or our engine cannot honour is an
 :class:`APIError` that the ingress turns into an OpenAI-style error body with a 4xx status.
-Unknown fields are accepted and ignored, as the OpenAI API does.
+OpenAI parameters this server does not implement (``tools``, ``response_format``, ...) are refused
+with a 400 naming them; other unknown fields are ignored, as the OpenAI API does.
 """
 
 from __future__ import annotations
@@ -13,78 +15,102 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+# OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
+# instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)
+UNSUPPORTED = {
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
+    "response_format": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "best_of": 1, "suffix": None, "echo": False, "audio": None, "modalities": None, "prediction": None,
+    "web_search_options": None, "reasoning_effort": None,
+}
 
 
 class APIError(Exception):
     """A request the server refuses: HTTP status plus an OpenAI error object."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s  # sent as a Retry-After header (429, 503)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "_Lenient":
+        for name, default in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name, default)
+            if value is not None and value != default:
+                raise ValueError(f"the parameter {name!r} is not supported by this server")
+        return self
 
 
 class ImageURL(_Lenient):
-    url: str
-    detail: str | None = None
+    url: StrictStr
+    detail: StrictStr | None = None
 
 
 class ContentPart(_Lenient):
     type: Literal["text", "image_url"]
-    text: str | None = None
+    text: StrictStr | None = None
     image_url: ImageURL | None = None
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Lenient):
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # 1 and 1.0 both; never "1" or true
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StrictStr | list[StrictStr] | None = Field(default=None)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks, load tests)
+    n: StrictInt = Field(default=1, ge=1)
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = False  # vLLM extension: keep generating past EOS (benchmarks, load tests)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if len(stop) > 16:
+            raise APIError(400, "at most 16 stop strings are supported", param="stop")
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
             seed=self.seed,
             stop=stop,
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
         )
         try:
             params.validate()
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         return params
+
+    def requested_logprobs(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -93,7 +119,14 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -102,7 +135,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+    prompt: StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -114,12 +151,16 @@ class CompletionRequest(_SamplingFields):
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body; a schema error becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from exc
+        msg = first["msg"].removeprefix("Value error, ")
+        param = where or next((name for name in UNSUPPORTED if name in body and f"'{name}'" in msg), None)
+        raise APIError(400, f"{where}: {msg}" if where else msg, param=param) from exc
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:

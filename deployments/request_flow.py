@@ -27,18 +27,24 @@ log = logging.getLogger("strata.ingress")
 
 
 class RequestFlow:
-    """Intake and image embedding (shared by both modes); subclasses say where tokens come from."""
+    """Intake and image embedding (shared by both modes); subclasses say where tokens come from.
+
+    Rendering the chat template and tokenizing run on worker threads, two at a time, so a huge prompt
+    never blocks the replica's event loop (other requests keep streaming) and cannot pile up work."""
 
     def __init__(self, intake: Intake, preprocess: Any, encode: Any) -> None:
         self.intake = intake
         self.preprocess, self.encode = preprocess, encode
+        self._tokenizing = asyncio.Semaphore(2)
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
                       **prompt: Any) -> Request:
         """Tokenize, check lengths, embed images: the request to run. User errors -> 400."""
         try:
-            request, offsets = self.intake.make_request(request_id, params, len(images),
-                                                        max_tokens_default=default_max_tokens, **prompt)
+            async with self._tokenizing:
+                request, offsets = await asyncio.to_thread(
+                    self.intake.make_request, request_id, params, len(images),
+                    max_tokens_default=default_max_tokens, **prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from exc
         except ValueError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-port", type=int, default=8265)
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics endpoint of this node")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of a local cluster (default: max(8, cores))")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one INFO line per request in every replica (off by default)")
     p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                    help="use Ray Serve's default request path instead of its throughput-optimized one (replicas "
                         "that serve HTTP themselves, user code on the replica's event loop, calls between "
@@ -106,8 +109,24 @@ def _direct_endpoints(proxy_port: int, wait_s: float = 20.0) -> list[str]:
         return []
 
 
+def check_ports(args: argparse.Namespace) -> None:
+    """Refuse, before any cluster starts, ports another program already listens on."""
+    wanted = [(args.host, args.port, "--port")]
+    if args.address is None:  # a cluster we start binds its dashboard and metrics here too
+        wanted += [("127.0.0.1", args.dashboard_port, "--dashboard-port"), ("127.0.0.1", args.metrics_port, "--metrics-port")]
+    for host, port, flag in wanted:
+        if not 0 < port < 65536:
+            raise ValueError(f"{flag} {port} is not a TCP port (1-65535)")
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                raise ValueError(f"port {port} on {host} is in use; pick another with {flag}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args)  # a bad config fails before any cluster starts
+    check_ports(args)
     context = _start_ray(args)
     from ray import serve
 
@@ -117,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name="strata", route_prefix="/", blocking=False)
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"enable_access_log": args.access_log})
+        serve.run(build_app(config, access_log=args.access_log), name="strata", route_prefix="/", blocking=False)
         dashboard = getattr(context, "dashboard_url", None) or f"127.0.0.1:{args.dashboard_port}"
         print(f"Strata is serving {config.model_name} (from {config.model_dir})", flush=True)
         print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1", flush=True)
@@ -131,8 +151,21 @@ def run(args: argparse.Namespace) -> int:
         stop.wait()
     finally:
         print("strata: shutting down", file=sys.stderr, flush=True)
-        serve.shutdown()
-        import ray
-
-        ray.shutdown()
+        _quiet_shutdown()
     return 0
+
+
+def _quiet_shutdown() -> None:
+    """Stop Serve and Ray. Replicas killed on purpose make Ray log their exit as errors; those are
+    not faults, so a clean Ctrl-C silences them."""
+    import logging
+
+    import ray
+    from ray import serve
+
+    for name in ("ray", "ray.serve", "ray._private", "ray.util"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -19,6 +19,7 @@ disk gives a prefix cache that survives restarts.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -41,11 +42,36 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 _DEMOTE_BATCH = 16
 
 
+log = logging.getLogger(__name__)
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` 0700, or accept an existing one only if this user owns it and nobody else can write
+    it: KV blocks hold users' prompts, and a directory others control could feed us their blocks."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"KV tier directory {path} belongs to another user (uid {info.st_uid}); "
+                              "choose a directory of your own")
+    if info.st_mode & 0o022:
+        raise PermissionError(f"KV tier directory {path} is writable by group or others; "
+                              f"chmod 0700 it or choose another directory")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)  # readable by others: tighten it (ours, not writable by them)
+
+
+def _private_file(path: Path | str) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.chmod(str(path) + suffix, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -79,15 +105,38 @@ class FileBlockStore:
         self.name = name
         self.next_tier = next_tier
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0}
+        self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0,
+                         "reconciled": 0}
         self._lock = threading.Lock()
         self._blocks_dir = str(self.root / "blocks")
         self._tmp_dir = str(self.root / "tmp")
-        os.makedirs(self._blocks_dir, exist_ok=True)
-        os.makedirs(self._tmp_dir, exist_ok=True)
-        self._db = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None, check_same_thread=False)
-        self._setup_db()
+        _private_dir(self.root)
+        _private_dir(Path(self._blocks_dir))
+        _private_dir(Path(self._tmp_dir))
+        self._db = self._open_index()
         self.rebuild_index()
+
+    def _open_index(self) -> sqlite3.Connection:
+        """The shared index, recreated from scratch when the file is not a usable SQLite database (torn
+        by a crash, overwritten): it only caches what the block files say, so nothing is lost."""
+        path = self.root / "index.db"
+        for attempt in range(2):
+            db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+            try:
+                self._db = db
+                self._setup_db()
+                db.execute("SELECT count(*) FROM blocks").fetchone()
+                _private_file(path)
+                return db
+            except sqlite3.DatabaseError as exc:
+                db.close()
+                if attempt:
+                    raise
+                log.warning("KV %s tier index at %s is unreadable (%s); rebuilding it from the block files",
+                            self.name, self.root, exc)
+                for suffix in ("", "-wal", "-shm"):
+                    _unlink(str(path) + suffix)
+        raise AssertionError("unreachable")
 
     def _setup_db(self) -> None:
         """WAL mode and schema. Switching the journal mode takes a lock that SQLite's busy timeout
@@ -161,12 +210,17 @@ class FileBlockStore:
     def put_many(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> list[bool]:
         """Store blocks (raw payloads, or whole files if ``encoded``); False where the tier is full of pins."""
         staged: list[tuple[bytes, str]] = []
-        for block_hash, data in items:
-            tmp = self._tmp_path()
-            blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            staged.append((block_hash, tmp))
+        try:
+            for block_hash, data in items:
+                tmp = self._tmp_path()
+                staged.append((block_hash, tmp))
+                blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
+                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(blob)
+        except OSError:  # a full or read-only tier: leave no temp files behind
+            for _, tmp in staged:
+                _unlink(tmp)
+            raise
         results: list[bool] = []
         victims: list[tuple[bytes, str]] = []
         now = time.time()
@@ -174,10 +228,15 @@ class FileBlockStore:
             count = self._count()
             for block_hash, tmp in staged:
                 if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
-                    self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
-                    _unlink(tmp)  # same content is already there
-                    results.append(True)
-                    continue
+                    if os.path.exists(self.path(block_hash)):
+                        self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
+                        _unlink(tmp)  # same content is already there
+                        results.append(True)
+                        continue
+                    # The index says present but the file is gone: believe the disk, store it again.
+                    self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,))
+                    count -= 1
+                    self.counters["reconciled"] += 1
                 if count >= self.capacity:
                     row = self._db.execute(
                         "SELECT hash FROM blocks WHERE NOT EXISTS (SELECT 1 FROM pins WHERE pins.hash=blocks.hash)"
@@ -198,7 +257,7 @@ class FileBlockStore:
                         pass
                     count -= 1
                 final = self.path(block_hash)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
                 os.replace(tmp, final)
                 self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
                 count += 1
@@ -255,6 +314,7 @@ class FileBlockStore:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self.counters["misses"] += 1
+            self._forget(block_hash)  # an index entry whose file vanished: reconcile
             return False
         try:
             info = read_header(fd, block_hash, self.fingerprint, self.layout)
@@ -286,6 +346,14 @@ class FileBlockStore:
             if self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
                 self._set_count(self._count() - 1)
             _unlink(self.path(block_hash))
+
+    def _forget(self, block_hash: bytes) -> None:
+        """Drop the index entry of a block whose file is missing (unless someone just wrote it)."""
+        with self._lock, self._tx():
+            if not os.path.exists(self.path(block_hash)) and \
+                    self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
+                self._set_count(self._count() - 1)
+                self.counters["reconciled"] += 1
 
     # ------------------------------------------------------------ pins
     def pin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:

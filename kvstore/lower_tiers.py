@@ -8,6 +8,7 @@ next; a hit in a lower tier is copied back up (promotion).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -15,6 +16,8 @@ import numpy as np
 
 from strata.kvstore.file_store import FileBlockStore
 from strata.kvstore.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 
 class LowerTiers:
@@ -25,6 +28,7 @@ class LowerTiers:
             raise ValueError("LowerTiers needs at least one tier")
         self.tiers = list(tiers)
         self.layout = tiers[0].layout
+        self.write_errors = 0
         self.block_nbytes = self.layout.bytes_per_block()
 
     @classmethod
@@ -57,8 +61,18 @@ class LowerTiers:
 
     # ------------------------------------------------------------ writes
     def store(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Write blocks through to the top tier (it demotes what no longer fits)."""
-        return self.top.put_many(items)
+        """Write blocks through to the top tier (it demotes what no longer fits). A write that fails
+        (a full /dev/shm: ENOSPC, a permission change) stores nothing and says so: write-through is a
+        cache, so the caller keeps the block on the device or recomputes it later."""
+        items = list(items)
+        try:
+            return self.top.put_many(items)
+        except OSError as exc:
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                log.warning("KV %s tier write failed (%s); blocks stay uncached there (%d failures so far)",
+                            self.top.name, exc.strerror or exc, self.write_errors)
+            return [False] * len(items)
 
     # ------------------------------------------------------------ lookups
     def find(self, block_hash: bytes) -> FileBlockStore | None:
@@ -106,7 +120,9 @@ class LowerTiers:
                 tier.unpin(hashes)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {t.name: t.stats() for t in self.tiers}
+        out = {t.name: t.stats() for t in self.tiers}
+        out[self.top.name] = {**out[self.top.name], "write_errors": self.write_errors}
+        return out
 
     def close(self) -> None:
         for tier in self.tiers:

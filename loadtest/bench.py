@@ -14,6 +14,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
 import sys
 import time
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: no pacing)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--sweep", nargs="+", type=int, help="run once per concurrency level and plot")
+    p.add_argument("--sweep-prompts", choices=("fresh", "warm"), default="fresh",
+                   help="fresh: each level gets its own prompts (no level profits from an earlier one's prefix "
+                        "cache); warm: one warm-up pass, then every level replays the same prompts")
     p.add_argument("--goodput", nargs="*", default=[], help="SLOs such as ttft:500 tpot:50 e2el:5000 (ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("bench-results"))
@@ -211,7 +215,7 @@ def print_summary(s: dict[str, Any], label: str) -> None:
             print(f"{f'{stat.capitalize()} {name.upper()} (ms):':<36}{s[f'{stat}_{name}_ms']:>12.2f}")
 
 
-def plot_sweep(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+def plot_sweep(rows: list[dict[str, Any]], out: Path, run_id: str = "") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,43 +228,78 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.plot(conc, [r[f"median_{name}_ms"] for r in rows], marker="o", label=f"median {name.upper()}")
         ax.plot(conc, [r[f"p99_{name}_ms"] for r in rows], marker="x", linestyle="--", label=f"p99 {name.upper()}")
     ax.set(xlabel="max concurrency", ylabel="ms", title="Latency vs concurrency", yscale="log")
+    ax.set_xticks(conc)
     ax.legend(fontsize=7)
-    paths.append(out / "latency_vs_concurrency.png")
+    suffix = f"-{run_id}" if run_id else ""
+    paths.append(out / f"latency_vs_concurrency{suffix}.png")
     fig.tight_layout(), fig.savefig(paths[-1], dpi=120), plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(conc, [r["output_throughput"] for r in rows], marker="o", label="output tok/s")
-    ax2 = ax.twinx()
-    ax2.plot(conc, [r["request_throughput"] for r in rows], marker="s", color="tab:orange", label="req/s")
-    ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput vs concurrency")
-    ax2.set_ylabel("requests/s")
-    fig.legend(loc="upper left", fontsize=7)
-    paths.append(out / "throughput_vs_concurrency.png")
+    # Two panels, not two y-axes: tokens/s and requests/s are proportional at a fixed output length,
+    # so on twin axes their lines lie on top of each other.
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
+    top.plot(conc, [r["output_throughput"] for r in rows], marker="o")
+    top.set(ylabel="output tokens/s", title="Throughput vs concurrency")
+    bottom.plot(conc, [r["request_throughput"] for r in rows], marker="s", color="tab:orange")
+    bottom.set(xlabel="max concurrency", ylabel="requests/s")
+    bottom.set_xticks(conc)
+    paths.append(out / f"throughput_vs_concurrency{suffix}.png")
     fig.tight_layout(), fig.savefig(paths[-1], dpi=120), plt.close(fig)
     return paths
 
 
+class BenchError(Exception):
+    """A condition the user must fix (no server, a bad argument): printed as one line."""
+
+
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    try:
+        r = httpx.get(args.base_url + "/v1/models", timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except httpx.HTTPError as exc:
+        raise BenchError(f"no Strata server answers at {args.base_url} ({type(exc).__name__}); "
+                         "start one with `strata serve` or pass --base-url") from None
+    except (ValueError, KeyError, IndexError):
+        raise BenchError(f"{args.base_url}/v1/models did not list a model; is this an OpenAI-compatible server?") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
-    model = args.model or httpx.get(args.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    requests = make_dataset(args)
+    model = _model(args)
     levels = args.sweep or [args.max_concurrency]
     args.result_dir.mkdir(parents=True, exist_ok=True)
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    fresh = args.sweep and args.sweep_prompts == "fresh"
+    base = make_dataset(args)
+    if args.sweep and not fresh:  # warm: one untimed pass, then every level replays the same prompts
+        asyncio.run(run_load(args.base_url, model, base, float("inf"), levels[0], args.seed, False))
     rows = []
-    for level in levels:
+    for i, level in enumerate(levels):
+        # Fresh prompts per level (a new seed), so no level is timed against a cache an earlier one filled.
+        requests = make_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i})) if fresh else base
         results, duration = asyncio.run(run_load(args.base_url, model, requests, args.request_rate, level,
                                                  args.seed, not args.no_progress))
         summary = {**summarize(results, duration, slos), "max_concurrency": level or len(requests),
                    "request_rate": args.request_rate, "dataset": args.dataset, "num_prompts": args.num_prompts,
-                   "model": model, "goodput_slos_ms": slos}
+                   "model": model, "goodput_slos_ms": slos,
+                   "prompts": "fresh per level" if fresh else ("warm (replayed after a warm-up pass)" if args.sweep else "one run")}
         rows.append(summary)
-        print_summary(summary, f"concurrency {level or 'unbounded'}, {args.dataset}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = args.result_dir / f"bench-{args.dataset}-{stamp}.json"
+        print_summary(summary, f"concurrency {level or 'unbounded'}, {args.dataset}, prompts {summary['prompts']}")
+    path = args.result_dir / f"bench-{args.dataset}-{run_id}.json"
     path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"}, "runs": rows},
                                indent=2, default=str))
     print(f"results: {path}")
     if args.sweep:
-        for png in plot_sweep(rows, args.result_dir):
+        for png in plot_sweep(rows, args.result_dir, run_id):
             print(f"plot: {png}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

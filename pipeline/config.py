@@ -34,6 +34,7 @@ class EngineConfig:
     encoder_cache_size: int = 64  # images kept encoded, by content hash
     max_image_pixels: int = 4096 * 4096
     max_images_per_request: int = 8
+    request_timeout_s: float = 600.0  # a request still running after this long ends with an error (0: never)
 
     def validate(self) -> None:
         positive = (
@@ -48,6 +49,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.request_timeout_s, (int, float)) or self.request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from strata.pipeline.config import EngineConfig
+from strata.pipeline.errors import RequestFailed
 from strata.pipeline.intake import Intake, attach_images
 from strata.pipeline.model_config import LlavaConfig
 from strata.pipeline.request import Request, TokenEvent
@@ -23,9 +24,10 @@ class RequestOutput:
     request_id: str
     output_token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # eos/stop, length, abort, or error (then ``error`` says why)
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None
 
 
 class Engine:
@@ -143,11 +145,10 @@ class Engine:
         """Run a batch of requests (kwargs of :meth:`add_request`) to completion; final outputs in order."""
         ids = [self.add_request(**r) for r in requests]
         seqs = [self._requests[i] for i in ids]
-        for _ in self.run():
-            pass
+        errors = {ev.request_id: ev.error for ev in self.run() if ev.finish_reason == "error"}
         return [
             RequestOutput(s.request_id, list(s.output_token_ids), s.text, s.finish_reason, s.num_prompt_tokens,
-                          s.num_cached_tokens)
+                          s.num_cached_tokens, errors.get(s.request_id))
             for s in seqs
         ]
 
@@ -155,5 +156,9 @@ class Engine:
         """Text deltas of one request as they are generated."""
         rid = self.add_request(**request)
         for ev in self.run():
-            if ev.request_id == rid and ev.text_delta:
+            if ev.request_id != rid:
+                continue
+            if ev.finish_reason == "error":
+                raise RequestFailed(ev.error or "the request could not be completed")
+            if ev.text_delta:
                 yield ev.text_delta

@@ -1,13 +1,23 @@
-"""Scheduler + model runner + sampler over one KV store: the loop every LLM stage runs."""
+"""Scheduler + model runner + sampler over one KV store: the loop every LLM stage runs.
+
+A failure inside the step fails the sequences it belongs to, never the batch: a forward that raises
+is rerun chunk by chunk to find its culprits; a row of NaN logits fails its own sequence; a spilled
+block that turns out to be lost sends its readers back to recompute (never to read it again), and a
+sequence that keeps losing blocks, or outlives ``request_timeout_s``, ends with an error event.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable
+
+import torch
 
 from strata.kvstore import KVBlockLostError
 from strata.pipeline.model_runner import ModelRunner
 from strata.pipeline.request import TokenEvent
-from strata.pipeline.sampler import Sampler, check_stop
+from strata.pipeline.sampler import INVALID, Logprobs, Sampler, check_stop
 from strata.pipeline.scheduler import ScheduledChunk, Scheduler
 from strata.pipeline.sequence import Sequence, SequenceStatus
 
@@ -15,6 +25,8 @@ Detokenize = Callable[[list[int]], str]
 
 
 Emitted = tuple[Sequence, TokenEvent]  # an event and the sequence it came from (stages need both)
+log = logging.getLogger(__name__)
+MAX_KV_LOSSES = 16  # lost spilled blocks a sequence may recompute past before it fails
 
 
 class EngineCore:
@@ -24,44 +36,109 @@ class EngineCore:
         runner: ModelRunner,
         detokenize: Detokenize,
         eos_token_ids: tuple[int, ...],
+        request_timeout_s: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
+        self.request_timeout_s = request_timeout_s  # 0: no deadline
         self.runner = runner
         self.sampler = Sampler()
         self.detokenize = detokenize
         self.eos_token_ids = eos_token_ids
         self.steps = 0
         self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
+        self.failed: list[Emitted] = []  # error events of sequences failed outside a step's result
+        self.num_failed = 0
 
     def step(self, budget: int | None = None) -> list[Emitted]:
         """Schedule, run the model once, sample, update sequences. Empty if nothing could run."""
+        events, self.failed = self.failed, []
+        self._expire()
         out = self.scheduler.schedule(budget)
         self.last_num_tokens = 0
         if not out.chunks:
-            return []
+            return events + self._take_failed()
         self.last_num_tokens = out.num_tokens
         try:
             logits = self.runner.execute(out.chunks)
+            chunks = out.chunks
         except KVBlockLostError as lost:
             self._recompute_readers_of(lost.block_hash, out.chunks)
-            return []
-        for chunk in out.chunks:
+            return events + self._take_failed()
+        except Exception:
+            logits, chunks = self._isolate(out.chunks)
+        for chunk in chunks:
             self.scheduler.commit(chunk)
-        sampling = [c.seq for c in out.chunks if c.samples]
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        sampling = [c.seq for c in chunks if c.samples]
+        params = [s.params for s in sampling]
+        tokens = self.sampler.sample(logits, params, [s.generator for s in sampling])
+        logprobs = self.sampler.logprobs(logits, tokens, params)
         self.steps += 1
-        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens)]
+        for i, (seq, tok) in enumerate(zip(sampling, tokens)):
+            if tok == INVALID:
+                self.fail(seq, "the model produced invalid values (NaN or inf) for this request")
+            else:
+                events.append(self._append(seq, tok, logprobs, i))
+        return events + self._take_failed()
+
+    def _take_failed(self) -> list[Emitted]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _isolate(self, chunks: list[ScheduledChunk]):
+        """The batched forward raised: run each chunk on its own, fail the ones that still raise, and
+        return the others' logits (a poisoned request cannot take its batch down with it)."""
+        rows, good = [], []
+        for chunk in chunks:
+            try:
+                logits = self.runner.execute([chunk])
+            except KVBlockLostError as lost:
+                self._recompute_readers_of(lost.block_hash, [chunk])
+                continue
+            except Exception:
+                log.exception("request %s: its step failed", chunk.seq.request_id)
+                self.fail(chunk.seq, "an internal error stopped this request")
+                continue
+            good.append(chunk)
+            if chunk.samples:
+                rows.append(logits)
+        logits = torch.cat(rows) if rows else torch.empty(0, 0)
+        return logits, good
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a sequence with an error event (delivered with the next step's events); frees its KV."""
+        if self.scheduler.remove(seq, free_blocks=True):
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "error"
+            self.num_failed += 1
+            self.failed.append((seq, TokenEvent.failure(seq.request_id, message)))
+
+    def _expire(self) -> None:
+        """Fail sequences older than the per-request deadline (checked once per step, O(sequences))."""
+        if self.request_timeout_s <= 0:
+            return
+        horizon = time.monotonic() - self.request_timeout_s
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.arrival < horizon:
+                log.warning("request %s: past its %.0f s deadline", seq.request_id, self.request_timeout_s)
+                self.fail(seq, f"the request did not finish within {self.request_timeout_s:.0f} s")
 
     def _recompute_readers_of(self, block_hash: bytes, chunks: list[ScheduledChunk]) -> None:
-        """A spilled block vanished (corrupt or deleted file): recompute every sequence that read it.
-        Nothing was committed, so the other chunks simply run again next step."""
-        for chunk in chunks:
-            seq = chunk.seq
-            table = seq.block_table
-            if seq.status is SequenceStatus.RUNNING and block_hash in table.hashes[: table.num_spilled]:
+        """A spilled block vanished (corrupt or deleted file): recompute every sequence that read it, and
+        never look the block up again for it; a sequence that keeps losing blocks fails. Nothing was
+        committed, so the other chunks simply run again next step."""
+        readers = [c.seq for c in chunks if c.seq.status is SequenceStatus.RUNNING
+                   and block_hash in c.seq.block_table.hashes[: c.seq.block_table.num_spilled]]
+        if not readers:  # cannot tell who read it: every chunk with spilled blocks recomputes
+            readers = [c.seq for c in chunks if c.seq.status is SequenceStatus.RUNNING and c.seq.block_table.num_spilled]
+        for seq in readers:
+            seq.lost_blocks.add(block_hash)
+            seq.kv_losses += 1
+            if seq.kv_losses > MAX_KV_LOSSES:
+                self.fail(seq, "the request's cached KV kept disappearing from the host/disk tiers")
+            else:
                 self.scheduler.preempt(seq)
 
-    def _append(self, seq: Sequence, token: int) -> Emitted:
+    def _append(self, seq: Sequence, token: int, logprobs: Logprobs | None = None, row: int = 0) -> Emitted:
         prev_len = len(seq.text)
         seq.token_ids.append(token)
         output_ids = seq.output_token_ids
@@ -78,8 +155,10 @@ class EngineCore:
         if finished:
             seq.finish_reason = result.finish_reason
             self.finish(seq)
-        return seq, TokenEvent(seq.request_id, token, delta, seq.finish_reason if finished else None,
-                               seq.num_cached_tokens)
+        event = TokenEvent(seq.request_id, token, delta, seq.finish_reason if finished else None, seq.num_cached_tokens)
+        if logprobs is not None and logprobs.chosen[row] is not None:
+            event.logprob, event.top_logprobs = logprobs.chosen[row], logprobs.top[row]
+        return seq, event
 
     @staticmethod
     def _streamable_len(seq: Sequence) -> int:

@@ -18,6 +18,9 @@ from strata.pipeline.sampling_params import SamplingParams
 from strata.pipeline.tokenizer import EncodedPrompt, PromptTokenizer
 
 
+MAX_CHARS_PER_TOKEN = 32  # no tokenizer packs more than this into one token; longer texts cannot fit
+
+
 class PromptTooLongError(ValueError):
     """Prompt plus requested output exceed the context limit (an HTTP 400 for API callers)."""
 
@@ -73,6 +76,10 @@ class Intake:
         else:
             assert raw_prompt is not None
             text = raw_prompt
+        limit = self.config.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:  # refused before tokenizing: a huge prompt costs nothing
+            raise PromptTooLongError(f"prompt has {len(text)} characters; the limit is {limit} "
+                                     f"({MAX_CHARS_PER_TOKEN} per token of max_model_len {self.config.max_model_len})")
         return tok.encode(text, num_images)
 
 

@@ -81,21 +81,33 @@ class TokenEvent:
     """One generated token of one request."""
 
     request_id: str
-    token_id: int
+    token_id: int  # -1 on an error event (no token came out)
     text_delta: str = ""
-    finish_reason: str | None = None  # set on the request's last event: eos, stop, length, abort
+    finish_reason: str | None = None  # set on the request's last event: eos, stop, length, abort, error
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # with finish_reason "error": what went wrong, in words fit for the client
+    logprob: float | None = None  # of token_id, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely tokens of this position
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failure(cls, request_id: str, message: str) -> "TokenEvent":
+        """The last event of a request that could not be completed."""
+        return cls(request_id, -1, "", "error", 0, message)
+
     def to_obj(self) -> list[Any]:
-        return [self.request_id, self.token_id, self.text_delta, self.finish_reason, self.num_cached_tokens]
+        return [self.request_id, self.token_id, self.text_delta, self.finish_reason, self.num_cached_tokens,
+                self.error, self.logprob, [list(t) for t in self.top_logprobs] if self.top_logprobs is not None else None]
 
     @classmethod
     def from_obj(cls, obj: list[Any]) -> "TokenEvent":
-        return cls(*obj)
+        event = cls(*obj)
+        if event.top_logprobs is not None:
+            event.top_logprobs = [(int(t), float(p)) for t, p in event.top_logprobs]
+        return event
 
 
 def pack_events(events: list[TokenEvent]) -> bytes:

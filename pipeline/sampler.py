@@ -30,6 +30,18 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     return generator
 
 
+INVALID = -1  # the token of a row whose logits are not finite (that sequence fails, the batch goes on)
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities (of the model's distribution, before temperature and filters) of the chosen
+    tokens and of each row's most likely tokens, for the rows that asked."""
+
+    chosen: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
 class Sampler:
     """Samples one token per row of a logits batch, each row with its own params and generator."""
 
@@ -39,7 +51,42 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
-        """Return one token id per row of `logits` [B, V]."""
+        """One token id per row of `logits` [B, V]; :data:`INVALID` for a row with NaN or inf logits."""
+        finite = torch.isfinite(logits).all(dim=-1) if logits.numel() else None
+        if finite is None or bool(finite.all()):
+            return self._sample(logits, params, generators)
+        # A broken row (NaN or inf from its own inputs) is sampled from zeros and marked invalid, so
+        # the sampler's arithmetic never sees it and the other rows are untouched.
+        safe = torch.where(finite.unsqueeze(1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        tokens = self._sample(safe, params, generators)
+        return [t if ok else INVALID for t, ok in zip(tokens, finite.tolist())]
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams]) -> Logprobs | None:
+        """Logprobs for the rows whose params ask for them (None when no row does)."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != INVALID]
+        if not rows:
+            return None
+        chosen: list[float | None] = [None] * len(tokens)
+        top: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+        index = torch.tensor(rows, device=logits.device)
+        logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        k = max(params[i].logprobs or 0 for i in rows)
+        top_vals, top_ids = logp.topk(max(1, k), dim=-1)
+        picked = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1).tolist()
+        vals, ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            chosen[i] = picked[j]
+            n = params[i].logprobs or 0
+            top[i] = list(zip(ids[j][:n], vals[j][:n]))
+        return Logprobs(chosen, top)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
         if logits.ndim != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]

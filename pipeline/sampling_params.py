@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass, field
 
 
+MAX_TOKENS = 1_000_000_000
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # logits / 1e-5 stay finite for any fp32 logit a model produces
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """How one request turns logits into tokens and when its generation ends."""
@@ -19,19 +26,24 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field, so API callers get an actionable message."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -39,8 +51,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 means deterministic argmax; no generator is consumed."""
-        return self.temperature == 0
+        """Deterministic argmax (no generator is consumed): temperature 0, or one so small that dividing
+        the logits by it would overflow them (the limit of sampling as temperature -> 0 is argmax)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_real(value: object) -> bool:

@@ -145,6 +145,8 @@ class Scheduler:
         bs = self.config.block_size
         # Always leave the last token to compute: its logits are what the step samples from.
         hashes = seq.full_block_hashes(self.fingerprint, (seq.num_tokens - 1) // bs)
+        if seq.lost_blocks:  # never again past a block this sequence found lost
+            hashes = hashes[: next((i for i, h in enumerate(hashes) if h in seq.lost_blocks), len(hashes))]
         # Keep device room for the first chunk; matched blocks beyond that stay in their tier.
         keep_free = -(-self.config.prefill_chunk_tokens // bs) + 1 + self.admission_watermark()
         match = self.kv.match_prefix(seq.block_table, hashes, keep_free)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from strata.kvstore import BlockTable, hash_chain
 from strata.pipeline.detokenizer import IncrementalDetokenizer
@@ -39,6 +40,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on admission
         self.num_preemptions = 0
+        self.lost_blocks: set[bytes] = set()  # spilled blocks found lost: never looked up again
+        self.kv_losses = 0
+        self.arrival = time.monotonic()  # for the per-request deadline
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.generator = make_generator(params.seed)

@@ -20,7 +20,14 @@ class DecodeService:
         self.decoder = decoder
         self.block_size = decoder.kv.layout.block_size
         self.delivery = Delivery()
-        self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop")
+        self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop", on_error=self._fail_all)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed outside any one request: end every stream with an error, free their KV."""
+        sched = self.decoder.scheduler
+        for seq in [*sched.running, *sched.waiting]:  # free first: a caller told of the failure finds its KV gone
+            self.decoder.abort(seq)
+        self.delivery.send_all(lambda rid: TokenEvent.failure(rid, "an internal error stopped this request"))
 
     def _step(self) -> None:
         self.delivery.send_many([(event.request_id, event) for event in self.decoder.step()])

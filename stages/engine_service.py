@@ -26,7 +26,13 @@ class EngineService:
         self.engine = engine
         self.stream_interval_s = stream_interval_s
         self.delivery = Delivery()
-        self.loop = StageLoop(self._step, engine.has_unfinished, name="engine-loop")
+        self.loop = StageLoop(self._step, engine.has_unfinished, name="engine-loop", on_error=self._fail_all)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed outside any one request: end every request with an error, free their KV."""
+        for rid in list(self.engine._requests):  # free first: a caller told of the failure finds its KV gone
+            self.engine.abort(rid)
+        self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, "an internal error stopped this request")])
 
     def _step(self) -> None:
         by_request: dict[str, list[TokenEvent]] = {}

@@ -65,7 +65,8 @@ class LanguageStage:
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""
         scheduler = Scheduler(self.config, self.kv)
-        return EngineCore(scheduler, self.runner, self.tokenizer.decode, self.tokenizer.eos_token_ids)
+        return EngineCore(scheduler, self.runner, self.tokenizer.decode, self.tokenizer.eos_token_ids,
+                          self.config.request_timeout_s)
 
 
 def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Engine:

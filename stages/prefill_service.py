@@ -13,8 +13,12 @@ from typing import Any
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import Request
 from strata.pipeline.sequence import Sequence
-from strata.stages.prefiller import Prefiller, PrefillResult
+from strata.stages.prefiller import Prefiller
 from strata.stages.stage_loop import Delivery, StageLoop
+
+
+class StageFailed(RuntimeError):
+    """The stage could not complete the request; the message is fit for the client."""
 
 
 class PrefillService:
@@ -22,7 +26,14 @@ class PrefillService:
         self.prefiller = prefiller
         self.block_size = prefiller.kv.layout.block_size
         self.delivery = Delivery()
-        self.loop = StageLoop(self._step, prefiller.has_work, name="prefill-loop")
+        self.loop = StageLoop(self._step, prefiller.has_work, name="prefill-loop", on_error=self._fail_all)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed outside any one request: every waiting caller gets an error, KV is freed."""
+        sched = self.prefiller.scheduler
+        for seq in [*sched.running, *sched.waiting]:  # free first: a caller told of the failure finds its KV gone
+            self.prefiller.abort(seq)
+        self.delivery.send_all(lambda rid: StageFailed("an internal error stopped this request"))
 
     def _step(self) -> None:
         for result in self.prefiller.step():
@@ -35,7 +46,9 @@ class PrefillService:
         results = self.delivery.open(seq.request_id)
         try:
             await self.loop.run(lambda: self.prefiller.add(seq))
-            result: PrefillResult = await results.get()
+            result = await results.get()
+            if isinstance(result, StageFailed):
+                raise result
         except asyncio.CancelledError:
             self.loop.call(lambda: self.prefiller.abort(seq))
             raise

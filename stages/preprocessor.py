@@ -49,6 +49,9 @@ _INTERPOLATION = {
 }
 
 
+MAX_RESIZED_PIXELS = 4096 * 4096  # what resizing may produce (a CLIP input is ~336 x 336)
+
+
 class ImageError(ValueError):
     """Undecodable, oversized or otherwise unusable image; message is safe to show a user."""
 
@@ -111,7 +114,10 @@ class Preprocessor:
         image = _to_chw_uint8(_decode(image_bytes, self.max_pixels), self.do_convert_rgb)
         if self.do_resize:
             height, width = image.shape[-2:]
-            image = tvF.resize(image, list(self._output_size(height, width)), interpolation=self.interpolation, antialias=True)
+            size = self._output_size(height, width)
+            if size[0] * size[1] > MAX_RESIZED_PIXELS or min(size) < 1:  # e.g. 1 x 16M px: resized, it would not fit
+                raise ImageError(f"image is {width}x{height}: its aspect ratio is too extreme to resize for this model")
+            image = tvF.resize(image, list(size), interpolation=self.interpolation, antialias=True)
         if self.do_center_crop:
             image = _center_crop(image, *self.crop_size)
         pixels = self._rescale_and_normalize(image)

@@ -4,6 +4,11 @@ A serving replica receives requests on an event loop but must step its engine co
 continuously, batching every request it holds (continuous batching). The step loop owns the
 stage: requests, aborts and queries are closures queued to it and run between steps, so the
 stage itself needs no locks. Results are delivered back with ``call_soon_threadsafe``.
+
+When a step raises, ``on_error`` fails every request the stage holds (their callers get an error
+now, not never) and the loop backs off before it tries again, so a persistent fault neither hangs
+callers nor burns a core. A watchdog reports a step running longer than ``stuck_after_s`` (log and
+``stuck_steps``), once per stuck step.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
@@ -22,15 +28,23 @@ T = TypeVar("T")
 class StageLoop:
     """One thread that alternates between queued commands and ``step()`` while ``has_work()``."""
 
-    def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], name: str = "stage-loop") -> None:
+    def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], name: str = "stage-loop",
+                 on_error: Callable[[BaseException], None] | None = None, stuck_after_s: float = 60.0) -> None:
         self._step = step
         self._has_work = has_work
+        self._on_error = on_error
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.name = name
         self.steps = 0
         self.failures = 0
+        self.stuck_steps = 0
+        self.stuck_after_s = stuck_after_s
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._watchdog.start()
 
     def call(self, fn: Callable[[], T]) -> Future:
         """Run ``fn`` on the loop thread before the next step; its result (or exception) lands in the Future."""
@@ -66,17 +80,38 @@ class StageLoop:
                 return
 
     def _run(self) -> None:
+        consecutive = 0
         while not self._stop.is_set():
             busy = self._has_work()
             self._drain(block=not busy)
             if not busy and not self._has_work():
                 continue
+            self._step_started = time.monotonic()
             try:
                 self._step()
                 self.steps += 1
-            except Exception:  # a bug in one step must not kill the replica; callers time out or abort
+                consecutive = 0
+            except Exception as exc:  # the replica survives; the requests it held get an error now
                 self.failures += 1
-                log.exception("stage step failed")
+                consecutive += 1
+                log.exception("%s: a step failed; failing the requests it held", self.name)
+                if self._on_error is not None:
+                    try:
+                        self._on_error(exc)
+                    except Exception:
+                        log.exception("%s: failing the requests did not work either", self.name)
+                self._stop.wait(min(1.0, 0.01 * 2**consecutive))  # back off: a persistent fault must not spin
+            finally:
+                self._step_started = None
+
+    def _watch(self) -> None:
+        reported: float | None = None
+        while not self._stop.wait(min(1.0, self.stuck_after_s / 4)):
+            started = self._step_started
+            if started is not None and started != reported and time.monotonic() - started > self.stuck_after_s:
+                reported = started
+                self.stuck_steps += 1
+                log.error("%s: a step has been running for over %.0f s", self.name, self.stuck_after_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -104,6 +139,12 @@ class Delivery:
 
     def send(self, key: str, item: Any) -> None:
         self.send_many([(key, item)])
+
+    def send_all(self, make: Callable[[str], Any]) -> None:
+        """Deliver ``make(key)`` to every open request (e.g. an error event to each)."""
+        with self._lock:
+            keys = list(self._sinks)
+        self.send_many([(key, make(key)) for key in keys])
 
     def send_many(self, items: list[tuple[str, Any]]) -> None:
         """Deliver a step's results for many requests with one wake-up per event loop (not one per

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from strata.pipeline.config import EngineConfig, read_json_object
+from strata.pipeline.errors import RequestFailed
 from strata.pipeline.sampling_params import SamplingParams
 from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 
@@ -274,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.exception("failed")
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
+    except RequestFailed as exc:  # the request ran and failed (not the user's input): exit 1
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
         return 130

@@ -55,6 +55,7 @@ def test_bench_serve_reports_every_metric(serve_server, tmp_path: Path, dataset:
         assert run["total_output_tokens"] == 8 * 8  # ignore_eos: every request ran to max_tokens
         assert run["goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: every request is good
     if dataset == "random":
-        assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 1000
-        assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
+        run_id = result.name.removeprefix("bench-random-").removesuffix(".json")
+        for kind in ("latency", "throughput"):  # plots carry the run id, so two runs never overwrite each other
+            assert (tmp_path / f"{kind}_vs_concurrency-{run_id}.png").stat().st_size > 1000
     assert "Request throughput (req/s):" in proc.stdout and "P99 TTFT (ms):" in proc.stdout

@@ -1,0 +1,53 @@
+"""Reading a request body safely: bounded in size before it is parsed, parsed without crashing on hostile
+JSON, and checked for text the tokenizer cannot take. Every refusal is an :class:`APIError` (4xx)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+
+from strata.deployments.openai_protocol import APIError
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The decoded JSON body. A body over ``max_bytes`` is a 413 before it is buffered whole (the
+    Content-Length header is checked first, then the stream is read only up to the limit)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, "request body is nested too deeply") from exc
+    check_text(body)
+    return body
+
+
+def check_text(value: Any, path: str = "", depth: int = 0) -> None:
+    """Refuse strings that are not valid Unicode (lone UTF-16 surrogates, which JSON's \\ud800 escapes
+    can produce and which no tokenizer can encode) and structures nested beyond reason."""
+    if depth > 64:
+        raise APIError(400, "request body is nested too deeply", param=path or None)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, "text contains an unpaired UTF-16 surrogate (invalid Unicode)", param=path or None) from exc
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, path, depth + 1)
+            check_text(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, f"{path}.{i}", depth + 1)

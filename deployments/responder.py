@@ -1,0 +1,237 @@
+"""Token-event batches -> an OpenAI response, whole or streamed (SSE), with metrics and safe errors.
+
+What a client sees when something fails: before the first byte, a JSON error with its status (429
+with ``Retry-After`` when a stage is saturated, 500 otherwise); once a stream has started, one
+in-band error event and ``data: [DONE]``. Messages never carry exception text from Ray or the
+stages (actor ids, pids, addresses): an error event's own message, written for clients, or a
+generic one; the details go to the server log under the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from strata.deployments import metrics
+from strata.deployments.openai_protocol import APIError, usage
+from strata.deployments.openai_responses import (
+    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
+)
+from strata.pipeline.request import Request, TokenEvent
+
+log = logging.getLogger("strata.ingress")
+Decode = Callable[[list[int]], str]
+
+
+class GenerationFailed(Exception):
+    """A stage ended the request with an error event; ``str(self)`` is fit for the client."""
+
+
+def client_error(exc: BaseException, retry_after_s: float) -> APIError:
+    """The API error a client gets for a failure, without internals."""
+    if isinstance(exc, APIError):
+        return exc
+    if type(exc).__name__ == "BackPressureError":  # ray.serve.exceptions: a stage's queue is full
+        return APIError(429, "the server is busy; retry shortly", type_="rate_limit_error", code="rate_limit_exceeded",
+                        retry_after_s=retry_after_s)
+    if isinstance(exc, GenerationFailed):
+        return APIError(500, f"generation failed: {exc}", type_="server_error")
+    return APIError(500, "generation failed: a serving stage failed; retry the request", type_="server_error")
+
+
+def error_response(exc: APIError, endpoint: str) -> JSONResponse:
+    metrics.requests().inc(tags={"endpoint": endpoint, "status": str(exc.status)})
+    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.retry_after_s is not None else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _check(batch: list[TokenEvent]) -> list[TokenEvent]:
+    for ev in batch:
+        if ev.finish_reason == "error":
+            raise GenerationFailed(ev.error or "the request could not be completed")
+    return batch
+
+
+class Timed:
+    """Event batches passed through, observing TTFT, inter-token gaps (a batch of k tokens after a gap
+    g counts k gaps of g/k) and, at the end, the end-to-end latency."""
+
+    def __init__(self, batches: AsyncIterator[list[TokenEvent]], endpoint: str, t0: float, deadline_s: float) -> None:
+        self.batches, self.tags, self.t0, self.last = batches, {"endpoint": endpoint}, t0, None
+        self.deadline = t0 + deadline_s if deadline_s > 0 else None
+
+    async def next(self) -> list[TokenEvent] | None:
+        """The next batch, None at the end; GenerationFailed past the request's deadline (a stage that
+        stopped answering never leaves the client waiting forever)."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        try:
+            batch = await asyncio.wait_for(self.batches.__anext__(), timeout)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError as exc:
+            raise GenerationFailed(f"the request did not finish within {self.deadline - self.t0:.0f} s") from exc
+        now_t = time.perf_counter()
+        if self.last is None:
+            metrics.ttft().observe(now_t - self.t0, tags=self.tags)
+        else:
+            gap = (now_t - self.last) / len(batch)
+            for _ in batch:
+                metrics.itl().observe(gap, tags=self.tags)
+        self.last = now_t
+        return _check(batch)
+
+    def done(self) -> None:
+        metrics.e2e().observe(time.perf_counter() - self.t0, tags=self.tags)
+
+    async def close(self) -> None:
+        aclose = getattr(self.batches, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class Responder:
+    """Builds the response of one request from its event stream (``Ingress`` owns one per replica)."""
+
+    def __init__(self, model_name: str, decode: Decode, retry_after_s: float, deadline_s: float) -> None:
+        self.model_name = model_name
+        self.decode = decode
+        self.retry_after_s = retry_after_s
+        self.deadline_s = deadline_s  # per request, from its arrival (0: none)
+        self.ongoing = 0
+
+    # ------------------------------------------------------------ logprobs in OpenAI's two shapes
+    def _token(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def chat_logprobs(self, events: list[TokenEvent]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [
+            {**entry(ev.token_id, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs or []]}
+            for ev in events if ev.logprob is not None
+        ]}
+
+    def completion_logprobs(self, events: list[TokenEvent], offset: int) -> dict[str, Any]:
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for ev in events:
+            if ev.logprob is None:
+                continue
+            text = self._token(ev.token_id)
+            tokens.append(text)
+            logprobs.append(ev.logprob)
+            tops.append({self._token(t): lp for t, lp in ev.top_logprobs or []})
+            offsets.append(offset)
+            offset += len(ev.text_delta)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    # ------------------------------------------------------------ whole responses
+    async def whole(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
+                    t0: float) -> Response:
+        endpoint = "chat" if chat else "completions"
+        timed = Timed(events, endpoint, t0, self.deadline_s)
+        self.ongoing += 1
+        collected: list[TokenEvent] = []
+        try:
+            while (batch := await timed.next()) is not None:
+                collected.extend(batch)
+            timed.done()
+        except Exception as exc:  # the request cannot be completed: say so without internals
+            log.warning("request %s failed: %r", prepared.request_id, exc)
+            return error_response(client_error(exc, self.retry_after_s), endpoint)
+        finally:
+            self.ongoing -= 1
+        metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
+        text = "".join(ev.text_delta for ev in collected)
+        reason = next((ev.finish_reason for ev in reversed(collected) if ev.finish_reason), None)
+        cached = max((ev.num_cached_tokens for ev in collected), default=0)
+        use = usage(prepared.num_prompt_tokens, len(collected), cached)
+        created = int(time.time())
+        if chat:
+            body = chat_completion(prepared.request_id, self.model_name, created, text, openai_finish_reason(reason), use)
+            if req.requested_logprobs() is not None:
+                body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
+        else:
+            body = completion(prepared.request_id, self.model_name, created, text, openai_finish_reason(reason), use)
+            if req.requested_logprobs() is not None:
+                body["choices"][0]["logprobs"] = self.completion_logprobs(collected, 0)
+        return JSONResponse(body)
+
+    # ------------------------------------------------------------ streams
+    async def stream(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
+                     t0: float) -> Response:
+        """The first batch is awaited before any byte is sent, so a request refused by a stage (busy,
+        failed) still gets its status and JSON error; later failures are reported in-band."""
+        endpoint = "chat" if chat else "completions"
+        timed = Timed(events, endpoint, t0, self.deadline_s)
+        try:
+            first = await timed.next()
+        except Exception as exc:
+            await timed.close()
+            log.warning("request %s failed before its first token: %r", prepared.request_id, exc)
+            return error_response(client_error(exc, self.retry_after_s), endpoint)
+        return StreamingResponse(self._sse(req, prepared, timed, first, chat), media_type="text/event-stream")
+
+    async def _sse(self, req: Any, prepared: Request, timed: Timed, first: list[TokenEvent] | None,
+                   chat: bool) -> AsyncIterator[str]:
+        model, rid, created = self.model_name, prepared.request_id, int(time.time())
+        endpoint = "chat" if chat else "completions"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        want_logprobs = req.requested_logprobs() is not None
+        content = ContentChunks(rid, model, created, chat)
+        self.ongoing += 1
+        status = "499"  # until the last event is written: a stream that ends early was cancelled by the client
+        n, cached, reason, offset = 0, 0, None, 0
+        try:
+            if chat:
+                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            batch = first
+            while batch is not None:
+                out = []  # one chunk per token, one write per batch
+                for ev in batch:
+                    n += 1
+                    cached = max(cached, ev.num_cached_tokens)
+                    if ev.finished:
+                        reason = openai_finish_reason(ev.finish_reason)
+                    if want_logprobs:
+                        out.append(sse(self._logprob_chunk(rid, model, created, chat, ev, offset)))
+                    elif ev.text_delta:
+                        out.append(content(ev.text_delta))
+                    offset += len(ev.text_delta)
+                if reason is not None:
+                    out.append(sse(chat_chunk(rid, model, created, {}, reason) if chat
+                                   else completion_chunk(rid, model, created, "", reason)))
+                    if req.include_usage:
+                        out.append(sse(usage_chunk(rid, model, created, obj, usage(prepared.num_prompt_tokens, n, cached))))
+                    out.append(sse("[DONE]"))
+                    status = "200"  # complete as far as the client is concerned, whatever happens next
+                    timed.done()
+                if out:
+                    yield "".join(out)
+                if reason is not None:
+                    return
+                batch = await timed.next()
+            raise GenerationFailed("the token stream ended before the request finished")
+        except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
+            log.warning("stream %s failed: %r", rid, exc)
+            status = str(client_error(exc, self.retry_after_s).status)
+            yield sse(client_error(exc, self.retry_after_s).body())
+            yield sse("[DONE]")
+        finally:
+            self.ongoing -= 1
+            metrics.requests().inc(tags={"endpoint": endpoint, "status": status})
+            await timed.close()
+
+    def _logprob_chunk(self, rid: str, model: str, created: int, chat: bool, ev: TokenEvent, offset: int) -> dict:
+        if chat:
+            chunk = chat_chunk(rid, model, created, {"content": ev.text_delta}, None)
+            chunk["choices"][0]["logprobs"] = self.chat_logprobs([ev])
+        else:
+            chunk = completion_chunk(rid, model, created, ev.text_delta, None)
+            chunk["choices"][0]["logprobs"] = self.completion_logprobs([ev], offset)
+        return chunk
