@@ -5,24 +5,27 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_IMAGE ?= $(HOME)/.cache/strata/demo.png
+ARGS ?=  # extra flags for `make demo` / `make generate`, e.g. make demo ARGS="--port 8001"
+PIP := $(PY) -m pip install --progress-bar on
 
 .PHONY: install demo generate test bench gpu-check clean
 
 $(STAMP): pyproject.toml
+	@echo "strata: installing into $(VENV) (torch is large: a minute or two)"
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[test]'
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.14.1 torchvision==0.29.1
+	$(PIP) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
-	$(VENV)/bin/strata serve
+	$(VENV)/bin/strata serve $(ARGS)
 
 generate: install
 	$(VENV)/bin/strata make-demo-image --out $(DEMO_IMAGE) >/dev/null
-	$(VENV)/bin/strata generate --prompt "What is in this picture?" --image $(DEMO_IMAGE) --max-tokens 32
+	$(VENV)/bin/strata generate --prompt "What is in this picture?" --image $(DEMO_IMAGE) --max-tokens 32 $(ARGS)
 
 test: install
 	$(PY) -m pytest -q

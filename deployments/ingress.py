@@ -125,7 +125,12 @@ class Ingress:
 
     @app.get("/strata/stats")
     async def stats(self) -> dict[str, Any]:
-        out = {name: await handle.stats.remote() for name, handle in self.stage_handles.items()}
+        out: dict[str, Any] = {}
+        for name, handle in self.stage_handles.items():
+            try:  # a stage that is saturated or being replaced is reported, not a failed page
+                out[name] = await asyncio.wait_for(handle.stats.remote(), timeout=10.0)
+            except Exception as exc:
+                out[name] = {"unavailable": type(exc).__name__}
         if self.service is not None:  # aggregated: prefill and decode are this replica's engine
             engine = await self.service.stats()
             out["prefill"] = out["decode"] = engine

@@ -58,10 +58,17 @@ def load_config(args: argparse.Namespace) -> Any:
 FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 
+LOCAL_DRAIN_ENV = ("RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+
+
 def _start_ray(args: argparse.Namespace) -> Any:
     if args.address is None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node IP 127.0.0.1 (read when ray is imported)
         os.environ[LOOPBACK_ENV] = "1"
+        # Serve keeps a stopping proxy alive 30 s so an external load balancer can notice; a cluster we
+        # start ourselves has none, and Ctrl-C should not hang for half a minute (overridable).
+        for key in LOCAL_DRAIN_ENV:
+            os.environ.setdefault(key, "2")
     if getattr(args, "fast_path", True):
         for key, value in FAST_PATH_ENV.items():
             os.environ.setdefault(key, value)

@@ -75,13 +75,17 @@ class LocalServer:
         self._log.flush()
         return "\n".join(self._log_path.read_text().splitlines()[-n:])
 
-    def stop(self) -> None:
-        """Ctrl-C (clean shutdown of Serve and Ray); killed if it does not finish in time."""
+    def begin_stop(self) -> None:
+        """Ctrl-C (a clean shutdown of Serve and Ray), without waiting for it: stop several at once."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+
+    def stop(self, timeout: float = 90.0) -> None:
+        """Ctrl-C, then wait; killed if it does not finish in time."""
+        self.begin_stop()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self._log.close()

@@ -14,6 +14,19 @@ from strata.kernels import available_backends  # noqa: E402
 from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
 
 
+SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers from what a test needs: a shared server makes it ``serve``; a test that is neither
+    ``serve``, ``slow`` nor ``cuda`` is a ``unit`` test (in-process, no Ray: ``pytest -m unit``)."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serve)
+        if not any(item.get_closest_marker(m) for m in ("serve", "slow", "cuda")):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="module", params=available_backends("cpu"))
 def attention_backend(request: pytest.FixtureRequest):
     """Runs a module once per attention backend here (the fast one and the torch reference): engines
@@ -61,6 +74,9 @@ SERVE_TEST_CONFIG = {
 }
 
 
+_STOPPING: list = []  # servers told to stop at their fixture's teardown; waited for at the end
+
+
 def _serve(llama_dir: Path, workdir: Path, config: dict):
     from serve_process import ServeProcess
 
@@ -69,6 +85,12 @@ def _serve(llama_dir: Path, workdir: Path, config: dict):
         server.wait_ready()
         yield server
     finally:
+        server.begin_stop()  # both servers shut down side by side
+        _STOPPING.append(server)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for server in _STOPPING:
         server.stop()
 
 

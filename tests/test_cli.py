@@ -1,4 +1,9 @@
-"""`strata generate` streams text to stdout only, and bad input is one clear line, never a traceback."""
+"""`strata generate` streams text to stdout only, and bad input is one clear line, never a traceback.
+
+The happy paths run the real command line in a child process (the installed entry point, stdout as
+a user's shell sees it); the error cases call ``main()`` in-process, which is the same code minus
+an interpreter start each.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,24 @@ from pathlib import Path
 import pytest
 
 from helpers import build, greedy, run_strata
+from strata.cli import main
 
 
 def strata(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return run_strata(*args, timeout=timeout)
 
 
+def strata_in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``main(args)`` with its exit code and what it printed, in the shape of a finished child process."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["strata", *args], code, out.out, out.err)
+
+
+@pytest.mark.slow  # a real `strata` process
 def test_generate_streams_the_engine_output(llama_dir: Path, tmp_path: Path, demo_images) -> None:
     image = tmp_path / "img.png"
     image.write_bytes(demo_images[0])
@@ -23,6 +40,7 @@ def test_generate_streams_the_engine_output(llama_dir: Path, tmp_path: Path, dem
     assert res.stdout == expected + "\n"
 
 
+@pytest.mark.slow  # a real `strata` process
 def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
     res = strata("generate", "--model", str(llama_dir), "--raw-prompt", "USER: hi ASSISTANT:", "--max-tokens", "5")
     assert res.returncode == 0, res.stderr
@@ -41,25 +59,26 @@ def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
     ],
     ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature"],
 )
-def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path) -> None:
+def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path, capsys) -> None:
     if "--model" not in args:
         args = ["--model", str(llama_dir), *args]
-    res = strata("generate", *args)
+    res = strata_in_process(capsys, "generate", *args)
     assert res.returncode == 2
     assert message in res.stderr
     assert "Traceback" not in res.stderr
     assert res.stdout == ""
 
 
-def test_unreadable_image_and_non_checkpoint_dir(llama_dir: Path, tmp_path: Path) -> None:
+def test_unreadable_image_and_non_checkpoint_dir(llama_dir: Path, tmp_path: Path, capsys) -> None:
     garbage = tmp_path / "garbage.png"
     garbage.write_bytes(b"not an image at all")
-    res = strata("generate", "--model", str(llama_dir), "--prompt", "hi", "--image", str(garbage))
+    res = strata_in_process(capsys, "generate", "--model", str(llama_dir), "--prompt", "hi", "--image", str(garbage))
     assert res.returncode == 2 and "decode image" in res.stderr and "Traceback" not in res.stderr
-    res = strata("generate", "--model", str(tmp_path), "--prompt", "hi")
+    res = strata_in_process(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
     assert res.returncode == 2 and "config.json" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # a real `strata` process
 def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "m"
     res = strata("make-tiny-model", "--arch", "llava-qwen2", "--out", str(out), "--hidden", "32", "--layers", "1")
@@ -69,6 +88,7 @@ def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     assert engine.model_config.text.model_type == "qwen2" and engine.model_config.text.hidden_size == 32
 
 
+@pytest.mark.slow  # a real `strata` process
 def test_generate_with_a_tiny_device_tier_spills_to_the_host_tier(llama_dir: Path, tmp_path: Path) -> None:
     prompt = "Tell me the whole story of the sea and the stars, from the start. " * 40
     config = tmp_path / "engine.json"
@@ -93,10 +113,11 @@ def test_generate_with_a_tiny_device_tier_spills_to_the_host_tier(llama_dir: Pat
     ],
     ids=["bad-json", "unknown-key", "zero-blocks", "pool-too-small"],
 )
-def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], message: str, llama_dir: Path, tmp_path: Path) -> None:
+def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], message: str, llama_dir: Path, tmp_path: Path,
+                                            capsys) -> None:
     path = tmp_path / "engine.json"
     path.write_text(config)
-    res = strata("generate", "--model", str(llama_dir), "--prompt", "hi " * 40, "--config", str(path), *flags)
+    res = strata_in_process(capsys, "generate", "--model", str(llama_dir), "--prompt", "hi " * 40, "--config", str(path), *flags)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
 
@@ -116,9 +137,38 @@ def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], messa
     ids=["bad-json", "unknown-key", "unknown-stage-key", "unknown-stage", "bad-bounds", "no-host-tier", "bad-mode",
          "bad-interval"],
 )
-def test_serve_refuses_a_bad_config_before_starting_anything(config: str, message: str, tmp_path: Path) -> None:
+def test_serve_refuses_a_bad_config_before_starting_anything(config: str, message: str, tmp_path: Path, capsys) -> None:
     path = tmp_path / "serve.json"
     path.write_text(config)
-    res = strata("serve", "--config", str(path), "--port", "1")
+    res = strata_in_process(capsys, "serve", "--config", str(path), "--port", "1")
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--dashboard-port", "--metrics-port"])
+def test_serve_on_a_port_in_use_is_one_line_before_ray_starts(flag: str, llama_dir: Path, capsys) -> None:
+    import socket
+
+    from strata.local_server import free_port
+
+    ports = {"--port": free_port(), "--dashboard-port": free_port(), "--metrics-port": free_port()}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports[flag]))
+        busy.listen()
+        res = strata_in_process(capsys, "serve", "--model", str(llama_dir),
+                                *(str(x) for kv in ports.items() for x in kv))
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"strata: error: port {ports[flag]} on 127.0.0.1 is in use; pick another with {flag}"
+    import ray
+
+    assert not ray.is_initialized()  # refused before any cluster started
+
+
+def test_bench_serve_with_no_server_is_one_line(capsys) -> None:
+    from strata.local_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    res = strata_in_process(capsys, "bench", "serve", "--base-url", url, "--num-prompts", "2")
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith(f"strata: error: no Strata server answers at {url}")
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -6,8 +6,12 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from strata.pipeline.sequence import Sequence
 from helpers import build, greedy, run_python
+
+pytestmark = pytest.mark.slow  # child processes sharing the tiers
 
 
 # One engine in a fresh OS process: run one prompt, report tokens and prefix-cache hits.

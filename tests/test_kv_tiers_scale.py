@@ -10,9 +10,12 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from strata.kvstore import FileBlockStore, KVLayout, LowerTiers
+
+pytestmark = pytest.mark.slow  # child processes sharing the tiers
 
 FP = b"F" * 16
 

@@ -24,7 +24,7 @@ def test_headless_locust_run_has_no_failures(serve_server, tmp_path: Path) -> No
     locust = Path(sys.executable).with_name("locust")
     prefix = tmp_path / "strata"
     proc = subprocess.run(
-        [str(locust), "-f", str(Path(strata.loadtest.__file__).with_name("locustfile.py")), "--headless", "-u", "6", "-r", "6", "-t", "20s",
+        [str(locust), "-f", str(Path(strata.loadtest.__file__).with_name("locustfile.py")), "--headless", "-u", "6", "-r", "6", "-t", "12s",
          "--host", serve_server.base_url, "--csv", str(prefix), "--only-summary"],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "STRATA_LONG_PROMPT_WORDS": "120"},
     )
@@ -33,7 +33,12 @@ def test_headless_locust_run_has_no_failures(serve_server, tmp_path: Path) -> No
     assert int(rows["Aggregated"]["Failure Count"]) == 0
     for name in ("text chat", "image chat", "multi-turn chat", "long prompt"):
         assert int(rows[name]["Request Count"]) > 0, f"no {name} requests ran"
-    assert int(rows["text chat TTFT"]["Request Count"]) > 0 and int(rows["text chat ITL"]["Request Count"]) > 0
+    for name in ("text chat", "long prompt"):
+        for part in ("E2E", "TTFT", "ITL"):
+            assert int(rows[f"{name} {part}"]["Request Count"]) > 0, f"no {name} {part} entries"
+        # the end-to-end row times the whole stream, not just the headers the POST row times
+        assert float(rows[f"{name} E2E"]["Median Response Time"]) >= float(rows[f"{name} TTFT"]["Median Response Time"])
+        assert float(rows[f"{name} E2E"]["Median Response Time"]) >= float(rows[name]["Median Response Time"])
 
 
 @pytest.mark.parametrize("dataset", ["random", "random-mm", "prefix-repetition"])

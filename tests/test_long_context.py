@@ -13,7 +13,7 @@ from PIL import Image
 
 from helpers import build, greedy
 
-pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
+pytestmark = [pytest.mark.usefixtures("attention_backend"), pytest.mark.slow]  # fast and reference backends; long prompts
 
 DEVICE_BLOCKS = 96  # 1,536 tokens of device tier
 

@@ -67,7 +67,6 @@ def test_completions_use_the_raw_prompt(client, engine) -> None:
 
 
 def test_stream_chunks_arrive_incrementally(client) -> None:
-    t0 = time.perf_counter()
     stamps = []
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story about ships."}],
@@ -75,11 +74,13 @@ def test_stream_chunks_arrive_incrementally(client) -> None:
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter() - t0)
+            stamps.append(time.perf_counter())
     assert len(stamps) >= 10, "the tiny model stopped too early for this check"
-    # tokens trickle in over the generation instead of arriving in one burst at the end
-    assert stamps[len(stamps) // 2] - stamps[0] > 0.005
-    assert stamps[0] < 0.9 * stamps[-1]
+    # Timed from the first chunk (a slow first token is not this test's business): tokens trickle in
+    # over the generation, in both halves, instead of arriving in one burst at the end.
+    mid = len(stamps) // 2
+    assert stamps[mid] - stamps[0] > 0.005
+    assert stamps[-1] - stamps[mid] > 0.005
 
 
 def test_sixteen_concurrent_streams_all_complete_correctly(client, engine) -> None:

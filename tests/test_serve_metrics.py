@@ -60,6 +60,8 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
     ok_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="200")
     bad_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="404")
     hits_before = _value(before, "ray_strata_prefix_cache_tokens_total", kind="hit")
+    cancelled_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="499")
+    e2e_before = _value(before, "ray_strata_e2e_request_latency_seconds_count", endpoint="chat")
     shared = "Keep this ship's manifest in mind: " + ", ".join(f"crate {i}" for i in range(40))
     url = serve_server.base_url + "/v1/chat/completions"
     n = 6
@@ -68,6 +70,11 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
                 "max_tokens": 4, "stream": i % 2 == 0}
         assert httpx.post(url, json=body, timeout=60).status_code == 200
     assert httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    # A stream read to its [DONE] and closed at once is a complete request (200), not a cancelled one.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert any(line == "data: [DONE]" for line in r.iter_lines())
+    n += 1
 
     def moved(s: dict[str, float]) -> bool:
         return (_value(s, "ray_strata_requests_total", endpoint="chat", status="200") >= ok_before + n
@@ -77,6 +84,8 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
     after = _wait_for(serve_server, moved)
     assert _value(after, "ray_strata_requests_total", endpoint="chat", status="200") == ok_before + n
     assert _value(after, "ray_strata_requests_total", endpoint="chat", status="404") == bad_before + 1
+    assert _value(after, "ray_strata_requests_total", endpoint="chat", status="499") == cancelled_before
+    assert _value(after, "ray_strata_e2e_request_latency_seconds_count", endpoint="chat") == e2e_before + n
     assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="hit") > hits_before  # the repeated prefix hit
     assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="queried") > 0
     assert _value(after, "ray_strata_time_to_first_token_seconds_count") >= n

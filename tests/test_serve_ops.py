@@ -1,63 +1,18 @@
-"""Operating the real server: errors are OpenAI-style 4xx, disconnects free KV, stages autoscale,
+"""Operating the real server: disconnects free KV, overload is a 429, stages autoscale,
 and everything listens on loopback only."""
 
 from __future__ import annotations
 
-import base64
-import io
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
-from PIL import Image
 
 MODEL = "strata-test"
 
 
 def _chat(content, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
-
-
-def _image_part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
-
-
-def _big_png() -> bytes:
-    buf = io.BytesIO()
-    Image.effect_noise((400, 400), 64).convert("RGB").save(buf, format="PNG")  # incompressible: > 200 KB
-    return buf.getvalue()
-
-
-ERRORS = [
-    ("malformed-json", b"{not json", 400, None),
-    ("not-an-object", b"[1, 2]", 400, None),
-    ("missing-messages", json.dumps({"model": MODEL}).encode(), 400, None),
-    ("bad-role", json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400, None),
-    ("negative-max-tokens", json.dumps(_chat("hi", max_tokens=-3)).encode(), 400, None),
-    ("n-greater-than-one", json.dumps(_chat("hi", n=2)).encode(), 400, None),
-    ("remote-image-url", json.dumps(_chat([{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}])).encode(), 400, None),
-    ("bad-base64", json.dumps(_chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}])).encode(), 400, None),
-    ("undecodable-image", json.dumps(_chat([_image_part(b"definitely not an image")])).encode(), 400, None),
-    ("oversized-image", json.dumps(_chat([_image_part(_big_png())])).encode(), 400, None),
-    ("prompt-too-long", json.dumps(_chat("word " * 3000)).encode(), 400, "context_length_exceeded"),
-    ("unknown-model", json.dumps({**_chat("hi"), "model": "gpt-9"}).encode(), 404, "model_not_found"),
-]
-
-
-@pytest.mark.parametrize("body, status, code", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
-def test_bad_requests_get_openai_error_bodies(serve_server, body: bytes, status: int, code) -> None:
-    r = httpx.post(serve_server.base_url + "/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["type"] == "invalid_request_error"
-    if code:
-        assert err["code"] == code
-    # and the server keeps serving
-    ok = httpx.post(serve_server.base_url + "/v1/chat/completions", json=_chat("still there?"), timeout=60)
-    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
 
 
 def _stats(server) -> dict:
@@ -102,8 +57,16 @@ def test_every_stage_deployment_is_healthy_in_the_dashboard(serve_server) -> Non
     assert all(d["status"] in ("HEALTHY", "UPSCALING", "DOWNSCALING") for d in deployments.values()), deployments
 
 
+def _wait_replicas(server, deployment: str, want: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while (got := _replicas(server, deployment)) != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
 def test_a_burst_scales_prefill_up_and_idleness_scales_it_down(serve_server) -> None:
-    assert _replicas(serve_server, "Prefill") == 1
+    # whatever ran before (a burst of its own), the stage starts this test scaled in
+    assert _wait_replicas(serve_server, "Prefill", 1, timeout=120) == 1
     prompt = "Summarize the ship's log: " + " ".join(f"day {i} calm seas" for i in range(150))
 
     def one(i: int) -> int:
@@ -122,10 +85,7 @@ def test_a_burst_scales_prefill_up_and_idleness_scales_it_down(serve_server) -> 
         peak = max(peak, _replicas(serve_server, "Prefill"))
         time.sleep(0.5)
     assert peak == 2, "the queued prompt tokens should have asked for a second prefill replica"
-    deadline = time.monotonic() + 60
-    while _replicas(serve_server, "Prefill") > 1 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _replicas(serve_server, "Prefill") == 1, "an idle prefill stage should shrink back"
+    assert _wait_replicas(serve_server, "Prefill", 1, timeout=120) == 1, "an idle prefill stage should shrink back"
 
 
 def test_the_server_listens_on_loopback_only(serve_server) -> None:

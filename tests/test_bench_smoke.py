@@ -1,0 +1,61 @@
+"""Every benchmark command runs end to end on a tiny configuration in seconds and reports what it
+compared: a benchmark that rots is a performance claim nobody can check any more."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from strata.cli import main
+
+
+def _bench(tmp_path: Path, capsys: pytest.CaptureFixture, *argv: str) -> tuple[dict, str]:
+    out = tmp_path / "result.json"
+    assert main(["bench", *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_bench_offline_compares_engine_and_transformers(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "offline", "--sections", "throughput", "prefix", "--models", "tiny",
+                             "--dtypes", "float32", "--batches", "2", "--prompt-len", "16", "--output-len", "4",
+                             "--repeats", "1", "--prefix-len", "64", "--prefix-requests", "2", "--prefix-model", "tiny")
+    (row,) = result["throughput"]
+    assert row["batch"] == 2 and row["hf_tok_s"] > 0 and row["engine_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["engine_tok_s"] / row["hf_tok_s"])
+    assert result["prefix"]["cold_s"] > 0 and result["prefix"]["cached_s"] > 0
+    assert "same checkpoints for both sides" in printed and "hf tok/s" in printed
+
+
+@pytest.mark.unit
+def test_bench_kv_measures_every_tier_and_decode_vs_context(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "kv", "--parts", "ttft", "decode", "--model", "tiny",
+                             "--prompt-len", "64", "--repeats", "1", "--contexts", "256", "512",
+                             "--device-blocks", "64", "--decode-steps", "2", "--workdir", str(tmp_path / "tiers"))
+    for tier in ("device", "host", "disk"):
+        assert result["ttft"][f"{tier}_s"] > 0
+    assert [r["context"] for r in result["decode"]] == [256, 512]
+    assert all(r["decode_step_ms"] > 0 and r["peak_device_blocks"] <= 64 for r in result["decode"])
+    assert "older blocks streamed from the host tier" in printed
+
+
+@pytest.mark.unit
+def test_bench_kv_with_a_device_tier_too_small_is_one_line(tmp_path: Path, capsys) -> None:
+    code = main(["bench", "kv", "--parts", "decode", "--contexts", "64", "--device-blocks", "2",
+                 "--workdir", str(tmp_path / "tiers")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("strata: error:") and "Traceback" not in err
+
+
+@pytest.mark.serve
+def test_bench_serve_overhead_against_a_running_server(aggregated_server, llama_dir: Path, tmp_path: Path,
+                                                       capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "serve-overhead", "--url", aggregated_server.base_url,
+                             "--model", str(llama_dir), "--concurrency", "1", "--requests", "2",
+                             "--prompt-words", "8", "--output-tokens", "4", "--load-model", "none", "--handoff-lens")
+    (row,) = result["levels"]
+    assert row["concurrency"] == 1 and row["serve"]["ttft_p50_ms"] > 0 and row["in_process"]["ttft_p50_ms"] > 0
+    assert row["tpot_ratio"] == pytest.approx(row["serve"]["tpot_p50_ms"] / row["in_process"]["tpot_p50_ms"])
+    assert "Serve path vs in-process engine" in printed

@@ -1,0 +1,164 @@
+"""What a client sees when a stage below the ingress fails, with fake stage handles (no Ray cluster).
+
+The disaggregated request flow (Prefill -> Decode) and the Responder are the real ones; only the
+deployment handles are stand-ins that raise what Ray raises: ``BackPressureError`` from a full
+stage, an actor error whose text carries internals, or a decode stream that dies mid-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+import pytest
+from ray.serve.exceptions import BackPressureError
+
+from strata.deployments.openai_protocol import ChatCompletionRequest, parse_request
+from strata.deployments.request_flow import StageFlow
+from strata.deployments.responder import Responder
+from strata.pipeline.handoff import Handoff
+from strata.pipeline.request import Request, TokenEvent, pack_events
+from strata.pipeline.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+INTERNALS = "ActorDiedError: actor 6f1e2d3c4b5a pid=48213 ip=10.1.2.3 died at /tmp/ray/session_x/worker.py"
+
+
+class _Call:
+    """``handle.method`` of a fake deployment handle: ``.remote(...)`` runs ``fn``."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class _Stream:
+    """What ``decode.options(stream=True).generate.remote()`` returns: async frames, cancellable."""
+
+    def __init__(self, frames: list[bytes], then: BaseException | None) -> None:
+        self.frames, self.then, self.cancelled = frames, then, False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._gen()
+
+    async def _gen(self) -> AsyncIterator[bytes]:
+        for f in self.frames:
+            yield f
+        if self.then is not None:
+            raise self.then
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePrefill:
+    def __init__(self, error: BaseException | None = None, first_token: int = 7) -> None:
+        async def prefill(msg: bytes) -> bytes:
+            if error is not None:
+                raise error
+            req = Request.from_msgpack(msg)
+            first = TokenEvent(req.request_id, first_token, "a")
+            return Handoff(req.request_id, req.prompt_token_ids + [first_token], req.num_prompt_tokens,
+                           req.params, first, b"handle").to_msgpack()
+
+        self.prefill = _Call(prefill)
+
+
+class FakeDecode:
+    def __init__(self, frames: list[bytes], then: BaseException | None = None) -> None:
+        self.stream = _Stream(frames, then)
+        self.generate = _Call(lambda _msg: self.stream)
+
+    def options(self, **_: Any) -> "FakeDecode":
+        return self
+
+
+def _run(prefill: FakePrefill, decode: FakeDecode, stream: bool) -> tuple[int, dict[str, str], str]:
+    """One chat request through StageFlow + Responder: (status, headers, body text)."""
+    async def go() -> tuple[int, dict[str, str], str]:
+        flow = StageFlow(intake=None, preprocess=None, encode=None, prefill=prefill, decode=decode)  # type: ignore[arg-type]
+        responder = Responder("m", lambda ids: "x" * len(ids), retry_after_s=2.0, deadline_s=30.0)
+        req = parse_request(ChatCompletionRequest, {"model": "m", "stream": stream,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        prepared = Request("chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=4))
+        events = flow.events(prepared)
+        if stream:
+            resp = await responder.stream(req, prepared, events, True, time.perf_counter())
+        else:
+            resp = await responder.whole(req, prepared, events, True, time.perf_counter())
+        if hasattr(resp, "body_iterator"):
+            body = "".join([c if isinstance(c, str) else c.decode() async for c in resp.body_iterator])
+        else:
+            body = resp.body.decode()
+        assert responder.ongoing == 0
+        return resp.status_code, dict(resp.headers), body
+
+    return asyncio.run(go())
+
+
+def _sse_events(body: str) -> list[Any]:
+    return [e[len("data: "):] if e[len("data: "):] == "[DONE]" else json.loads(e[len("data: "):])
+            for e in body.split("\n\n") if e.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_stage_is_a_429_with_retry_after_not_a_500(stream: bool) -> None:
+    status, headers, body = _run(FakePrefill(BackPressureError(num_queued_requests=1, max_queued_requests=1)),
+                                 FakeDecode([]), stream)
+    assert status == 429
+    assert headers["retry-after"] == "2"
+    err = json.loads(body)["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_stage_is_a_json_500_without_internals(stream: bool) -> None:
+    status, _, body = _run(FakePrefill(RuntimeError(INTERNALS)), FakeDecode([]), stream)
+    assert status == 500
+    err = json.loads(body)["error"]
+    assert err["type"] == "server_error" and "retry" in err["message"]
+    for leak in ("6f1e2d3c4b5a", "48213", "10.1.2.3", "/tmp/ray", "ActorDiedError"):
+        assert leak not in body
+
+
+def test_decode_dying_mid_stream_gives_one_in_band_error_then_done() -> None:
+    frames = [pack_events([TokenEvent("chatcmpl-1", 8, "b")]), pack_events([TokenEvent("chatcmpl-1", 9, "c")])]
+    decode = FakeDecode(frames, then=RuntimeError(INTERNALS))
+    status, _, body = _run(FakePrefill(), decode, stream=True)
+    assert status == 200  # headers went out with the first token
+    events = _sse_events(body)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if "choices" in e)
+    assert text == "abc"  # every token that was generated reached the client
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error"
+    for leak in ("6f1e2d3c4b5a", "48213", "10.1.2.3", "/tmp/ray"):
+        assert leak not in body
+
+
+def test_a_decode_stream_that_ends_early_is_an_error_not_a_silent_truncation() -> None:
+    frames = [pack_events([TokenEvent("chatcmpl-1", 8, "b")])]  # no finished event, then the stream ends
+    status, _, body = _run(FakePrefill(), FakeDecode(frames), stream=True)
+    events = _sse_events(body)
+    assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2]
+
+
+def test_an_error_event_from_decode_reaches_a_whole_response_as_a_500() -> None:
+    frames = [pack_events([TokenEvent.failure("chatcmpl-1", "the request's KV could not be restored")])]
+    status, _, body = _run(FakePrefill(), FakeDecode(frames), stream=False)
+    assert status == 500
+    assert "KV could not be restored" in json.loads(body)["error"]["message"]
+
+
+def test_a_finished_stream_is_complete_and_cancels_nothing() -> None:
+    frames = [pack_events([TokenEvent("chatcmpl-1", 8, "b"), TokenEvent("chatcmpl-1", 9, "c", finish_reason="length")])]
+    decode = FakeDecode(frames)
+    status, _, body = _run(FakePrefill(), decode, stream=True)
+    events = _sse_events(body)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert not decode.stream.cancelled
