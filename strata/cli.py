@@ -1,4 +1,4 @@
-"""The `strata` command line: make-tiny-model, generate, bench, plan, serve.
+"""The `strata` command line: make-tiny-model, generate, bench, plan, serve, ops, align, smoke.
 
 The entry room: it only calls down into the rooms below (deployments, stages, pipeline, ...).
 Results go to stdout (generated text, benchmark tables); logs and progress go to stderr.
@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_plan(sub)
     _add_serve(sub)
+    from strata.bringup import add_bringup_commands
+
+    add_bringup_commands(sub)
     return parser
 
 

@@ -59,3 +59,19 @@ def test_bench_serve_overhead_against_a_running_server(aggregated_server, llama_
     assert row["concurrency"] == 1 and row["serve"]["ttft_p50_ms"] > 0 and row["in_process"]["ttft_p50_ms"] > 0
     assert row["tpot_ratio"] == pytest.approx(row["serve"]["tpot_p50_ms"] / row["in_process"]["tpot_p50_ms"])
     assert "Serve path vs in-process engine" in printed
+
+
+@pytest.mark.serve
+def test_bench_soak_finds_no_leak_in_a_short_run(serve_server, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "soak.json"
+    code = main(["bench", "soak", "--url", serve_server.base_url, "--dashboard-url", serve_server.dashboard_url,
+                 "--minutes", "0.25", "--sample-s", "5", "--concurrency", "3", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert code == 0, printed
+    assert result["kv_back_to_baseline"] and not result["unexpected"]
+    assert len(result["samples"]) >= 2
+    assert {"Ingress", "Prefill", "Decode"} <= set(result["rss"]) and all(g["end_mib"] > 0 for g in result["rss"].values())
+    kinds = {k.split(":")[0] for k in result["outcomes"]}
+    assert {"chat", "stream", "disconnect"} <= kinds
+    assert "back to baseline" in printed

@@ -1,8 +1,9 @@
 """`strata bench ...`: benchmarks that compare Strata with a reference side by side in one run.
 
 Each module measures one room from above it: ``offline`` (engine vs transformers), ``tiers``
-(the tiered KV store), ``serve_overhead`` (the Serve path vs the in-process engine); ``serve``
-is the HTTP load generator in ``loadtest``.
+(the tiered KV store), ``serve_overhead`` (the Serve path vs the in-process engine), ``soak``
+(a long mixed run: memory and KV back to baseline); ``serve`` is the HTTP load generator in
+``loadtest``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import argparse
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
-    from strata.bench import offline, serve_overhead, tiers
+    from strata.bench import offline, serve_overhead, soak, tiers
     from strata.loadtest import bench as load_bench
 
     commands = (
         ("offline", "engine vs transformers generate, and cached-prefix prefill", offline),
         ("kv", "tiered KV store: TTFT per tier, decode vs context, largest context", tiers),
         ("serve-overhead", "TTFT and ITL through the Serve path vs the in-process engine", serve_overhead),
+        ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
     )
     for name, help_text, module in commands:
