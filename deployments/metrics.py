@@ -54,6 +54,13 @@ def kv_blocks() -> Gauge:
 
 
 @lru_cache(maxsize=None)
+def kv_transfer_blocks() -> Counter:
+    return Counter("strata_kv_transfer_blocks", "KV blocks a decode replica pulled from another node's host tier "
+                   "(fetched), refused as corrupt (rejected) or could not get (unavailable; both recomputed)",
+                   tag_keys=("result",))
+
+
+@lru_cache(maxsize=None)
 def prefix_tokens() -> Counter:
     return Counter("strata_prefix_cache_tokens", "Prompt tokens looked up in / served from the prefix cache",
                    tag_keys=("kind",))

@@ -14,13 +14,16 @@ import time
 from typing import Any, AsyncIterator
 
 import numpy as np
+import ray
 from ray import serve
 
 from strata.deployments import metrics
+from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import Request, pack_events
 from strata.stages.factory import build_decode_service, build_prefill_service
+from strata.stages.kv_transfer import KVPuller
 from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -96,12 +99,15 @@ class Prefill:
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         self.service = build_prefill_service(model_dir, EngineConfig.from_dict(engine))
         self.deltas = metrics.CounterDelta()
+        # this node's host tier is served to decode replicas on other nodes; hand-offs say where from
+        self.node_id = ensure_block_server(self.service.prefiller.kv)
 
     async def prefill(self, request: bytes) -> bytes:
         """A msgpack ``Request`` in, its msgpack ``Handoff`` out."""
         t0 = time.perf_counter()
         req = Request.from_msgpack(request)
         handoff = await self.service.prefill(req)
+        handoff.source = self.node_id
         metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "prefill"})
         metrics.prefix_tokens().inc(float(req.num_prompt_tokens), tags={"kind": "queried"})
         if handoff.num_cached_tokens:
@@ -131,6 +137,9 @@ class Decode:
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         self.service = build_decode_service(model_dir, EngineConfig.from_dict(engine))
         self.deltas = metrics.CounterDelta()
+        kv = self.service.decoder.kv
+        self.service.puller = KVPuller(kv, ray.get_runtime_context().get_node_id(), block_fetcher(kv.fingerprint),
+                                       run_on_loop=self.service.loop.run)
 
     async def generate(self, handoff: bytes) -> AsyncIterator[bytes]:
         """A msgpack ``Handoff`` in; msgpack token-event batches out, one per wake-up."""
@@ -147,6 +156,8 @@ class Decode:
         stats = await self.service.stats()
         metrics.queue_depth().set(float(stats["running"]), tags={"stage": "decode"})
         metrics.record_kv("decode", stats, self.deltas)
+        for result, count in stats["kv_transfer_blocks"].items():
+            self.deltas.inc(metrics.kv_transfer_blocks(), float(count), {"result": result})
         return {"running_sequences": float(stats["running"]), "kv_occupancy": float(stats["kv_occupancy"])}
 
     def __del__(self) -> None:

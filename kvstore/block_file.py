@@ -67,7 +67,21 @@ def encode_block(block_hash: bytes, fingerprint: bytes, layout: KVLayout, payloa
 
 def read_header(fd: int, block_hash: bytes, fingerprint: bytes, layout: KVLayout) -> BlockFileInfo:
     """Parse and check the header of an open block file against what the reader expects."""
-    head = os.pread(fd, _PREFIX.size, 0)
+    return _parse_header(lambda n, offset: os.pread(fd, n, offset), os.fstat(fd).st_size, block_hash, fingerprint, layout)
+
+
+def verify_blob(blob: bytes, block_hash: bytes, fingerprint: bytes, layout: KVLayout) -> None:
+    """Check a whole block file held in memory (one that came over the network): its header is the
+    block the reader asked for, and every layer's checksum holds. Raises BlockFileError if not."""
+    info = _parse_header(lambda n, offset: blob[offset : offset + n], len(blob), block_hash, fingerprint, layout)
+    view = memoryview(blob)[info.payload_offset :]
+    for i, crc in enumerate(info.layer_crcs):
+        if zlib.crc32(view[i * info.layer_bytes : (i + 1) * info.layer_bytes]) != crc:
+            raise BlockFileError(f"checksum mismatch in layer {i}")
+
+
+def _parse_header(read_at, size: int, block_hash: bytes, fingerprint: bytes, layout: KVLayout) -> BlockFileInfo:
+    head = read_at(_PREFIX.size, 0)
     if len(head) < _PREFIX.size:
         raise BlockFileError("truncated header")
     magic, version, meta_len = _PREFIX.unpack(head)
@@ -77,7 +91,7 @@ def read_header(fd: int, block_hash: bytes, fingerprint: bytes, layout: KVLayout
         raise BlockFileError(f"unsupported block file version {version}")
     if meta_len > _MAX_META:
         raise BlockFileError("metadata too large")
-    raw = os.pread(fd, meta_len, _PREFIX.size)
+    raw = read_at(meta_len, _PREFIX.size)
     if len(raw) != meta_len:
         raise BlockFileError("truncated metadata")
     try:
@@ -96,7 +110,7 @@ def read_header(fd: int, block_hash: bytes, fingerprint: bytes, layout: KVLayout
     if nbytes != per_layer * layout.num_layers or len(crcs) != layout.num_layers:
         raise BlockFileError("payload size disagrees with layout")
     offset = _PREFIX.size + meta_len
-    if os.fstat(fd).st_size != offset + nbytes:
+    if size != offset + nbytes:
         raise BlockFileError("truncated payload")
     return BlockFileInfo(stored_hash, offset, per_layer, tuple(int(c) for c in crcs))
 

@@ -39,6 +39,7 @@ class Handoff:
     detokenizer: tuple[int, int] = (0, 0)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    source: str = ""  # the node whose host tier holds the full blocks ("": this node's)
 
     @classmethod
     def from_sequence(cls, seq: Sequence, first: TokenEvent, kv_handle: bytes, tail_kv: bytes = b"") -> "Handoff":
@@ -69,7 +70,7 @@ class Handoff:
             params=asdict(self.params), first=self.first.to_obj(), kv=self.kv_handle, tail=self.tail_kv,
             images=[i.to_obj() for i in self.images], generator=self.generator_state, text=self.text,
             emitted=self.emitted_text_len, detok=list(self.detokenizer), cached=self.num_cached_tokens,
-            preemptions=self.num_preemptions,
+            preemptions=self.num_preemptions, src=self.source,
         )
 
     @classmethod
@@ -78,5 +79,5 @@ class Handoff:
         return cls(
             o["id"], list(o["tokens"]), o["prompt_len"], SamplingParams(**o["params"]), TokenEvent.from_obj(o["first"]),
             o["kv"], [ImageEmbedding.from_obj(i) for i in o["images"]], o["tail"], o["generator"], o["text"], o["emitted"],
-            tuple(o["detok"]), o["cached"], o["preemptions"],
+            tuple(o["detok"]), o["cached"], o["preemptions"], o.get("src", ""),
         )

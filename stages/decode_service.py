@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import TokenEvent
 from strata.stages.decoder import Decoder
+from strata.stages.kv_transfer import KVPuller
 from strata.stages.stage_loop import Delivery, StageLoop
 
 
@@ -21,6 +22,7 @@ class DecodeService:
         self.block_size = decoder.kv.layout.block_size
         self.delivery = Delivery()
         self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop", on_error=self._fail_all)
+        self.puller: KVPuller | None = None  # set where prefill may run on another node (stages.kv_transfer)
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed outside any one request: end every stream with an error, free their KV."""
@@ -38,6 +40,8 @@ class DecodeService:
         events = self.delivery.open(seq.request_id)
         finished = False
         try:
+            if self.puller is not None and self.puller.needs_pull(handoff):
+                await self.puller.pull(handoff)  # blocks missing here come from the prefill's node first
             await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle, handoff.tail_kv))
             while not finished:
                 batch = [await events.get()]
@@ -57,7 +61,8 @@ class DecodeService:
         kv = self.decoder.kv
         pool = kv.pool.stats()
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
-                "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens)}
+                "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens),
+                "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {}}
 
     def close(self) -> None:
         self.loop.stop()

@@ -97,3 +97,33 @@ def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
             return runner.model.logits(hidden)
     finally:
         kv.free(seq.block_table)
+
+
+def scrape_metrics(metrics_url: str) -> dict[str, float]:
+    """Sum of every sample per metric name + label set, e.g.
+    'ray_strata_requests_total{endpoint="chat",status="200"}', from Ray's Prometheus endpoint."""
+    import re
+
+    import httpx
+
+    text = httpx.get(metrics_url, timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("ray_strata_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        # drop labels that vary per process (replica ids, pids, ...): keep the ones we set
+        metric = re.sub(r",?(Component|NodeAddress|SessionName|Version|WorkerId|JobId|application|deployment|replica)=\"[^\"]*\"", "", name)
+        metric = metric.replace("{,", "{")
+        out[metric] = out.get(metric, 0.0) + float(value)
+    return out
+
+
+def metric_value(samples: dict[str, float], prefix: str, **labels: str) -> float:
+    """Total of the samples of metric ``prefix`` whose labels include ``labels``."""
+    total = 0.0
+    for key, v in samples.items():
+        if key.startswith(prefix + "{") or key == prefix:
+            if all(f'{k}="{val}"' in key for k, val in labels.items()):
+                total += v
+    return total

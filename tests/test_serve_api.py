@@ -60,6 +60,41 @@ def test_chat_matches_the_in_process_engine(client, engine, demo_images, stream:
     assert got == expected
 
 
+# OpenAI parameters over HTTP -> the engine's SamplingParams: (request kwargs, in-process params).
+PARAMETERS = {
+    "stop": (dict(max_tokens=24, temperature=0, stop=["e", "a"]), dict(max_tokens=24, temperature=0.0, stop=["e", "a"])),
+    "seed": (dict(max_tokens=16, temperature=0.9, seed=7), dict(max_tokens=16, temperature=0.9, seed=7)),
+    "top_p": (dict(max_tokens=16, temperature=0.8, top_p=0.5, seed=3),
+              dict(max_tokens=16, temperature=0.8, top_p=0.5, seed=3)),
+    "max_completion_tokens": (dict(max_completion_tokens=5, temperature=0), dict(max_tokens=5, temperature=0.0)),
+}
+
+
+@pytest.mark.parametrize("name", PARAMETERS, ids=list(PARAMETERS))
+def test_sampling_parameters_mean_the_same_over_http(client, engine, name: str) -> None:
+    from strata.pipeline.sampling_params import SamplingParams
+
+    request, params = PARAMETERS[name]
+    messages = [{"role": "user", "content": f"Parameter {name}: tell me about the sea."}]
+    expected = engine.generate([{"messages": messages, "params": SamplingParams(**params)}])[0]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, **request)
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.completion_tokens == len(expected.output_token_ids)
+    assert resp.choices[0].finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+
+
+def test_a_request_without_max_tokens_may_use_the_rest_of_the_context(client, engine) -> None:
+    messages = [{"role": "user", "content": "Say something, as long as you like."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    prompt_tokens = resp.usage.prompt_tokens
+    from strata.pipeline.sampling_params import SamplingParams
+
+    expected = engine.generate([{"messages": messages, "params": SamplingParams(max_tokens=2048 - prompt_tokens,
+                                                                                  temperature=0.0)}])[0]
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.completion_tokens == len(expected.output_token_ids) <= 2048 - prompt_tokens
+
+
 def test_completions_use_the_raw_prompt(client, engine) -> None:
     prompt = "USER: count the waves ASSISTANT:"
     resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)

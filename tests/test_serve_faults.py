@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from helpers import MODEL_NAME
+from helpers import MODEL_NAME, metric_value, scrape_metrics
 
 pytestmark = pytest.mark.serve
 
@@ -163,6 +163,8 @@ def _first_lines(lines: Iterator[str], n: int) -> list[str]:
 def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_resumes(server) -> None:
     expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
     baseline = _baseline(server)
+    failed_before = metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
+                                 status="500")
     (pid,) = _replica_pids(server, "Decode")
     body = _chat(_long_prompt(50, 3), max_tokens=4000, ignore_eos=True, stream=True)
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
@@ -179,6 +181,9 @@ def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_re
                   60, "a successful request after the restart")
     assert again.json()["choices"][0]["message"]["content"] == expected
     _settled(server, {**baseline, "decode": 0})
+    # the metrics count the killed stream as a failed (500) chat request, not as a success or a cancel
+    _wait(lambda: metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
+                               status="500") == failed_before + 1, 30, "the failed stream in the metrics")
 
 
 def test_killing_the_prefill_replica_mid_prefill_is_a_json_500_then_service_resumes(server) -> None:

@@ -7,31 +7,29 @@ import time
 
 import httpx
 
+from helpers import metric_value, scrape_metrics
+
 MODEL = "strata-test"
 
 
 def _scrape(server) -> dict[str, float]:
-    """Sum of every sample per metric name + label set, e.g. 'ray_strata_requests_total{endpoint="chat",status="200"}'."""
-    text = httpx.get(server.metrics_url, timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("ray_strata_"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        # drop labels that vary per process (replica ids, pids, …): keep the ones we set
-        metric = re.sub(r",?(Component|NodeAddress|SessionName|Version|WorkerId|JobId|application|deployment|replica)=\"[^\"]*\"", "", name)
-        metric = metric.replace("{,", "{")
-        out[metric] = out.get(metric, 0.0) + float(value)
-    return out
+    return scrape_metrics(server.metrics_url)
 
 
-def _value(samples: dict[str, float], prefix: str, **labels: str) -> float:
-    total = 0.0
-    for key, v in samples.items():
-        if key.startswith(prefix + "{") or key == prefix:
-            if all(f'{k}="{val}"' in key for k, val in labels.items()):
-                total += v
-    return total
+_value = metric_value
+
+
+def _unique_png() -> str:
+    """A PNG no earlier test sent (a fresh colour per run), base64."""
+    import base64
+    import io
+    import os
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), tuple(os.urandom(3))).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _wait_for(server, check, timeout: float = 45.0) -> dict[str, float]:
@@ -62,6 +60,8 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
     hits_before = _value(before, "ray_strata_prefix_cache_tokens_total", kind="hit")
     cancelled_before = _value(before, "ray_strata_requests_total", endpoint="chat", status="499")
     e2e_before = _value(before, "ray_strata_e2e_request_latency_seconds_count", endpoint="chat")
+    enc_hits_before = _value(before, "ray_strata_encoder_cache_total", result="hit")
+    enc_misses_before = _value(before, "ray_strata_encoder_cache_total", result="miss")
     shared = "Keep this ship's manifest in mind: " + ", ".join(f"crate {i}" for i in range(40))
     url = serve_server.base_url + "/v1/chat/completions"
     n = 6
@@ -70,6 +70,13 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
                 "max_tokens": 4, "stream": i % 2 == 0}
         assert httpx.post(url, json=body, timeout=60).status_code == 200
     assert httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    # The same new image twice: one encoder-cache miss, then one hit.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _unique_png()}}
+    for _ in range(2):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}],
+                "max_tokens": 2}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+    n += 2
     # A stream read to its [DONE] and closed at once is a complete request (200), not a cancelled one.
     body = {"model": MODEL, "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4, "stream": True}
     with httpx.stream("POST", url, json=body, timeout=60) as r:
@@ -79,12 +86,15 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
     def moved(s: dict[str, float]) -> bool:
         return (_value(s, "ray_strata_requests_total", endpoint="chat", status="200") >= ok_before + n
                 and _value(s, "ray_strata_prefix_cache_tokens_total", kind="hit") > hits_before
-                and _value(s, "ray_strata_time_to_first_token_seconds_count") >= n)
+                and _value(s, "ray_strata_time_to_first_token_seconds_count") >= n
+                and _value(s, "ray_strata_encoder_cache_total", result="hit") > enc_hits_before)
 
     after = _wait_for(serve_server, moved)
     assert _value(after, "ray_strata_requests_total", endpoint="chat", status="200") == ok_before + n
     assert _value(after, "ray_strata_requests_total", endpoint="chat", status="404") == bad_before + 1
     assert _value(after, "ray_strata_requests_total", endpoint="chat", status="499") == cancelled_before
+    assert _value(after, "ray_strata_encoder_cache_total", result="miss") == enc_misses_before + 1
+    assert _value(after, "ray_strata_encoder_cache_total", result="hit") == enc_hits_before + 1
     assert _value(after, "ray_strata_e2e_request_latency_seconds_count", endpoint="chat") == e2e_before + n
     assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="hit") > hits_before  # the repeated prefix hit
     assert _value(after, "ray_strata_prefix_cache_tokens_total", kind="queried") > 0
