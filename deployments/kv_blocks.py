@@ -10,6 +10,7 @@ as long as the cluster, whichever replica started them).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Sequence
 
 import ray
@@ -58,13 +59,14 @@ def ensure_block_server(kv: TieredKVCache) -> str:
     return node
 
 
-def block_fetcher(fingerprint: bytes):
-    """``fetch(source_node, hashes)`` for :class:`stages.kv_transfer.KVPuller`: the source node's server."""
+def block_fetcher(fingerprint: bytes, timeout_s: float = 30.0):
+    """``fetch(source_node, hashes)`` for :class:`stages.kv_transfer.KVPuller`: the source node's server.
+    A server that does not answer within ``timeout_s`` costs a recompute, never a stuck request."""
     async def fetch(source: str, hashes: Sequence[bytes]) -> list[bytes | None]:
         try:
             server = ray.get_actor(server_name(fingerprint, source), namespace=NAMESPACE)
         except ValueError:  # no server on that node (gone, or never started): every block is recomputed
             return [None] * len(hashes)
-        return await server.read.remote(list(hashes))
+        return await asyncio.wait_for(server.read.remote(list(hashes)), timeout=timeout_s)
 
     return fetch

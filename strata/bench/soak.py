@@ -150,7 +150,12 @@ def run(args: argparse.Namespace) -> int:
           f" RSS growth measured after {warmup_s / 60:g} min of warm-up", flush=True)
     samples: list[dict[str, Any]] = []
     try:
-        served = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
+        try:
+            served = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]
+            _replica_rss(server)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            raise ValueError(f"no Strata server (with its Ray dashboard) answers at {server.base_url} / "
+                             f"{server.dashboard_url} ({type(exc).__name__})") from None
         baseline = _kv(server)
         # long prompts fill about a third of the context (a few tokens per word with any tokenizer)
         traffic = Traffic(server.base_url, served["id"], args.seed, long_words=served.get("max_model_len", 2048) // 12)

@@ -82,17 +82,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"# strata smoke: {model.name}, {args.mode} mode, a real server on loopback, the openai client", flush=True)
     checks = Checks()
     t0 = time.perf_counter()
-    server = checks.run("server starts and is healthy", lambda: LocalServer(
-        model, work / "server", config, env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"},
-    ).wait_ready())
-    load_s = time.perf_counter() - t0
-    timings: dict[str, float] = {"load_s": load_s}
-    if server is None:
-        return _report(checks, timings)
+    server = LocalServer(model, work / "server", config,
+                         env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"})
     try:
+        if checks.run("server starts and is healthy", server.wait_ready) is None:
+            print(server.tail(20))  # why it did not come up
+            return _report(checks, {"load_s": time.perf_counter() - t0})
+        timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        name = client.models.list().data[0].id
-        before = _requests_total(server.metrics_url)
+        name = checks.run("/v1/models lists the model", lambda: client.models.list().data[0].id)
+        if name is None:
+            return _report(checks, timings)
+        try:
+            before: float | None = _requests_total(server.metrics_url)
+        except httpx.HTTPError:
+            before = None  # reported by the metrics check below
 
         def whole(kind: str) -> tuple[bool, str]:
             r = client.chat.completions.create(model=name, messages=cases[kind], max_tokens=args.max_tokens, temperature=0)
@@ -139,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         checks.run("a client disconnect frees its blocks", disconnect)
 
         def metrics() -> tuple[bool, str]:
+            if before is None:
+                return False, "/metrics did not answer"
             deadline = time.monotonic() + 30
             while (now := _requests_total(server.metrics_url)) < before + 4 and time.monotonic() < deadline:
                 time.sleep(1)
@@ -146,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
 
         checks.run("/metrics shows the traffic", metrics)
     finally:
-        server.stop()
-        checks.rows.append(("server stops", server.proc.returncode == 0, 0.0, f"exit {server.proc.returncode}"))
+        server.stop()  # also when it never became healthy: nothing is left running
+    checks.rows.append(("server stops", server.proc.returncode == 0, 0.0, f"exit {server.proc.returncode}"))
     return _report(checks, timings)
 
 
