@@ -169,8 +169,8 @@ def parse_llava_config(raw: dict[str, Any]) -> LlavaConfig:
     )
 
 
-def load_llava_config(model_dir: str | Path) -> LlavaConfig:
-    """Read and validate ``model_dir/config.json`` (works before the weights arrive)."""
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """``model_dir/config.json`` as a dict, unvalidated (what `strata ops` inspects)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"no config.json in {model_dir}: is this a Hugging Face checkpoint directory?")
@@ -178,4 +178,11 @@ def load_llava_config(model_dir: str | Path) -> LlavaConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-    return parse_llava_config(raw)
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path} is not a JSON object")
+    return raw
+
+
+def load_llava_config(model_dir: str | Path) -> LlavaConfig:
+    """Read and validate ``model_dir/config.json`` (works before the weights arrive)."""
+    return parse_llava_config(read_config_json(model_dir))

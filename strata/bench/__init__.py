@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from strata.commands import register
+
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
@@ -23,7 +25,4 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
     )
-    for name, help_text, module in commands:
-        p = bench.add_parser(name, help=help_text)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    register(bench, commands)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from strata.commands import register
+
 
 def add_bringup_commands(sub: argparse._SubParsersAction) -> None:
     """Register ops / align / smoke; each module is imported when its command is parsed for."""
@@ -17,7 +19,4 @@ def add_bringup_commands(sub: argparse._SubParsersAction) -> None:
         ("align", "Strata vs transformers (or a saved reference), layer by layer, as a chunked prefill", align),
         ("smoke", "start a real server, check it through the openai client, print a pass/fail table", smoke),
     )
-    for name, help_text, module in commands:
-        p = sub.add_parser(name, help=help_text)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    register(sub, commands)

@@ -19,7 +19,7 @@ from typing import Any
 
 from strata.kernels import available_backends
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
-from strata.pipeline.model_config import TEXT_MODEL_TYPES
+from strata.pipeline.model_config import TEXT_MODEL_TYPES, read_config_json
 from strata.pipeline.models.activations import ACTIVATIONS
 from strata.pipeline.weights import canonical_name
 
@@ -184,15 +184,7 @@ def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None
 
 
 def inventory(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {model_dir}: is this a Hugging Face checkpoint directory?")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a JSON object")
+    raw = read_config_json(model_dir)
     top = raw.get("model_type", "?")
     components = [Component("architecture", f"{top}", "pipeline (LLaVA family)" if top in TOP_LEVEL_TYPES else MISSING)]
     components += text_components(raw) + vision_components(raw) + [dtype_component(raw)]
