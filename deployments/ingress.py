@@ -35,6 +35,7 @@ from strata.deployments.responder import Responder, client_error, error_response
 from strata.pipeline.intake import Intake
 from strata.pipeline.model_config import load_llava_config
 from strata.pipeline.tokenizer import PromptTokenizer
+from strata.stages.stage_loop import LoopStopped
 
 log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
@@ -140,7 +141,10 @@ class Ingress:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         signals = {"ongoing_requests": float(self.responder.ongoing)}
         if self.service is not None:
-            stats = await self.service.stats()
+            try:
+                stats = await self.service.stats()
+            except LoopStopped:  # shutting down
+                return signals
             metrics.queue_depth().set(float(stats["running"]), tags={"stage": "llm"})
             metrics.record_kv("llm", stats, self._deltas)
             signals.update(running_sequences=float(stats["running"]), kv_occupancy=float(stats["kv_occupancy"]))

@@ -24,6 +24,7 @@ from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import Request, pack_events
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
+from strata.stages.stage_loop import LoopStopped
 from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -121,7 +122,10 @@ class Prefill:
         return True
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        stats = await self.service.stats()
+        try:
+            stats = await self.service.stats()
+        except LoopStopped:  # the replica is shutting down: nothing is queued here any more
+            return {"queued_prompt_tokens": 0.0}
         metrics.queue_depth().set(float(stats["queued_prompt_tokens"]), tags={"stage": "prefill"})
         metrics.record_kv("prefill", stats, self.deltas)
         return {"queued_prompt_tokens": float(stats["queued_prompt_tokens"])}
@@ -153,7 +157,10 @@ class Decode:
         return True
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        stats = await self.service.stats()
+        try:
+            stats = await self.service.stats()
+        except LoopStopped:  # the replica is shutting down: nothing runs here any more
+            return {"running_sequences": 0.0, "kv_occupancy": 0.0}
         metrics.queue_depth().set(float(stats["running"]), tags={"stage": "decode"})
         metrics.record_kv("decode", stats, self.deltas)
         for result, count in stats["kv_transfer_blocks"].items():

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class LoopStopped(RuntimeError):
+    """The stage is shutting down: a call arrived after its loop stopped."""
+
+
 class StageLoop:
     """One thread that alternates between queued commands and ``step()`` while ``has_work()``."""
 
@@ -50,7 +54,7 @@ class StageLoop:
         """Run ``fn`` on the loop thread before the next step; its result (or exception) lands in the Future."""
         fut: Future = Future()
         if self._stop.is_set():
-            fut.set_exception(RuntimeError("the stage loop is stopped"))
+            fut.set_exception(LoopStopped("the stage loop is stopped"))
             return fut
         self._commands.put((fn, fut))
         return fut
@@ -68,7 +72,7 @@ class StageLoop:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
                 if self._stop.is_set():
-                    fut.set_exception(RuntimeError("the stage loop is stopped"))
+                    fut.set_exception(LoopStopped("the stage loop is stopped"))
                 else:
                     try:
                         fut.set_result(fn())
