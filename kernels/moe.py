@@ -26,8 +26,12 @@ def moe_experts(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """Run each token through its chosen SwiGLU experts and sum the weighted outputs.
+
+    ``gate_up``/``down`` may hold a contiguous run of the experts, global ids ``first_expert ..``
+    (expert parallelism): tokens routed to experts outside the run contribute nothing here.
 
     ``gate_up`` is [E, 2I, H] (gate rows then up rows), ``down`` is [E, H, I]. Experts are
     visited in ascending id order and accumulated with ``index_add_``, the same order the
@@ -37,12 +41,13 @@ def moe_experts(
     num_experts = gate_up.shape[0]
     hit = torch.unique(ids).tolist()
     for e in hit:
-        if e >= num_experts:
+        local = e - first_expert
+        if not 0 <= local < num_experts:
             continue
         tok, slot = torch.where(ids == e)
-        h = linear(x[tok], gate_up[e])
+        h = linear(x[tok], gate_up[local])
         gate, up = h.chunk(2, dim=-1)
-        h = linear(F.silu(gate) * up, down[e])
+        h = linear(F.silu(gate) * up, down[local])
         h = h * weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out

@@ -2,6 +2,7 @@
 
 from .block_file import BlockFileError
 from .block_pool import BlockPool, NoFreeBlocksError
+from .device_blocks import DeviceBlocks
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
 from .tiered_cache import KVBlockLostError, PrefixMatch, SpilledBlocks, TieredKVCache
@@ -20,6 +21,7 @@ from .layout import KVLayout, dtype_from_name, dtype_name
 __all__ = [
     "BlockFileError",
     "BlockPool",
+    "DeviceBlocks",
     "FileBlockStore",
     "KVBlockLostError",
     "LowerTiers",

@@ -28,6 +28,8 @@ import torch
 
 from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
 from strata.kvstore.block_table import BlockTable
+from strata.kvstore.device_blocks import DeviceBlocks
+from strata.kvstore.layout import KVLayout
 from strata.kvstore.handle import HandleError, KVHandle
 from strata.kvstore.lower_tiers import LowerTiers
 from strata.kvstore.staging import StagingBuffers
@@ -60,12 +62,16 @@ class TieredKVCache:
     """Block pool (device tier) + optional host/disk chain + the staging buffer for streaming."""
 
     def __init__(self, pool: BlockPool, lower: LowerTiers | None = None, staging_blocks: int = 64,
-                 fingerprint: bytes = b"") -> None:
+                 fingerprint: bytes = b"", layout: KVLayout | None = None,
+                 blocks: DeviceBlocks | None = None) -> None:
+        """``layout`` and ``blocks``: a tensor-parallel pool holds a share of the heads; ``layout`` is
+        then the whole block's (what tiers and handles see) and ``blocks`` gathers and scatters."""
         if staging_blocks < 1:
             raise ValueError("staging_blocks must be >= 1")
         self.pool = pool
         self.lower = lower
-        self.layout = pool.layout
+        self.layout = layout or pool.layout
+        self.blocks = blocks or DeviceBlocks(pool)
         self.fingerprint = fingerprint
         self.staging_blocks = staging_blocks
         lay = self.layout
@@ -176,7 +182,7 @@ class TieredKVCache:
             self.lower.store(written)  # type: ignore[union-attr]
 
     def _block_bytes(self, block_id: int) -> memoryview:
-        return memoryview(_bytes_view(self.pool.kv[block_id].cpu().contiguous()))
+        return memoryview(_bytes_view(self.blocks.read(block_id)))
 
     def _ensure_lower(self, block_hash: bytes) -> bool:
         """Make sure a lower tier holds ``block_hash`` (writing it from the device if needed)."""
@@ -264,7 +270,7 @@ class TieredKVCache:
         if not self.lower.read_block(block_hash, _bytes_view(self._host_block)):
             self.pool.free(block_id)
             return None
-        self.pool.kv[block_id].copy_(self._host_block)
+        self.blocks.write(block_id, self._host_block)
         self.pool.publish(block_id, block_hash)
         return block_id
 
@@ -318,7 +324,7 @@ class TieredKVCache:
         if not self.reserve(table, num_tokens):
             return False
         block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype).view(self.layout.block_shape())
-        self.pool.kv[table.block_ids[-1]].copy_(block)
+        self.blocks.write(table.block_ids[-1], block)
         table.num_tokens = num_tokens
         return True
 

@@ -19,6 +19,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto, cpu (paged C++ kernel + flash), torch (reference), triton (CUDA)
     compile: bool = False  # torch.compile the dense parts of a step (CUDA graphs on CUDA); see pipeline/compiled.py
     num_threads: int = 0  # torch intra-op threads of this process (0: torch's default, one per core)
+    tp: int = 1  # tensor-parallel ranks of a language stage (heads, MLP, experts and vocab split; KV heads too)
     block_size: int = 16
     num_kv_blocks: int = 1024  # device-tier capacity in blocks
     host_kv_blocks: int = 0  # host tier (block files on tmpfs, shared by the node's processes); 0 = off
@@ -44,6 +45,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.compile:
+            raise ValueError("compile is not supported with tp > 1 (the sharded layer step runs eagerly)")
         for name in ("host_kv_blocks", "disk_kv_blocks", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.errors import RequestFailed
@@ -54,6 +54,13 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0
+        self.on_close: list[Callable[[], None]] = []  # e.g. stop a tensor-parallel group's workers
+
+    def close(self) -> None:
+        """Release what the engine started besides this process (tensor-parallel workers). Idempotent."""
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
 
     # -- requests -----------------------------------------------------------
     def add_request(

@@ -9,6 +9,8 @@ import torch
 from strata.pipeline.model_config import LlavaConfig, load_llava_config
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
+from strata.pipeline.models.tensor_parallel import ParallelLanguageModel, ShardPlan
+from strata.pipeline.tp_group import TPGroup
 from strata.pipeline.weights import LoadStats, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +30,21 @@ def load_language_model(
     with torch.device("meta"):
         model = LanguageModel(cfg.text)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device)
+    model.fuse_projections()
+    return model.eval(), stats
+
+
+def load_parallel_language_model(
+    model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    cfg: LlavaConfig | None = None,
+) -> tuple[ParallelLanguageModel, LoadStats]:
+    """This rank's shard of the decoder, reading only its slices of the checkpoint. Rank 0 checks
+    the SHA-256 manifest (which reads whole shard files); the other ranks trust it."""
+    cfg = cfg or load_llava_config(model_dir)
+    plan = ShardPlan(cfg.text, group.rank, group.size)
+    with torch.device("meta"):
+        model = ParallelLanguageModel(plan, group)
+    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, verify=group.is_driver, shard=plan)
     model.fuse_projections()
     return model.eval(), stats
 

@@ -1,13 +1,64 @@
-"""Turns a scheduled step into one forward pass of the language model over the paged cache."""
+"""Turns a scheduled step into one forward pass of the language model over the paged cache.
+
+Two halves: :meth:`ModelRunner.prepare` reads the scheduler's chunks into plain :class:`StepInputs`
+(what a tensor-parallel driver broadcasts to its workers), and :class:`StepExecutor` runs the model
+on those inputs over one process's KV tensor (what every rank runs).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
-from strata.kernels import AttentionBackend, AttentionMetadata
-from strata.kvstore import TieredKVCache
+from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
+from strata.kvstore import BlockTable, TieredKVCache
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepInputs:
+    """One step's batch as plain lists: everything a rank needs besides its model and KV tensor."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    last_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    num_spilled: list[int] = field(default_factory=list)  # spilled blocks per sequence
+    images: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, embeddings) overlays
+
+
+class StepExecutor:
+    """Runs :class:`StepInputs` through a model over one KV tensor; returns the sampled rows' logits
+    (None on a tensor-parallel worker, whose logits are gathered to the driver)."""
+
+    def __init__(self, model: LanguageModel, device_kv: torch.Tensor, backend: AttentionBackend, block_size: int,
+                 device: str = "cpu") -> None:
+        self.model = model
+        self.device_kv = device_kv
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> torch.Tensor | None:
+        meta = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, inputs.tables, inputs.slots,
+                                       self.block_size, self.device, inputs.offsets, spilled)
+        ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
+        embeds = self.model.embed(ids)
+        for row, image in inputs.images:
+            embeds[row : row + len(image)] = torch.from_numpy(image).to(embeds.device, embeds.dtype)
+        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(embeds, pos, self.device_kv, meta, self.backend)
+        if len(inputs.last_rows) != len(inputs.token_ids):  # keep only the rows whose logits are sampled
+            hidden = hidden[torch.tensor(inputs.last_rows, dtype=torch.int64, device=self.device)]
+        return self.model.logits(hidden)
 
 
 class ModelRunner:
@@ -20,64 +71,51 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
+        self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device)
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear.
+        """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear."""
+        inputs = self.prepare(chunks)
+        spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
+        logits = self.executor.run(inputs, spilled)
+        assert logits is not None
+        return logits
 
-        One pass over the chunks gathers everything the step needs (O(sequences) Python work, plus
-        the tokens of prefill chunks); the metadata is built once and read by every layer.
-        """
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        offsets: list[int] = []
-        spilled = []
+    def spilled_source(self, table: BlockTable) -> SpilledKV | None:
+        return self.kv.spilled(table)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """One pass over the chunks gathers everything the step needs (O(sequences) Python work, plus
+        the tokens of prefill chunks)."""
+        s = StepInputs()
         bs = self.block_size
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.end
             table = seq.block_table
+            if seq.images:
+                _add_images(s.images, chunk, len(s.token_ids))
             if end - start == 1:  # a decode: one token, one slot
-                token_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table.block_ids[start // bs - table.num_spilled] * bs + start % bs)
+                s.token_ids.append(seq.token_ids[start])
+                s.positions.append(start)
+                s.slots.append(table.block_ids[start // bs - table.num_spilled] * bs + start % bs)
             else:
-                token_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table.slots(start, end))
+                s.token_ids.extend(seq.token_ids[start:end])
+                s.positions.extend(range(start, end))
+                s.slots.extend(table.slots(start, end))
             if end == seq.num_tokens:
-                last_rows.append(len(token_ids) - 1)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            tables.append(table.block_ids)
-            offsets.append(table.first_resident_token)
-            spilled.append(self.kv.spilled(table) if table.num_spilled else None)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, bs, self.device, offsets, spilled)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        embeds = self.model.embed(ids)
-        self._overlay_images(embeds, chunks)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(embeds, pos, self.kv.device_kv, meta, self.backend)
-        if len(last_rows) != len(token_ids):  # keep only the rows whose logits are sampled
-            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64, device=self.device)]
-        return self.model.logits(hidden)
+                s.last_rows.append(len(s.token_ids) - 1)
+            s.query_lens.append(end - start)
+            s.seq_lens.append(end)
+            s.tables.append(table.block_ids)
+            s.offsets.append(table.first_resident_token)
+            s.num_spilled.append(table.num_spilled)
+        return s
 
-    @staticmethod
-    def _overlay_images(embeds: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
-        """Replace placeholder-token embeddings with the image embeddings covering those positions."""
-        row = 0
-        for chunk in chunks:
-            if not chunk.seq.images:
-                row += chunk.num_tokens
-                continue
-            for img in chunk.seq.images:
-                lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
-                if lo < hi:
-                    src = torch.from_numpy(img.embeds[lo - img.offset : hi - img.offset])
-                    embeds[row + lo - chunk.start : row + hi - chunk.start] = src.to(embeds.device, embeds.dtype)
-            row += chunk.num_tokens
+
+def _add_images(out: list[tuple[int, np.ndarray]], chunk: ScheduledChunk, first_row: int) -> None:
+    """The image embeddings covering the chunk's positions, as overlays of its placeholder rows."""
+    for img in chunk.seq.images:
+        lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
+        if lo < hi:
+            out.append((first_row + lo - chunk.start, img.embeds[lo - img.offset : hi - img.offset]))

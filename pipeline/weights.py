@@ -14,10 +14,14 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+if TYPE_CHECKING:
+    from strata.pipeline.models.tensor_parallel import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +123,13 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 class _ExpertMerger:
     """Collects classic per-expert w1/w2/w3 tensors into the stacked gate_up / down layout."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, first_expert: int = 0) -> None:
+        self.num_experts = num_experts  # the experts this process holds: global ids first_expert ..
+        self.first_expert = first_expert
         self.parts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
 
     def add(self, layer: int, expert: int, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        expert -= self.first_expert
         self.parts[(layer, kind)][expert] = tensor
         done: list[tuple[str, torch.Tensor]] = []
         w1, w3 = self.parts.get((layer, "w1"), {}), self.parts.get((layer, "w3"), {})
@@ -151,52 +157,77 @@ def load_weights(
     device: torch.device | str = "cpu",
     verify: bool = True,
     progress: bool | None = None,
+    shard: "ShardPlan | None" = None,
 ) -> LoadStats:
     """Stream the tensors of the parts in ``modules`` (keys from :data:`PARTS`) into those modules.
 
     Modules may be built on the meta device; every parameter must be filled or this raises.
-    Tensors of other parts are never read; their shards are never opened.
+    Tensors of other parts are never read; their shards are never opened. With ``shard`` (a
+    tensor-parallel rank's plan) only that rank's slice of each decoder tensor is read, and
+    experts it does not hold are skipped.
     """
     model_dir = Path(model_dir)
     unknown = set(modules) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown model parts {sorted(unknown)}; expected some of {PARTS}")
     mapping = weight_map(model_dir)
-    wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # shard file -> tensors to read
     stats = LoadStats()
     owned = {part: _param_names(m) for part, m in modules.items()}
-    for ckpt_name, shard in mapping.items():
+    for ckpt_name, shard_file in mapping.items():
         target = canonical_name(ckpt_name)
         if target is None or target[0] not in modules or _owner_name(target[1]) not in owned[target[0]]:
             stats.skipped_tensors += 1
             continue
-        wanted[shard].append((ckpt_name, target[0], target[1]))
+        expert = shard.expert_of(target[1]) if shard is not None and target[0] == "text" else None
+        if expert is not None and not shard.holds_expert(expert):  # type: ignore[union-attr]
+            stats.skipped_tensors += 1
+            continue
+        wanted[shard_file].append((ckpt_name, target[0], target[1]))
     sums = read_manifest(model_dir) if verify else {}
     text = modules.get("text")
-    merger = _ExpertMerger(getattr(getattr(text, "cfg", None), "num_experts", 0))
+    if shard is not None and shard.cfg.num_experts:
+        merger = _ExpertMerger(shard.experts[1] - shard.experts[0], shard.experts[0])
+    else:
+        merger = _ExpertMerger(getattr(getattr(text, "cfg", None), "num_experts", 0))
     total = sum((model_dir / s).stat().st_size for s in wanted if (model_dir / s).is_file())
     with _progress(total, progress if progress is not None else total > (256 << 20)) as bar:
-        for shard in sorted(wanted):
-            path = model_dir / shard
+        for shard_file in sorted(wanted):
+            path = model_dir / shard_file
             if not path.is_file():
-                raise WeightsError(f"shard {shard} listed in the index is missing from {model_dir}")
-            if shard in sums and sha256_file(path) != sums[shard]:
-                raise WeightsError(f"shard {shard} does not match its SHA-256 in {MANIFEST}: the file is corrupt or was changed")
-            stats.shards_opened.append(shard)
+                raise WeightsError(f"shard {shard_file} listed in the index is missing from {model_dir}")
+            if shard_file in sums and sha256_file(path) != sums[shard_file]:
+                raise WeightsError(f"shard {shard_file} does not match its SHA-256 in {MANIFEST}: "
+                                   "the file is corrupt or was changed")
+            stats.shards_opened.append(shard_file)
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for ckpt_name, part, name in wanted[shard]:
-                        tensor = f.get_tensor(ckpt_name)
+                    for ckpt_name, part, name in wanted[shard_file]:
+                        plan = shard if part == "text" else None
+                        tensor = _read(f, ckpt_name, name, plan)
                         stats.tensors_read += 1
                         stats.bytes_read += tensor.numel() * tensor.element_size()
+                        if plan is not None:
+                            tensor = plan.fit(name, tensor)
                         _place(modules[part], part, name, tensor.to(device=device, dtype=dtype), merger)
             except WeightsError:
                 raise
             except Exception as exc:  # safetensors raises its own types for truncated or garbled files
-                raise WeightsError(f"cannot read shard {shard}: {exc}") from exc
+                raise WeightsError(f"cannot read shard {shard_file}: {exc}") from exc
             bar.update(path.stat().st_size)
     _finish(modules, dtype, device)
     return stats
+
+
+def _read(f, ckpt_name: str, name: str, shard: "ShardPlan | None") -> torch.Tensor:
+    """The tensor, or only this rank's slice of it (a strided read of the mapped file: the other
+    rows or columns are never copied)."""
+    cut = shard.slice_for(name) if shard is not None else None
+    if cut is None:
+        return f.get_tensor(ckpt_name)
+    dim, start, stop = cut
+    index = (slice(None),) * dim + (slice(start, stop),)
+    return f.get_slice(ckpt_name)[index]
 
 
 def _param_names(module: nn.Module) -> set[str]:

@@ -7,7 +7,7 @@ and frees its blocks.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import TokenEvent
@@ -23,6 +23,7 @@ class DecodeService:
         self.delivery = Delivery()
         self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop", on_error=self._fail_all)
         self.puller: KVPuller | None = None  # set where prefill may run on another node (stages.kv_transfer)
+        self.on_close: Callable[[], None] | None = None  # e.g. stop a tensor-parallel group's workers
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed outside any one request: end every stream with an error, free their KV."""
@@ -66,3 +67,5 @@ class DecodeService:
 
     def close(self) -> None:
         self.loop.stop()
+        if self.on_close is not None:  # after the loop: no step is mid-collective
+            self.on_close()

@@ -75,3 +75,4 @@ class EngineService:
 
     def close(self) -> None:
         self.loop.stop()
+        self.engine.close()

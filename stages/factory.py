@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,17 +18,22 @@ from strata.pipeline.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.model_runner import ModelRunner
 from strata.pipeline.scheduler import Scheduler
 from strata.pipeline.tokenizer import PromptTokenizer
+from strata.pipeline.tp_group import TPGroup
+from strata.pipeline.tp_runner import ShardedDeviceBlocks, TPModelRunner
+from strata.pipeline.tp_workers import Launcher
 from strata.pipeline.weights import weights_digest
 from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.preprocessor import Preprocessor
+from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
 
 
-def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes) -> TieredKVCache:
-    """The device pool plus whichever lower tiers the config gives capacity to."""
+def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, group: TPGroup | None = None) -> TieredKVCache:
+    """The device pool plus whichever lower tiers the config gives capacity to. In a tensor-parallel
+    group the pool holds this rank's KV heads, and whole blocks cross to the tiers through the group."""
     lower = LowerTiers.open(
         layout,
         fingerprint,
@@ -36,14 +42,19 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes) -
         disk_dir=config.resolved_disk_kv_dir() if config.disk_kv_blocks else None,
         disk_blocks=config.disk_kv_blocks,
     )
-    pool = BlockPool(layout, config.num_kv_blocks, config.device)
-    return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
+    if group is None or group.size == 1:
+        pool = BlockPool(layout, config.num_kv_blocks, config.device)
+        return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
+    pool = BlockPool(replace(layout, num_kv_heads=layout.num_kv_heads // group.size), config.num_kv_blocks, config.device)
+    return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint, layout, ShardedDeviceBlocks(pool, group))
 
 
 class LanguageStage:
-    """What an LLM stage process loads: tokenizer, model runner over its own tiered KV cache."""
+    """What an LLM stage process loads: tokenizer, model runner over its own tiered KV cache; with
+    ``config.tp`` > 1 this process is rank 0 of a tensor-parallel group ``launcher`` starts the rest of."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
+                 group_host: str = "127.0.0.1") -> None:
         config.validate()
         config.apply_threads()
         self.model_dir = Path(model_dir)
@@ -52,15 +63,30 @@ class LanguageStage:
         cfg = self.model_config
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
-        model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
         layout = KVLayout(cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim, config.block_size, dtype)
         self.fingerprint = model_fingerprint(cfg.text.model_type, weights_digest(self.model_dir), config.dtype, config.block_size)
-        self.kv = build_kv_cache(config, layout, self.fingerprint)
         backend = get_attention_backend(config.attention_backend, config.device)
+        self.tp: TPGroupHandle | None = None
+        if config.tp > 1:
+            self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
+            self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group)
+            self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
+            self.runner.load_stats = self.tp.load_stats
+            return
+        model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
+        self.kv = build_kv_cache(config, layout, self.fingerprint)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        if self.tp is not None:
+            assert isinstance(self.runner, TPModelRunner)
+            self.runner.close()
+            self.tp.close()
+            self.tp = None
 
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""
@@ -79,21 +105,31 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> E
     stage = LanguageStage(model_dir, config)
     preprocessor = Preprocessor.from_model_dir(stage.model_dir, max_pixels=config.max_image_pixels)
     encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
-    return Engine(
+    engine = Engine(
         config, stage.model_config, stage.tokenizer, preprocessor, encoder, Prefiller(stage.core()), Decoder(stage.core())
     )
+    engine.on_close.append(stage.close)
+    return engine
 
 
-def build_prefill_service(model_dir: str | Path, config: EngineConfig) -> PrefillService:
+def build_prefill_service(model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
+                          group_host: str = "127.0.0.1") -> PrefillService:
     """A prefill stage for its own process: it hands off to decoders on other pools (host tier)."""
     _require_shared_tier(config)
-    return PrefillService(Prefiller(LanguageStage(model_dir, config).core(), release_on_handoff=True))
+    stage = LanguageStage(model_dir, config, launcher, group_host)
+    service = PrefillService(Prefiller(stage.core(), release_on_handoff=True))
+    service.on_close = stage.close
+    return service
 
 
-def build_decode_service(model_dir: str | Path, config: EngineConfig) -> DecodeService:
+def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
+                         group_host: str = "127.0.0.1") -> DecodeService:
     """A decode stage for its own process: adopts handles from any prefill replica via the host tier."""
     _require_shared_tier(config)
-    return DecodeService(Decoder(LanguageStage(model_dir, config).core()))
+    stage = LanguageStage(model_dir, config, launcher, group_host)
+    service = DecodeService(Decoder(stage.core()))
+    service.on_close = stage.close
+    return service
 
 
 def _require_shared_tier(config: EngineConfig) -> None:

@@ -8,7 +8,7 @@ event, the sequence state and the KV handle) to pass on to a decode replica.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import Request
@@ -27,6 +27,7 @@ class PrefillService:
         self.block_size = prefiller.kv.layout.block_size
         self.delivery = Delivery()
         self.loop = StageLoop(self._step, prefiller.has_work, name="prefill-loop", on_error=self._fail_all)
+        self.on_close: Callable[[], None] | None = None  # e.g. stop a tensor-parallel group's workers
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed outside any one request: every waiting caller gets an error, KV is freed."""
@@ -66,3 +67,5 @@ class PrefillService:
 
     def close(self) -> None:
         self.loop.stop()
+        if self.on_close is not None:  # after the loop: no step is mid-collective
+            self.on_close()

@@ -166,15 +166,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    engine = load_engine(model, engine_config_from_args(args))
+    from strata.pipeline.models.tensor_parallel import ShardingError
+
+    try:
+        engine = load_engine(model, engine_config_from_args(args))
+    except ShardingError as exc:
+        raise CLIError(str(exc)) from exc
     request: dict[str, Any] = {"images": images, "params": params}
     if args.prompt is not None:
         request["prompt"] = args.prompt
     else:
         request["raw_prompt"] = args.raw_prompt
-    for delta in engine.stream(**request):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
+    try:
+        for delta in engine.stream(**request):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    finally:
+        engine.close()  # stops tensor-parallel workers
     sys.stdout.write("\n")
     return 0
 

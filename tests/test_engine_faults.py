@@ -27,14 +27,14 @@ def expected(llama_dir: Path) -> list[list[int]]:
 
 def test_a_request_whose_forward_raises_fails_alone(llama_dir: Path, expected, monkeypatch) -> None:
     engine = build(llama_dir)
-    original = ModelRunner._overlay_images
+    original = ModelRunner.prepare
 
-    def poisoned(embeds, chunks):
+    def poisoned(self, chunks):
         if any(c.seq.request_id == "poison" for c in chunks):
             raise RuntimeError("a bug that only this request triggers")
-        return original(embeds, chunks)
+        return original(self, chunks)
 
-    monkeypatch.setattr(ModelRunner, "_overlay_images", staticmethod(poisoned))
+    monkeypatch.setattr(ModelRunner, "prepare", poisoned)
     ids = [engine.add_request(prompt=p, params=greedy(10)) for p in PROMPTS[:2]]
     engine.add_request(prompt=PROMPTS[2], params=greedy(10), request_id="poison")
     ids += [engine.add_request(prompt=PROMPTS[3], params=greedy(10))]

@@ -131,11 +131,13 @@ class DecoderLayer(nn.Module):
 class LanguageModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head of a Llama-family model."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer  # the tensor-parallel model swaps in its own
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters)

@@ -1,0 +1,178 @@
+"""Driver and worker halves of a tensor-parallel stage (the vLLM worker model).
+
+Rank 0 (the driver) runs the scheduler, the KV tiers and the sampler. Before each collective the
+other ranks must join, it broadcasts one command:
+
+* ``("step", StepInputs)`` - run the forward on your shard (all-reduces inside, logits gathered);
+* ``("read", block_id)`` - send me your heads of a block (a block leaving the device for a tier);
+* ``("write", block_id)`` - take your heads of the block I broadcast (a block promoted from a tier);
+* ``("stop", None)`` - leave the group.
+
+Every rank holds the same block ids (the driver allocates, the steps write), each with only its own
+KV heads, so tier files, hashes and handles always describe whole blocks. Spilled blocks stream
+into attention the same way: the driver reads a segment's layer from the tier files and broadcasts
+it; each rank keeps its heads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata.kernels import AttentionBackend, SpilledKV
+from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError, TieredKVCache
+from strata.pipeline.model_runner import ModelRunner, StepExecutor
+from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.scheduler import ScheduledChunk
+from strata.pipeline.tp_group import TPGroup
+
+log = logging.getLogger(__name__)
+HEADS = -2  # the KV-head dimension of a block (layers, 2, block_size, heads, head_dim)
+
+
+class ShardedDeviceBlocks(DeviceBlocks):
+    """Whole-block reads and writes of a pool whose heads are spread over the group (driver side)."""
+
+    def __init__(self, pool: BlockPool, group: TPGroup) -> None:
+        super().__init__(pool)
+        self.group = group
+
+    def read(self, block_id: int) -> torch.Tensor:
+        self.group.broadcast_object(("read", block_id))
+        parts = self.group.gather_to_driver(self.pool.kv[block_id])
+        assert parts is not None
+        return torch.cat(parts, dim=HEADS).cpu().contiguous()
+
+    def write(self, block_id: int, block: torch.Tensor) -> None:
+        self.group.broadcast_object(("write", block_id))
+        full = self.group.broadcast(block.to(self.pool.kv.device).contiguous())
+        self.pool.kv[block_id].copy_(_my_heads(full, self.group, self.pool.kv.shape[HEADS]))
+
+
+def _my_heads(block: torch.Tensor, group: TPGroup, local_heads: int) -> torch.Tensor:
+    lo = group.rank * local_heads
+    return block.narrow(HEADS, lo, local_heads)
+
+
+class _ShardedSpilled:
+    """A sequence's spilled blocks as one rank's attention reads them: its heads of each segment."""
+
+    def __init__(self, group: TPGroup, local_kv: torch.Tensor, full_heads: int, num_blocks: int,
+                 segment_blocks: int) -> None:
+        self.group = group
+        self.local_kv = local_kv  # [blocks, layers, 2, block_size, local heads, head_dim]
+        self.full_heads = full_heads
+        self.num_blocks = num_blocks
+        self.segment_blocks = segment_blocks
+
+    def _segment_shape(self, count: int) -> tuple[int, ...]:
+        _, _, _, bs, _, d = self.local_kv.shape
+        return (count, 2, bs, self.full_heads, d)
+
+    def _assemble(self, layer: int, n: int, on_device: dict[int, int], from_tier: torch.Tensor):
+        heads = self.local_kv.shape[HEADS]
+        out = torch.empty(n, *self.local_kv.shape[2:], dtype=self.local_kv.dtype, device=self.local_kv.device)
+        tier_rows = [i for i in range(n) if i not in on_device]
+        for j, i in enumerate(tier_rows):
+            out[i] = _my_heads(from_tier[j], self.group, heads)
+        for i, block_id in on_device.items():
+            out[i] = self.local_kv[block_id, layer]
+        return out[:, 0], out[:, 1]
+
+
+class DriverSpilled(_ShardedSpilled):
+    def __init__(self, cache: TieredKVCache, table: BlockTable, group: TPGroup, segment_blocks: int) -> None:
+        super().__init__(group, cache.pool.kv, cache.layout.num_kv_heads, table.num_spilled, segment_blocks)
+        self.cache = cache
+        self.hashes = list(table.hashes[: table.num_spilled])
+
+    def load(self, layer: int, first_block: int, num_blocks: int):
+        hashes = self.hashes[first_block : first_block + num_blocks]
+        found = {i: self.cache.pool.lookup(h) for i, h in enumerate(hashes)}
+        on_device = {i: b for i, b in found.items() if b is not None}
+        tier = [h for i, h in enumerate(hashes) if i not in on_device]
+        from_tier = torch.empty(self._segment_shape(len(tier)), dtype=self.local_kv.dtype)
+        lost = next((h for j, h in enumerate(tier) if not self._read(h, from_tier[j], layer)), None)
+        self.group.broadcast_object((lost is not None, on_device, len(tier)))
+        if lost is not None:
+            raise KVBlockLostError(lost)
+        if tier:
+            self.group.broadcast(from_tier)
+        return self._assemble(layer, len(hashes), on_device, from_tier.to(self.local_kv.device))
+
+    def _read(self, block_hash: bytes, out: torch.Tensor, layer: int) -> bool:
+        lower = self.cache.lower
+        return lower is not None and lower.read_layers(block_hash, out.reshape(-1).view(torch.uint8).numpy(), layer, 1)
+
+
+class WorkerSpilled(_ShardedSpilled):
+    def load(self, layer: int, first_block: int, num_blocks: int):
+        lost, on_device, count = self.group.broadcast_object(None)
+        if lost:
+            raise KVBlockLostError(b"")
+        from_tier = torch.empty(self._segment_shape(count), dtype=self.local_kv.dtype)
+        if count:
+            self.group.broadcast(from_tier)
+        return self._assemble(layer, num_blocks, on_device, from_tier.to(self.local_kv.device))
+
+
+class TPModelRunner(ModelRunner):
+    """The driver's runner: broadcasts each step's inputs, then runs its own shard of it."""
+
+    def __init__(self, model: LanguageModel, kv: TieredKVCache, backend: AttentionBackend, group: TPGroup,
+                 device: str = "cpu") -> None:
+        super().__init__(model, kv, backend, device)
+        self.group = group
+        self.load_stats: list = []  # each rank's LoadStats (bytes read), set by whoever formed the group
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        inputs = self.prepare(chunks)
+        self.group.broadcast_object(("step", inputs))
+        spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
+        logits = self.executor.run(inputs, spilled)
+        assert logits is not None
+        return logits
+
+    def spilled_source(self, table: BlockTable) -> SpilledKV | None:
+        return DriverSpilled(self.kv, table, self.group, self.kv.staging_blocks) if table.num_spilled else None
+
+    def close(self) -> None:
+        """Tell the workers to leave, and leave the group (a group that lost a rank is just left)."""
+        try:
+            self.group.broadcast_object(("stop", None))
+        except Exception:  # a worker died: the others stop when their sockets close
+            log.warning("tensor-parallel group was already broken at shutdown")
+        try:
+            self.group.close()
+        except Exception:
+            log.warning("tensor-parallel group did not close cleanly")
+
+
+def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, segment_blocks: int) -> None:
+    """A worker's life after loading: run the driver's commands until it says stop.
+
+    A lost spilled block fails the step on every rank alike (the driver recomputes); any other
+    error leaves the loop, which closes this rank's sockets so the driver's next collective fails
+    at once instead of waiting for its timeout.
+    """
+    kv = executor.device_kv
+    block_shape = (*kv.shape[1:-2], full_heads, kv.shape[-1])
+    while True:
+        command, arg = group.broadcast_object(None)
+        if command == "stop":
+            return
+        if command == "step":
+            spilled: list[SpilledKV | None] = [
+                WorkerSpilled(group, kv, full_heads, n, segment_blocks) if n else None for n in arg.num_spilled]
+            try:
+                executor.run(arg, spilled)
+            except KVBlockLostError:
+                continue
+        elif command == "read":
+            group.gather_to_driver(kv[arg])
+        elif command == "write":
+            full = group.broadcast(torch.empty(block_shape, dtype=kv.dtype, device=kv.device))
+            kv[arg].copy_(_my_heads(full, group, kv.shape[HEADS]))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {command!r}")

@@ -1,0 +1,109 @@
+"""The processes of a tensor-parallel stage besides the driver: what each runs, and a local launcher.
+
+A worker joins the group, loads its shard (only its slices of the checkpoint), allocates its share
+of the KV pool (same block count as the driver, its KV heads only) and serves the driver's commands.
+:class:`LocalWorkers` starts ranks 1.. as child processes of this one (``strata generate --tp``,
+in-process tests); ``deployments.tp_actors`` starts them as Ray actors in the replica's placement group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from strata.kernels import get_attention_backend
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.model_config import load_llava_config
+from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.model_runner import StepExecutor
+from strata.pipeline.tp_group import GroupAddress, TPGroup
+from strata.pipeline.tp_runner import serve_commands
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to join and load (picklable: it crosses to a child or an actor)."""
+
+    model_dir: str
+    config: dict[str, Any]  # EngineConfig.to_dict()
+    address: GroupAddress
+    size: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        d = json.loads(text)
+        return cls(d["model_dir"], d["config"], GroupAddress(**d["address"]), d["size"])
+
+
+class Workers(Protocol):
+    """Ranks 1.. of a group, however they were started."""
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+Launcher = Callable[[WorkerSpec], Workers]
+
+
+def run_worker(spec: WorkerSpec, rank: int) -> None:
+    """Rank ``rank``'s whole life: join, load, serve commands until the driver says stop."""
+    config = EngineConfig.from_dict(spec.config)
+    config.apply_threads()
+    group = TPGroup.join(spec.address, rank, spec.size, config.device)
+    try:
+        cfg = load_llava_config(spec.model_dir)
+        dtype = resolve_dtype(config.dtype)
+        model, stats = load_parallel_language_model(spec.model_dir, group, dtype, config.device, cfg)
+        group.gather_object(stats)
+        t = cfg.text
+        kv = torch.zeros(config.num_kv_blocks, t.num_layers, 2, config.block_size, t.num_kv_heads // spec.size,
+                         t.head_dim, dtype=dtype, device=config.device)
+        executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device),
+                                config.block_size, config.device)
+        serve_commands(group, executor, t.num_kv_heads, config.kv_staging_blocks)
+    except Exception:
+        log.exception("tensor-parallel rank %d stopped", rank)
+        raise
+    finally:
+        group.close()
+
+
+class LocalWorkers:
+    """Ranks 1..size-1 as child processes of this one (``python -m strata.pipeline.tp_workers``: a
+    fresh interpreter, so nothing of this process - threads, a process group, ``__main__`` - leaks in)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-m", "strata.pipeline.tp_workers", str(rank)],
+                                       stdin=subprocess.PIPE, text=True) for rank in range(1, spec.size)]
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(spec.to_json())
+            p.stdin.close()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_worker(WorkerSpec.from_json(sys.stdin.read()), int(sys.argv[1]))

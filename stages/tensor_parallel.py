@@ -1,0 +1,59 @@
+"""Opening a tensor-parallel language stage: start the other ranks, join them, load this rank's shard.
+
+The driver (this process, rank 0) picks the rendezvous address, asks a launcher for ranks 1..tp-1
+(child processes by default; Ray actors under Serve), joins them, loads its own shard and collects
+every rank's load statistics (bytes read: each rank reads only its slices).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata.pipeline.config import EngineConfig
+from strata.pipeline.model_config import LlavaConfig
+from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.models.tensor_parallel import ParallelLanguageModel, ShardPlan
+from strata.pipeline.tp_group import GroupAddress, TPGroup
+from strata.pipeline.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
+from strata.pipeline.weights import LoadStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TPGroupHandle:
+    """What the driver holds of its group: the group, the other ranks, its shard, the load statistics."""
+
+    group: TPGroup
+    workers: Workers
+    model: ParallelLanguageModel
+    load_stats: list[LoadStats]  # per rank, rank 0 first
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def open_group(model_dir: Path, config: EngineConfig, cfg: LlavaConfig, launcher: Launcher | None = None,
+               host: str = "127.0.0.1") -> TPGroupHandle:
+    """Start and join ``config.tp`` ranks; raises (with the workers stopped) if they cannot form."""
+    ShardPlan(cfg.text, 0, config.tp)  # a model that does not split fails here, before anything starts
+    address = GroupAddress.free_local() if host == "127.0.0.1" else GroupAddress(host, GroupAddress.free_local().port)
+    workers = (launcher or LocalWorkers)(WorkerSpec(str(model_dir), config.to_dict(), address, config.tp))
+    try:
+        group = TPGroup.join(address, 0, config.tp, config.device)
+    except Exception as exc:
+        workers.close()
+        raise RuntimeError(f"the {config.tp - 1} tensor-parallel worker(s) did not join: {exc}") from exc
+    try:
+        model, stats = load_parallel_language_model(model_dir, group, resolve_dtype(config.dtype), config.device, cfg)
+        everyone = group.gather_object(stats)
+    except Exception:
+        group.close()
+        workers.close()
+        raise
+    assert everyone is not None
+    log.info("tensor-parallel group of %d formed; weight bytes read per rank: %s", config.tp,
+             [s.bytes_read for s in everyone])
+    return TPGroupHandle(group, workers, model, everyone)

@@ -1,0 +1,151 @@
+"""Tensor- and expert-parallel language stages, in-process (the driver here, rank 1 a child process):
+the same greedy tokens and logits as one process, whatever the scheduler does, from each rank's own
+slices of the checkpoint; a dead rank fails requests instead of hanging them."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from strata.pipeline.model_config import load_llava_config
+from strata.pipeline.model_loader import load_language_model
+from strata.pipeline.models.tensor_parallel import ShardingError, ShardPlan
+from strata.pipeline.weights import canonical_name, weight_map
+from helpers import build, greedy, prefill_logits
+
+pytestmark = pytest.mark.slow  # every test forms a group with a child process
+
+PROMPTS = ["Describe the picture.", "Tell me a long story about a lighthouse keeper.", "Count from one to ten.",
+           "Why is the sky blue?", "Summarise the image in one sentence.", "List three animals."]
+
+
+@contextmanager
+def engine(model_dir: Path, **config) -> Iterator:
+    e = build(model_dir, **config)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def _requests(images: list[bytes], max_tokens: int = 12) -> list[dict]:
+    return [{"prompt": p, "images": images[: i % 3], "params": greedy(max_tokens + i)} for i, p in enumerate(PROMPTS)]
+
+
+def _tokens(e, reqs: list[dict]) -> list[list[int]]:
+    outs = e.generate(reqs)
+    assert all(o.error is None for o in outs)
+    return [o.output_token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llava-llama", "llava-mixtral"])
+def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_models, demo_images) -> None:
+    model_dir = tiny_models[arch]
+    one = build(model_dir)
+    with engine(model_dir, tp=2) as two:
+        for images in ([], demo_images[:1]):
+            a = prefill_logits(one, "Describe the picture in detail.", images)
+            b = prefill_logits(two, "Describe the picture in detail.", images)
+            assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
+        reqs = _requests(demo_images)
+        assert _tokens(two, reqs) == _tokens(one, reqs)
+        assert two.prefiller.kv.pool.stats()["in_use"] == 0
+
+
+def test_tp2_matches_across_chunking_prefix_hits_and_preemption(llama_dir: Path, demo_images) -> None:
+    small = dict(num_kv_blocks=12, max_num_batched_tokens=64, prefill_chunk_tokens=32)
+    reqs = _requests(demo_images, max_tokens=30)
+    expected = _tokens(build(llama_dir, **small), reqs)
+    with engine(llama_dir, tp=2, **small) as two:
+        assert _tokens(two, reqs) == expected
+        again = two.generate(reqs[:2])  # the same prompts once more: leading blocks come from the cache
+        assert [o.output_token_ids for o in again] == expected[:2]
+        assert sum(o.num_cached_tokens for o in again) > 0
+        scheds = (two.prefiller.core.scheduler, two.decoder.core.scheduler)
+        assert sum(s.num_preemptions for s in scheds) > 0
+        two.prefiller.kv.pool.check_invariants()
+
+
+def test_tp2_spills_to_and_reuses_the_host_tier_with_whole_blocks(llama_dir: Path, tmp_path: Path) -> None:
+    """A context larger than the device pool: blocks leave for the host tier (gathered from both ranks),
+    stream back into attention (each rank takes its heads), and a fresh tp=1 engine reuses the files."""
+    prompt = "Tell me the whole story of the sea and the stars, from the start. " * 30
+    tier = dict(max_model_len=2048, num_kv_blocks=16, prefill_chunk_tokens=64, host_kv_blocks=300)
+    expected = _tokens(build(llama_dir, max_model_len=2048), [{"prompt": prompt, "params": greedy(10)}])
+    with engine(llama_dir, tp=2, host_kv_dir=str(tmp_path / "tp2"), **tier) as two:
+        assert _tokens(two, [{"prompt": prompt, "params": greedy(10)}]) == expected
+        assert two.prefiller.kv.peak_spilled_blocks > 8
+    # the tier files hold whole blocks: a one-process engine adopts them as prefix hits
+    one = build(llama_dir, host_kv_dir=str(tmp_path / "tp2"), **tier)
+    out = one.generate([{"prompt": prompt, "params": greedy(10)}])[0]
+    assert out.output_token_ids == expected[0]
+    assert one.prefiller.kv.stats()["prefix_hit_tokens"]["host"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llava-llama", "llava-mixtral"])
+def test_each_rank_reads_only_its_slices_of_the_shards(arch: str, tiny_models) -> None:
+    model_dir = tiny_models[arch]
+    whole = load_language_model(model_dir)[1].bytes_read
+    replicated = _replicated_bytes(model_dir)  # norms and the router: every rank reads them
+    with engine(model_dir, tp=2) as two:
+        per_rank = [s.bytes_read for s in two.prefiller.core.runner.load_stats]
+    assert len(per_rank) == 2
+    assert sum(per_rank) == whole + replicated
+    for b in per_rank:
+        assert b <= (whole - replicated) // 2 + replicated + 4 * 1024  # its half (+ uneven vocab rows)
+
+
+def _replicated_bytes(model_dir: Path) -> int:
+    total = 0
+    for name, shard in weight_map(model_dir).items():
+        target = canonical_name(name)
+        if target and target[0] == "text" and ("norm" in target[1] or target[1].endswith("mlp.gate.weight")):
+            with safe_open(str(model_dir / shard), framework="pt") as f:
+                t = f.get_slice(name)
+                total += int(torch.tensor(t.get_shape()).prod()) * 4
+    return total
+
+
+def test_the_shard_plan_splits_heads_columns_experts_and_vocab(tiny_models) -> None:
+    cfg = load_llava_config(tiny_models["llava-mixtral"]).text
+    d = cfg.head_dim
+    one, two = ShardPlan(cfg, 0, 2), ShardPlan(cfg, 1, 2)
+    assert one.slice_for("layers.0.self_attn.q_proj.weight") == (0, 0, cfg.num_heads // 2 * d)
+    assert two.slice_for("layers.0.self_attn.k_proj.weight") == (0, cfg.num_kv_heads // 2 * d, cfg.num_kv_heads * d)
+    assert two.slice_for("layers.1.self_attn.o_proj.weight") == (1, cfg.num_heads // 2 * d, cfg.num_heads * d)
+    assert one.slice_for("layers.0.mlp.experts.gate_up_proj") == (0, 0, cfg.num_experts // 2)
+    assert one.slice_for("layers.0.mlp.gate.weight") is None and one.slice_for("norm.weight") is None
+    assert two.holds_expert(cfg.num_experts - 1) and not one.holds_expert(cfg.num_experts - 1)
+    odd = ShardPlan(cfg.__class__(**{**cfg.__dict__, "vocab_size": 513}), 0, 2)
+    assert odd.vocab == (0, 256) and odd.padded_vocab == 257
+
+
+def test_a_model_that_does_not_split_is_refused_before_anything_starts(llama_dir: Path) -> None:
+    with pytest.raises(ShardingError, match="tp=3 does not divide the model's 4 attention heads"):
+        build(llama_dir, tp=3)
+    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+        build(llama_dir, tp=0)
+
+
+def test_a_dead_rank_fails_requests_at_once_and_shutdown_still_returns(llama_dir: Path) -> None:
+    e = build(llama_dir, tp=2)
+    try:
+        assert e.generate([{"prompt": "hi", "params": greedy(4)}])[0].error is None
+        stage = e.on_close[0].__self__
+        for proc in stage.tp.workers.procs:
+            proc.kill()
+            proc.wait()
+        t0 = time.monotonic()
+        out = e.generate([{"prompt": "hi again", "params": greedy(4)}])[0]
+        assert out.finish_reason == "error" and "internal error" in out.error
+        assert time.monotonic() - t0 < 30
+    finally:
+        t0 = time.monotonic()
+        e.close()
+        assert time.monotonic() - t0 < 15
