@@ -33,6 +33,9 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     return config
 
 
+MIN_BUNDLE_CPUS = 0.01  # a placement-group bundle needs some resource; "no CPU limit" reserves next to nothing
+
+
 def deployment_options(config: ServeConfig, stage: str, access_log: bool = False) -> dict[str, Any]:
     """Replica resources and the stage's own autoscaling policy, from its section of the config. The
     HTTP-facing deployment admits requests itself (a JSON 429 with Retry-After past its limit), so
@@ -53,12 +56,18 @@ def deployment_options(config: ServeConfig, stage: str, access_log: bool = False
         metrics_interval_s=sc.metrics_interval_s, look_back_period_s=sc.look_back_period_s, policy=policy,
     )
     http_facing = stage in ("ingress", "llm")
+    tp = config.tp(stage)
+    group = {}
+    if tp > 1:  # one bundle per rank; the replica (rank 0) takes the first, its workers the others
+        cpus = sc.num_cpus or MIN_BUNDLE_CPUS
+        group = {"placement_group_bundles": [{"CPU": cpus}] * tp, "placement_group_strategy": "PACK"}
     return {
+        **group,
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": sc.max_ongoing_requests + sc.max_queued_requests + 8 if http_facing else sc.max_ongoing_requests,
         "max_queued_requests": 64 if http_facing else sc.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=sc.retry_after_s),
-        "ray_actor_options": {"num_cpus": sc.num_cpus},
+        "ray_actor_options": {"num_cpus": sc.num_cpus or (MIN_BUNDLE_CPUS if tp > 1 else 0.0)},
         "logging_config": {"enable_access_log": access_log},
     }
 
@@ -67,6 +76,7 @@ def engine_for(config: ServeConfig, stage: str) -> dict[str, Any]:
     """The engine config of one stage's replicas: torch uses as many threads as the replica has
     CPUs reserved (``num_cpus``), so replicas sharing a node do not each run a full set."""
     engine = config.engine.to_dict()
+    engine["tp"] = config.tp(stage)
     cpus = config.stages[stage].num_cpus
     if cpus >= 1 and not engine.get("num_threads"):
         engine["num_threads"] = int(cpus)

@@ -16,6 +16,7 @@ from strata.pipeline.config import EngineConfig, read_json_object, reject_unknow
 
 STAGES = ("preprocess", "encode", "prefill", "decode", "ingress", "llm")
 MODES = ("aggregated", "disaggregated")
+LANGUAGE_STAGES = ("prefill", "decode", "llm")  # the stages that run the decoder (and may be tensor-parallel)
 # The deployments of each mode (stage name -> deployment name). Aggregated: one LLM replica is the
 # HTTP ingress and runs prefill and decode over one KV pool; disaggregated: an ingress and separate
 # prefill and decode deployments that hand KV over through the host tier.
@@ -44,7 +45,8 @@ class StageConfig:
     min_replicas: int = 1
     max_replicas: int = 1
     initial_replicas: int | None = None
-    num_cpus: float = 0.0  # logical CPUs reserved per replica (0: do not limit placement)
+    num_cpus: float = 0.0  # logical CPUs reserved per replica (0: do not limit placement); per rank with tp
+    tp: int = 0  # prefill, decode, llm: tensor-parallel ranks per replica (0: the engine's tp, 1 by default)
     max_ongoing_requests: int = 256  # every open stream holds one slot
     max_queued_requests: int = 512  # per caller; past it: HTTP 429 with Retry-After (never unbounded memory)
     retry_after_s: float = 1.0
@@ -62,6 +64,11 @@ class StageConfig:
             raise ValueError(f"stages.{name}: num_cpus, target_per_replica must be >= 0, max_ongoing_requests >= 1")
         if self.max_queued_requests < 1 or self.retry_after_s < 0:
             raise ValueError(f"stages.{name}: max_queued_requests must be >= 1 and retry_after_s >= 0")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 0:
+            raise ValueError(f"stages.{name}: tp must be an integer >= 0")
+        if self.tp > 1 and name not in LANGUAGE_STAGES:
+            raise ValueError(f"stages.{name}: only {', '.join(LANGUAGE_STAGES)} run the decoder, which is what tp "
+                             "splits (the vision encoder is small and runs whole in each replica)")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError(f"stages.{name}: look_back_period_s must exceed metrics_interval_s")
 
@@ -83,6 +90,12 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in STAGES:
             self.stages.setdefault(name, StageConfig())
+
+    def tp(self, stage: str) -> int:
+        """Tensor-parallel ranks of one replica of ``stage`` (1 for stages without a decoder)."""
+        if stage not in LANGUAGE_STAGES:
+            return 1
+        return self.stages[stage].tp or self.engine.tp
 
     def target(self, stage: str) -> float:
         return self.stages[stage].target_per_replica or _DEFAULT_TARGETS[stage]

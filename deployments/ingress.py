@@ -74,11 +74,15 @@ class Ingress:
         self.readiness_handles = {"preprocess": preprocess, **self.stage_handles}
 
     def _load_engine(self, model_dir: Path) -> None:
+        from dataclasses import replace
+
+        from strata.deployments.tp_actors import RayWorkers, group_host
         from strata.stages.engine_service import EngineService
         from strata.stages.factory import build_engine
 
         try:
-            engine = build_engine(model_dir, self.config.engine)
+            engine = build_engine(model_dir, replace(self.config.engine, tp=self.config.tp("llm")), RayWorkers,
+                                  group_host())
             self.service = EngineService(engine, self.config.stream_interval_ms / 1000)
             self.flow.service = self.service  # type: ignore[attr-defined]
         except Exception as exc:  # reported by /health and to every request; never a hang
@@ -96,6 +100,11 @@ class Ingress:
             await asyncio.sleep(0.05)
         if self._load_error is not None:
             raise APIError(503, "the model failed to load on this replica", type_="server_error")
+
+    def check_health(self) -> None:
+        """Serve replaces an LLM replica whose tensor-parallel worker died (its group cannot step any more)."""
+        if self.service is not None and not self.service.engine.healthy():
+            raise RuntimeError("a tensor-parallel worker of this replica died")
 
     # ------------------------------------------------------------ small routes
     @app.get("/health")

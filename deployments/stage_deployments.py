@@ -19,6 +19,7 @@ from ray import serve
 
 from strata.deployments import metrics
 from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
+from strata.deployments.tp_actors import RayWorkers, group_host
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.handoff import Handoff
 from strata.pipeline.request import Request, pack_events
@@ -98,7 +99,7 @@ class Prefill:
     """Chunked prefill with prefix reuse; returns the first token and a KVHandle."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
-        self.service = build_prefill_service(model_dir, EngineConfig.from_dict(engine))
+        self.service = build_prefill_service(model_dir, EngineConfig.from_dict(engine), RayWorkers, group_host())
         self.deltas = metrics.CounterDelta()
         # this node's host tier is served to decode replicas on other nodes; hand-offs say where from
         self.node_id = ensure_block_server(self.service.prefiller.kv)
@@ -121,6 +122,11 @@ class Prefill:
     async def ready(self) -> bool:
         return True
 
+    def check_health(self) -> None:
+        """Serve replaces a replica whose tensor-parallel worker died (its group cannot step any more)."""
+        if not self.service.healthy():
+            raise RuntimeError("a tensor-parallel worker of this replica died")
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         try:
             stats = await self.service.stats()
@@ -139,7 +145,7 @@ class Decode:
     """Continuous batching of every sequence admitted to this replica; streams token events."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
-        self.service = build_decode_service(model_dir, EngineConfig.from_dict(engine))
+        self.service = build_decode_service(model_dir, EngineConfig.from_dict(engine), RayWorkers, group_host())
         self.deltas = metrics.CounterDelta()
         kv = self.service.decoder.kv
         self.service.puller = KVPuller(kv, ray.get_runtime_context().get_node_id(), block_fetcher(kv.fingerprint),
@@ -155,6 +161,11 @@ class Decode:
 
     async def ready(self) -> bool:
         return True
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose tensor-parallel worker died (its group cannot step any more)."""
+        if not self.service.healthy():
+            raise RuntimeError("a tensor-parallel worker of this replica died")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         try:

@@ -55,6 +55,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_tokens = 0
         self.on_close: list[Callable[[], None]] = []  # e.g. stop a tensor-parallel group's workers
+        self.healthy: Callable[[], bool] = lambda: True  # False once a tensor-parallel worker died
 
     def close(self) -> None:
         """Release what the engine started besides this process (tensor-parallel workers). Idempotent."""

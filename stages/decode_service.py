@@ -24,6 +24,7 @@ class DecodeService:
         self.loop = StageLoop(self._step, decoder.has_work, name="decode-loop", on_error=self._fail_all)
         self.puller: KVPuller | None = None  # set where prefill may run on another node (stages.kv_transfer)
         self.on_close: Callable[[], None] | None = None  # e.g. stop a tensor-parallel group's workers
+        self.healthy: Callable[[], bool] = lambda: True  # False once a tensor-parallel worker died
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed outside any one request: end every stream with an error, free their KV."""

@@ -80,6 +80,10 @@ class LanguageStage:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
 
+    def alive(self) -> bool:
+        """False once a tensor-parallel worker died (the replica must then be replaced whole)."""
+        return self.tp is None or self.tp.workers.alive()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process)."""
         if self.tp is not None:
@@ -95,20 +99,22 @@ class LanguageStage:
                           self.config.request_timeout_s)
 
 
-def build_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+def build_engine(model_dir: str | Path, config: EngineConfig | None = None, launcher: Launcher | None = None,
+                 group_host: str = "127.0.0.1") -> Engine:
     """Load a checkpoint and wire Preprocessor -> VisionEncoder -> Prefiller -> Decoder in this process.
 
     Prefiller and Decoder share one model and one device block pool here, so a hand-off is
     just a KVHandle naming blocks already in place.
     """
     config = config or EngineConfig()
-    stage = LanguageStage(model_dir, config)
+    stage = LanguageStage(model_dir, config, launcher, group_host)
     preprocessor = Preprocessor.from_model_dir(stage.model_dir, max_pixels=config.max_image_pixels)
     encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
     engine = Engine(
         config, stage.model_config, stage.tokenizer, preprocessor, encoder, Prefiller(stage.core()), Decoder(stage.core())
     )
     engine.on_close.append(stage.close)
+    engine.healthy = stage.alive
     return engine
 
 
@@ -119,6 +125,7 @@ def build_prefill_service(model_dir: str | Path, config: EngineConfig, launcher:
     stage = LanguageStage(model_dir, config, launcher, group_host)
     service = PrefillService(Prefiller(stage.core(), release_on_handoff=True))
     service.on_close = stage.close
+    service.healthy = stage.alive
     return service
 
 
@@ -129,6 +136,7 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     stage = LanguageStage(model_dir, config, launcher, group_host)
     service = DecodeService(Decoder(stage.core()))
     service.on_close = stage.close
+    service.healthy = stage.alive
     return service
 
 

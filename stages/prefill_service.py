@@ -28,6 +28,7 @@ class PrefillService:
         self.delivery = Delivery()
         self.loop = StageLoop(self._step, prefiller.has_work, name="prefill-loop", on_error=self._fail_all)
         self.on_close: Callable[[], None] | None = None  # e.g. stop a tensor-parallel group's workers
+        self.healthy: Callable[[], bool] = lambda: True  # False once a tensor-parallel worker died
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed outside any one request: every waiting caller gets an error, KV is freed."""

@@ -70,6 +70,7 @@ SERVE_TEST_CONFIG = {
     "stages": {
         "prefill": {"min_replicas": 1, "max_replicas": 2, "target_per_replica": 256,
                     "upscale_delay_s": 0.5, "downscale_delay_s": 4.0},
+        "decode": {"tp": 2},  # every disaggregated serve test decodes through a tensor-parallel group
     },
 }
 

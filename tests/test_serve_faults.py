@@ -32,7 +32,8 @@ pytestmark = pytest.mark.serve
 FAULT_CONFIG = {
     "mode": "disaggregated",
     "engine": {"max_model_len": 8192, "prefill_chunk_tokens": 16, "host_kv_blocks": 4096},
-    "stages": {"prefill": {"min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1}},
+    "stages": {"prefill": {"min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1},
+               "decode": {"tp": 2}},  # decode is a tensor-parallel group: killing either rank is a fault too
 }
 LEAKS = ("pid", "actor", "ip=", "/tmp/", "Traceback", "ActorDied", "RayTaskError")
 
@@ -184,6 +185,34 @@ def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_re
     # the metrics count the killed stream as a failed (500) chat request, not as a success or a cancel
     _wait(lambda: metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
                                status="500") == failed_before + 1, 30, "the failed stream in the metrics")
+
+
+def _tp_worker_pids(server) -> list[int]:
+    params = {"filter_keys": "class_name", "filter_predicates": "=", "filter_values": "TPWorker", "limit": 100}
+    body = httpx.get(server.dashboard_url + "/api/v0/actors", params=params, timeout=30).json()
+    return [a["pid"] for a in body["data"]["result"]["result"] if a["state"] == "ALIVE"]
+
+
+def test_killing_a_tensor_parallel_decode_worker_fails_its_streams_then_the_group_is_replaced(server) -> None:
+    expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
+    (replica,) = _replica_pids(server, "Decode")
+    (worker,) = _wait(lambda: _tp_worker_pids(server), 60, "the decode replica's rank-1 worker")
+    body = _chat(_long_prompt(50, 6), max_tokens=4000, ignore_eos=True, stream=True)
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        _first_lines(lines, 5)
+        os.kill(worker, signal.SIGKILL)
+        rest = [line for line in lines if line.strip()]
+    assert rest[-1] == "data: [DONE]"
+    assert '"error"' in rest[-2] and "server_error" in rest[-2]
+    assert not any(leak in rest[-2] for leak in LEAKS), rest[-2]
+    # the replica's health check fails, and Serve replaces the whole group (replica and worker)
+    _wait(lambda: [p for p in _replica_pids(server, "Decode") if p != replica], 120, "a new Decode replica")
+    _wait(lambda: [p for p in _tp_worker_pids(server) if p != worker], 120, "a new rank-1 worker")
+    again = _wait(lambda: (r := _post(server, _chat("A short tale of the sea.", max_tokens=12))).status_code == 200 and r,
+                  60, "a successful request after the restart")
+    assert again.json()["choices"][0]["message"]["content"] == expected
 
 
 def test_killing_the_prefill_replica_mid_prefill_is_a_json_500_then_service_resumes(server) -> None:
