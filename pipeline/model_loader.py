@@ -9,7 +9,8 @@ import torch
 from strata.pipeline.model_config import LlavaConfig, load_llava_config
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
-from strata.pipeline.models.tensor_parallel import ParallelLanguageModel, ShardPlan
+from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
+from strata.pipeline.shard_plan import ShardPlan
 from strata.pipeline.tp_group import TPGroup
 from strata.pipeline.weights import LoadStats, load_weights
 

@@ -36,11 +36,6 @@ class GroupAddress:
             return GroupAddress("127.0.0.1", s.getsockname()[1])
 
 
-def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    """The [start, stop) of part ``index`` when ``total`` items are split as evenly as possible."""
-    return total * index // parts, total * (index + 1) // parts
-
-
 class TPGroup:
     """This process's membership in a tensor-parallel group (``size`` 1: no group, no communication)."""
 

@@ -32,35 +32,37 @@ HEADS = -2  # the KV-head dimension of a block (layers, 2, block_size, heads, he
 
 
 class ShardedDeviceBlocks(DeviceBlocks):
-    """Whole-block reads and writes of a pool whose heads are spread over the group (driver side)."""
+    """Whole-block reads and writes of a pool whose heads are spread over the group (driver side).
+    ``kv_replicas`` ranks in a row hold the same KV heads when tp exceeds them; a read takes one."""
 
-    def __init__(self, pool: BlockPool, group: TPGroup) -> None:
+    def __init__(self, pool: BlockPool, group: TPGroup, kv_replicas: int = 1) -> None:
         super().__init__(pool)
         self.group = group
+        self.kv_replicas = kv_replicas
 
     def read(self, block_id: int) -> torch.Tensor:
         self.group.broadcast_object(("read", block_id))
         parts = self.group.gather_to_driver(self.pool.kv[block_id])
         assert parts is not None
-        return torch.cat(parts, dim=HEADS).cpu().contiguous()
+        return torch.cat(parts[:: self.kv_replicas], dim=HEADS).cpu().contiguous()
 
     def write(self, block_id: int, block: torch.Tensor) -> None:
         self.group.broadcast_object(("write", block_id))
         full = self.group.broadcast(block.to(self.pool.kv.device).contiguous())
-        self.pool.kv[block_id].copy_(_my_heads(full, self.group, self.pool.kv.shape[HEADS]))
+        self.pool.kv[block_id].copy_(_my_heads(full, 0, self.pool.kv.shape[HEADS]))
 
 
-def _my_heads(block: torch.Tensor, group: TPGroup, local_heads: int) -> torch.Tensor:
-    lo = group.rank * local_heads
-    return block.narrow(HEADS, lo, local_heads)
+def _my_heads(block: torch.Tensor, first_head: int, local_heads: int) -> torch.Tensor:
+    return block.narrow(HEADS, first_head, local_heads)
 
 
 class _ShardedSpilled:
     """A sequence's spilled blocks as one rank's attention reads them: its heads of each segment."""
 
-    def __init__(self, group: TPGroup, local_kv: torch.Tensor, full_heads: int, num_blocks: int,
+    def __init__(self, group: TPGroup, local_kv: torch.Tensor, full_heads: int, first_head: int, num_blocks: int,
                  segment_blocks: int) -> None:
         self.group = group
+        self.first_head = first_head  # this rank's first KV head
         self.local_kv = local_kv  # [blocks, layers, 2, block_size, local heads, head_dim]
         self.full_heads = full_heads
         self.num_blocks = num_blocks
@@ -75,7 +77,7 @@ class _ShardedSpilled:
         out = torch.empty(n, *self.local_kv.shape[2:], dtype=self.local_kv.dtype, device=self.local_kv.device)
         tier_rows = [i for i in range(n) if i not in on_device]
         for j, i in enumerate(tier_rows):
-            out[i] = _my_heads(from_tier[j], self.group, heads)
+            out[i] = _my_heads(from_tier[j], self.first_head, heads)
         for i, block_id in on_device.items():
             out[i] = self.local_kv[block_id, layer]
         return out[:, 0], out[:, 1]
@@ -83,7 +85,7 @@ class _ShardedSpilled:
 
 class DriverSpilled(_ShardedSpilled):
     def __init__(self, cache: TieredKVCache, table: BlockTable, group: TPGroup, segment_blocks: int) -> None:
-        super().__init__(group, cache.pool.kv, cache.layout.num_kv_heads, table.num_spilled, segment_blocks)
+        super().__init__(group, cache.pool.kv, cache.layout.num_kv_heads, 0, table.num_spilled, segment_blocks)
         self.cache = cache
         self.hashes = list(table.hashes[: table.num_spilled])
 
@@ -149,7 +151,8 @@ class TPModelRunner(ModelRunner):
             log.warning("tensor-parallel group did not close cleanly")
 
 
-def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, segment_blocks: int) -> None:
+def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, first_head: int,
+                   segment_blocks: int) -> None:
     """A worker's life after loading: run the driver's commands until it says stop.
 
     A lost spilled block fails the step on every rank alike (the driver recomputes); any other
@@ -164,7 +167,8 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, segm
             return
         if command == "step":
             spilled: list[SpilledKV | None] = [
-                WorkerSpilled(group, kv, full_heads, n, segment_blocks) if n else None for n in arg.num_spilled]
+                WorkerSpilled(group, kv, full_heads, first_head, n, segment_blocks) if n else None
+                for n in arg.num_spilled]
             try:
                 executor.run(arg, spilled)
             except KVBlockLostError:
@@ -173,6 +177,6 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, segm
             group.gather_to_driver(kv[arg])
         elif command == "write":
             full = group.broadcast(torch.empty(block_shape, dtype=kv.dtype, device=kv.device))
-            kv[arg].copy_(_my_heads(full, group, kv.shape[HEADS]))
+            kv[arg].copy_(_my_heads(full, first_head, kv.shape[HEADS]))
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command!r}")

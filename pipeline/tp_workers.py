@@ -67,12 +67,12 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         dtype = resolve_dtype(config.dtype)
         model, stats = load_parallel_language_model(spec.model_dir, group, dtype, config.device, cfg)
         group.gather_object(stats)
-        t = cfg.text
-        kv = torch.zeros(config.num_kv_blocks, t.num_layers, 2, config.block_size, t.num_kv_heads // spec.size,
+        t, (first_head, stop_head) = cfg.text, model.plan.kv_heads
+        kv = torch.zeros(config.num_kv_blocks, t.num_layers, 2, config.block_size, stop_head - first_head,
                          t.head_dim, dtype=dtype, device=config.device)
         executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device),
                                 config.block_size, config.device)
-        serve_commands(group, executor, t.num_kv_heads, config.kv_staging_blocks)
+        serve_commands(group, executor, t.num_kv_heads, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
         raise

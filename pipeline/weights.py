@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 if TYPE_CHECKING:
-    from strata.pipeline.models.tensor_parallel import ShardPlan
+    from strata.pipeline.shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def load_weights(
                         stats.tensors_read += 1
                         stats.bytes_read += tensor.numel() * tensor.element_size()
                         if plan is not None:
-                            tensor = plan.fit(name, tensor)
+                            tensor = _pad_rows(tensor, plan.padded_rows(name))
                         _place(modules[part], part, name, tensor.to(device=device, dtype=dtype), merger)
             except WeightsError:
                 raise
@@ -228,6 +228,12 @@ def _read(f, ckpt_name: str, name: str, shard: "ShardPlan | None") -> torch.Tens
     dim, start, stop = cut
     index = (slice(None),) * dim + (slice(start, stop),)
     return f.get_slice(ckpt_name)[index]
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int | None) -> torch.Tensor:
+    if rows is None or tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype)])
 
 
 def _param_names(module: nn.Module) -> set[str]:

@@ -31,7 +31,8 @@ from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
 
 
-def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, group: TPGroup | None = None) -> TieredKVCache:
+def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, group: TPGroup | None = None,
+                   kv_replicas: int = 1) -> TieredKVCache:
     """The device pool plus whichever lower tiers the config gives capacity to. In a tensor-parallel
     group the pool holds this rank's KV heads, and whole blocks cross to the tiers through the group."""
     lower = LowerTiers.open(
@@ -45,8 +46,10 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, g
     if group is None or group.size == 1:
         pool = BlockPool(layout, config.num_kv_blocks, config.device)
         return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
-    pool = BlockPool(replace(layout, num_kv_heads=layout.num_kv_heads // group.size), config.num_kv_blocks, config.device)
-    return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint, layout, ShardedDeviceBlocks(pool, group))
+    local = replace(layout, num_kv_heads=max(1, layout.num_kv_heads // group.size))  # rank 0's KV heads
+    pool = BlockPool(local, config.num_kv_blocks, config.device)
+    return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint, layout,
+                         ShardedDeviceBlocks(pool, group, kv_replicas))
 
 
 class LanguageStage:
@@ -69,7 +72,7 @@ class LanguageStage:
         self.tp: TPGroupHandle | None = None
         if config.tp > 1:
             self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
-            self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group)
+            self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return

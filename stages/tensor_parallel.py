@@ -14,7 +14,8 @@ from pathlib import Path
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.model_config import LlavaConfig
 from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
-from strata.pipeline.models.tensor_parallel import ParallelLanguageModel, ShardPlan
+from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
+from strata.pipeline.shard_plan import ShardPlan
 from strata.pipeline.tp_group import GroupAddress, TPGroup
 from strata.pipeline.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
 from strata.pipeline.weights import LoadStats

@@ -166,7 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    from strata.pipeline.models.tensor_parallel import ShardingError
+    from strata.pipeline.shard_plan import ShardingError
 
     try:
         engine = load_engine(model, engine_config_from_args(args))

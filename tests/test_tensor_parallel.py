@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +16,7 @@ from safetensors import safe_open
 
 from strata.pipeline.model_config import load_llava_config
 from strata.pipeline.model_loader import load_language_model
-from strata.pipeline.models.tensor_parallel import ShardingError, ShardPlan
+from strata.pipeline.shard_plan import ShardingError, ShardPlan
 from strata.pipeline.weights import canonical_name, weight_map
 from helpers import build, greedy, prefill_logits
 
@@ -72,17 +73,20 @@ def test_tp2_matches_across_chunking_prefix_hits_and_preemption(llama_dir: Path,
         two.prefiller.kv.pool.check_invariants()
 
 
-def test_tp2_spills_to_and_reuses_the_host_tier_with_whole_blocks(llama_dir: Path, tmp_path: Path) -> None:
-    """A context larger than the device pool: blocks leave for the host tier (gathered from both ranks),
-    stream back into attention (each rank takes its heads), and a fresh tp=1 engine reuses the files."""
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4-kv-heads-replicated"])
+def test_a_tp_group_spills_to_and_reuses_the_host_tier_with_whole_blocks(tp: int, llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """A context larger than the device pool: blocks leave for the host tier (gathered from the ranks),
+    stream back into attention (each rank takes its heads), and a fresh tp=1 engine reuses the files.
+    With tp=4 on the model's 2 KV heads, each KV head lives on two ranks."""
     prompt = "Tell me the whole story of the sea and the stars, from the start. " * 30
     tier = dict(max_model_len=2048, num_kv_blocks=16, prefill_chunk_tokens=64, host_kv_blocks=300)
     expected = _tokens(build(llama_dir, max_model_len=2048), [{"prompt": prompt, "params": greedy(10)}])
-    with engine(llama_dir, tp=2, host_kv_dir=str(tmp_path / "tp2"), **tier) as two:
-        assert _tokens(two, [{"prompt": prompt, "params": greedy(10)}]) == expected
-        assert two.prefiller.kv.peak_spilled_blocks > 8
+    with engine(llama_dir, tp=tp, host_kv_dir=str(tmp_path / "host"), **tier) as group:
+        assert _tokens(group, [{"prompt": prompt, "params": greedy(10)}]) == expected
+        assert group.prefiller.kv.peak_spilled_blocks > 8
     # the tier files hold whole blocks: a one-process engine adopts them as prefix hits
-    one = build(llama_dir, host_kv_dir=str(tmp_path / "tp2"), **tier)
+    one = build(llama_dir, host_kv_dir=str(tmp_path / "host"), **tier)
     out = one.generate([{"prompt": prompt, "params": greedy(10)}])[0]
     assert out.output_token_ids == expected[0]
     assert one.prefiller.kv.stats()["prefix_hit_tokens"]["host"] > 0
@@ -122,13 +126,18 @@ def test_the_shard_plan_splits_heads_columns_experts_and_vocab(tiny_models) -> N
     assert one.slice_for("layers.0.mlp.experts.gate_up_proj") == (0, 0, cfg.num_experts // 2)
     assert one.slice_for("layers.0.mlp.gate.weight") is None and one.slice_for("norm.weight") is None
     assert two.holds_expert(cfg.num_experts - 1) and not one.holds_expert(cfg.num_experts - 1)
-    odd = ShardPlan(cfg.__class__(**{**cfg.__dict__, "vocab_size": 513}), 0, 2)
+    odd = ShardPlan(replace(cfg, vocab_size=513), 0, 2)
     assert odd.vocab == (0, 256) and odd.padded_vocab == 257
+    wide = [ShardPlan(replace(cfg, num_kv_heads=2), r, 4) for r in range(4)]  # more ranks than KV heads
+    assert [p.kv_heads for p in wide] == [(0, 1), (0, 1), (1, 2), (1, 2)] and wide[0].kv_replicas == 2
 
 
 def test_a_model_that_does_not_split_is_refused_before_anything_starts(llama_dir: Path) -> None:
     with pytest.raises(ShardingError, match="tp=3 does not divide the model's 4 attention heads"):
         build(llama_dir, tp=3)
+    cfg = load_llava_config(llama_dir).text
+    with pytest.raises(ShardingError, match="tp=4 neither divides nor is a multiple of the model's 3 KV heads"):
+        ShardPlan(replace(cfg, num_kv_heads=3), 0, 4)
     with pytest.raises(ValueError, match="tp must be an integer >= 1"):
         build(llama_dir, tp=0)
 

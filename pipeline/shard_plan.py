@@ -1,0 +1,134 @@
+"""Which part of a decoder each rank of a tensor-parallel group holds: arithmetic on the config only
+(no torch), shared by the sharded model, the weight loader and the memory planner.
+
+Rank ``r`` of ``n`` holds q heads, KV heads, MLP columns, experts and vocab rows ``shard_range(...)``
+of each; with more ranks than KV heads, each KV head is held by the ``n / heads`` ranks whose q
+heads read it. A model that does not split ``n`` ways is refused with the dimension that does not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from strata.pipeline.model_config import TextConfig
+
+
+def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """The [start, stop) of part ``index`` when ``total`` items are split as evenly as possible."""
+    return total * index // parts, total * (index + 1) // parts
+
+
+_LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+_STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class ShardingError(ValueError):
+    """The model cannot be split ``tp`` ways; the message says which dimension does not divide."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank ``rank`` of a ``size``-way group holds of a decoder with config ``cfg``."""
+
+    cfg: TextConfig
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        c, n = self.cfg, self.size
+        if n < 1 or not 0 <= self.rank < n:
+            raise ShardingError(f"rank {self.rank} is not in a group of {n}")
+        checks = [("attention heads", c.num_heads)]
+        if not c.num_experts:
+            checks.append(("MLP intermediate size", c.intermediate_size))
+        for what, value in checks:
+            if value % n:
+                raise ShardingError(f"tp={n} does not divide the model's {value} {what}")
+        if c.num_kv_heads % n and n % c.num_kv_heads:
+            raise ShardingError(f"tp={n} neither divides nor is a multiple of the model's {c.num_kv_heads} KV heads")
+        if c.num_experts and c.num_experts < n:
+            raise ShardingError(f"tp={n} exceeds the model's {c.num_experts} experts")
+
+    # ------------------------------------------------------------ ranges
+    @property
+    def heads(self) -> tuple[int, int]:
+        return shard_range(self.cfg.num_heads, self.size, self.rank)
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        hkv, n = self.cfg.num_kv_heads, self.size
+        if hkv >= n:
+            return shard_range(hkv, n, self.rank)
+        first = self.rank * hkv // n  # the KV head this rank's q heads read
+        return first, first + 1
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks holding each KV head (1 unless tp exceeds the KV heads)."""
+        return max(1, self.size // self.cfg.num_kv_heads)
+
+    @property
+    def intermediate(self) -> tuple[int, int]:
+        return shard_range(self.cfg.intermediate_size, self.size, self.rank)
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        return shard_range(self.cfg.num_experts, self.size, self.rank)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        return shard_range(self.cfg.vocab_size, self.size, self.rank)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of every rank's embedding and LM head (the largest share; short shards are zero-padded)."""
+        return -(-self.cfg.vocab_size // self.size)
+
+    def local_config(self) -> TextConfig:
+        """The config this rank's modules are built with (the router keeps every expert)."""
+        c, n = self.cfg, self.size
+        return replace(c, num_heads=c.num_heads // n, num_kv_heads=max(1, c.num_kv_heads // n),
+                       intermediate_size=c.intermediate_size if c.num_experts else c.intermediate_size // n,
+                       vocab_size=self.padded_vocab)
+
+    # ------------------------------------------------------------ checkpoint slices
+    def slice_for(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of the checkpoint tensor ``name`` (our module's name) this rank reads;
+        None when it reads the tensor whole (norms, router, row-parallel biases)."""
+        d = self.cfg.head_dim
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return (0, *self.vocab)
+        m = _STACKED_EXPERTS.match(name)
+        if m:
+            return (0, *self.experts)
+        m = _LAYER.match(name)
+        if m is None:
+            return None
+        proj, kind = m.group(2), m.group(3)
+        rows = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
+        if proj in rows:
+            lo, hi = rows[proj]
+            return (0, lo * d, hi * d)
+        if proj == "o_proj":
+            return (1, self.heads[0] * d, self.heads[1] * d) if kind == "weight" else None
+        if proj in ("gate_proj", "up_proj"):
+            return (0, *self.intermediate)
+        if proj == "down_proj":
+            return (1, *self.intermediate) if kind == "weight" else None
+        return None
+
+    def expert_of(self, name: str) -> int | None:
+        """The global expert a classic per-expert tensor (``…experts.N.w1.weight``) belongs to."""
+        m = _CLASSIC_EXPERT.match(name)
+        return int(m.group(1)) if m else None
+
+    def holds_expert(self, expert: int) -> bool:
+        lo, hi = self.experts
+        return lo <= expert < hi
+
+    def padded_rows(self, name: str) -> int | None:
+        """Rows a vocab shard is zero-padded to (every rank's logits then have one width for the
+        gather; the padding columns are dropped after it); None for other tensors."""
+        return self.padded_vocab if name in ("embed_tokens.weight", "lm_head.weight") else None
