@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from strata.pipeline.model_config import LlavaConfig, ModelConfigError, TextConfig, VisionConfig, parse_llava_config, parse_text_config
+from strata.pipeline.model_shapes import BUILTIN_SHAPES
+from strata.pipeline.shard_plan import ShardingError, ShardPlan, largest_rank_params
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
@@ -56,7 +58,10 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
-    """Parse ``config.json`` (a path to it, or its directory): a LLaVA config, or a text-only decoder config."""
+    """Parse ``config.json`` (a path to it, or its directory): a LLaVA config, or a text-only decoder
+    config; or a named shape from :data:`BUILTIN_SHAPES` (``moe-1t``)."""
+    if str(path) in BUILTIN_SHAPES:
+        return Path(f"builtin:{path}"), parse_text_config(BUILTIN_SHAPES[str(path)])
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
@@ -170,6 +175,16 @@ class MemoryPlan:
     disk_blocks: int
     fits: bool
     reason: str
+    tp: int = 1  # tensor-parallel ranks of the language stage; the sizes above are per rank
+    nodes: int = 1
+    encoder_weights_bytes: int = 0  # tp > 1: the vision encoder and projector, in their own replica
+    rank_bytes_per_block: int = 0  # one rank's KV heads of a block (bytes_per_block when tp is 1)
+    nodes_needed: int | None = None  # when it does not fit: fewest nodes (same ranks per node) that fit
+    tp_needed: int | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nodes
 
     @property
     def total_blocks(self) -> int:
@@ -203,8 +218,40 @@ def _verdict(p: dict[str, Any]) -> str:
 def plan_memory(
     config: str | Path, context_tokens: int, concurrency: int, device_mem_bytes: int, host_mem_bytes: int = 0,
     disk_bytes: int = 0, dtype: str = "bfloat16", block_size: int = 16, chunk_tokens: int = 512, staging_blocks: int = 64,
+    tp: int = 1, nodes: int = 1,
 ) -> MemoryPlan:
-    """Plan memory for ``concurrency`` sequences of ``context_tokens`` from ``config`` (config.json or its directory)."""
+    """Plan memory for ``concurrency`` sequences of ``context_tokens`` from ``config`` (config.json or its
+    directory, or a built-in shape name).
+
+    With ``tp`` > 1 the language stage is a tensor-parallel group of ``tp`` ranks over ``nodes`` nodes:
+    ``device_mem_bytes`` is one rank's device, the weights, activations and KV per block are one rank's
+    share (the largest), and the host and disk tiers (whole blocks, on the driver's node) are as given.
+    When the plan does not fit, :attr:`MemoryPlan.nodes_needed` is the fewest nodes, at the same ranks
+    per node, whose group would.
+    """
+    plan = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
+                 block_size, chunk_tokens, staging_blocks, tp, nodes)
+    if plan.fits or tp == 1 and nodes == 1:
+        return plan
+    per_node = tp // nodes
+    for n in range(1, MAX_NODES + 1):
+        try:
+            bigger = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
+                           block_size, chunk_tokens, staging_blocks, n * per_node, n)
+        except ShardingError:
+            continue  # that many ranks do not split the model
+        if bigger.fits:
+            return replace(plan, nodes_needed=n, tp_needed=n * per_node)
+    return plan
+
+
+MAX_NODES = 64  # how far the planner looks for a group that fits
+
+
+def _plan(
+    config: str | Path, context_tokens: int, concurrency: int, device_mem_bytes: int, host_mem_bytes: int,
+    disk_bytes: int, dtype: str, block_size: int, chunk_tokens: int, staging_blocks: int, tp: int, nodes: int,
+) -> MemoryPlan:
     for name, value in (("context_tokens", context_tokens), ("concurrency", concurrency),
                         ("block_size", block_size), ("chunk_tokens", chunk_tokens)):
         if value < 1:
@@ -213,29 +260,39 @@ def plan_memory(
                         ("host memory", host_mem_bytes), ("disk", disk_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+    if tp < 1 or nodes < 1 or tp % nodes:
+        raise ValueError(f"tp ({tp}) must be a multiple of nodes ({nodes}), both >= 1")
     elem = dtype_bytes(dtype)
     config_path, shape = load_model_shape(config)
     tc = shape.text if isinstance(shape, LlavaConfig) else shape
     num_params = count_params(shape)
     per_token = kv_bytes_per_token(tc, elem)
     per_block = per_token * block_size
+    weights, encoder, worker_shape, rank_block = num_params * elem, 0, shape, per_block
+    if tp > 1:
+        rank0 = ShardPlan(tc, 0, tp)  # raises ShardingError for a tp the model does not split into
+        weights = largest_rank_params(tc, tp) * elem
+        encoder = (num_params - text_params(tc)) * elem
+        worker_shape = replace(rank0.local_config(), vocab_size=tc.vocab_size)
+        rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.num_kv_heads
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
     p: dict[str, Any] = dict(
         config_path=str(config_path), model_type=tc.model_type, multimodal=isinstance(shape, LlavaConfig),
         num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
         block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
-        weights_bytes=num_params * elem, kv_bytes_per_token=per_token, bytes_per_block=per_block,
+        weights_bytes=weights, kv_bytes_per_token=per_token, bytes_per_block=per_block,
         blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block,
-        activation_bytes=activation_bytes(shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
+        activation_bytes=activation_bytes(worker_shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
         staging_bytes=staging_blocks * per_block,
         working_set_blocks=(math.ceil(chunk_tokens / block_size) + 1) * concurrency,
         device_mem_bytes=device_mem_bytes, host_mem_bytes=host_mem_bytes, disk_bytes=disk_bytes,
         host_blocks=host_mem_bytes // per_block, disk_blocks=disk_bytes // per_block,
     )
     free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"]
-    p["device_blocks"] = max(0, free) // per_block
+    p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
-    return MemoryPlan(**p, fits=not reason, reason=reason)
+    return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder,
+                      rank_bytes_per_block=rank_block)
 
 
 def format_bytes(n: int) -> str:
@@ -253,29 +310,43 @@ def format_plan(plan: MemoryPlan) -> str:
     bs = plan.block_size
     kind = "LLaVA" if plan.multimodal else "text-only"
     ctx = f"{plan.concurrency} x {plan.context_tokens:,}"
+    group = plan.tp > 1
+    weights = (f"weights per rank (largest of {plan.tp} shards)" if group else f"weights ({plan.num_params:,} params)")
     rows: list[tuple[str, str, str, str]] = [
         ("item", "bytes", "blocks", "tokens"),
-        (f"weights ({plan.num_params:,} params)", format_bytes(plan.weights_bytes), "", ""),
+        (weights, format_bytes(plan.weights_bytes), "", ""),
         ("KV per token", format_bytes(plan.kv_bytes_per_token), "", "1"),
         ("KV per block", format_bytes(plan.bytes_per_block), "1", f"{bs:,}"),
         (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
         (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
         ("staging buffer", format_bytes(plan.staging_bytes), f"{plan.staging_blocks:,}", f"{plan.staging_blocks * bs:,}"),
-        ("device memory", format_bytes(plan.device_mem_bytes), "", ""),
-        ("device KV capacity", format_bytes(plan.device_blocks * plan.bytes_per_block), f"{plan.device_blocks:,}", f"{plan.device_blocks * bs:,}"),
+        ("device memory" + (" per rank" if group else ""), format_bytes(plan.device_mem_bytes), "", ""),
+        ("device KV capacity" + (" (all ranks)" if group else ""), format_bytes(plan.device_blocks * plan.bytes_per_block),
+         f"{plan.device_blocks:,}", f"{plan.device_blocks * bs:,}"),
         ("host KV capacity", format_bytes(plan.host_blocks * plan.bytes_per_block), f"{plan.host_blocks:,}", f"{plan.host_blocks * bs:,}"),
         ("disk KV capacity", format_bytes(plan.disk_blocks * plan.bytes_per_block), f"{plan.disk_blocks:,}", f"{plan.disk_blocks * bs:,}"),
         ("total KV capacity", format_bytes(plan.total_blocks * plan.bytes_per_block), f"{plan.total_blocks:,}", f"{plan.total_blocks * bs:,}"),
     ]
+    if group:
+        rows.insert(4, ("KV per block per rank", format_bytes(plan.rank_bytes_per_block), "1", f"{bs:,}"))
+    if group and plan.multimodal:
+        rows.insert(2, ("vision encoder + projector (own replica)", format_bytes(plan.encoder_weights_bytes), "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [
-        f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype})",
+        f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype}, {plan.num_params:,} params)",
         f"plan:   {ctx} tokens, block {bs} tokens, working set {plan.working_set_blocks:,} blocks on device",
-        "",
     ]
+    if group or plan.nodes > 1:
+        lines.append(f"group:  tp={plan.tp} over {plan.nodes} node(s), {plan.ranks_per_node} rank(s) per node; "
+                     "host and disk tiers on the driver's node")
+    lines.append("")
     for i, row in enumerate(rows):
         lines.append(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}".rstrip())
         if i == 0:
             lines.append("-" * (sum(widths) + 6))
     lines += ["", "verdict: fits" if plan.fits else f"verdict: does NOT fit: {plan.reason}"]
+    if not plan.fits and plan.nodes_needed is not None:
+        lines.append(f"needs:  {plan.nodes_needed} node(s) of {plan.ranks_per_node} rank(s): tp={plan.tp_needed}")
+    elif not plan.fits and (group or plan.nodes > 1):
+        lines.append(f"needs:  more than {MAX_NODES} nodes of {plan.ranks_per_node} rank(s), or more memory per rank")
     return "\n".join(lines)

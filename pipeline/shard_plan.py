@@ -132,3 +132,24 @@ class ShardPlan:
         """Rows a vocab shard is zero-padded to (every rank's logits then have one width for the
         gather; the padding columns are dropped after it); None for other tensors."""
         return self.padded_vocab if name in ("embed_tokens.weight", "lm_head.weight") else None
+
+    def num_params(self) -> int:
+        """Decoder parameters this rank holds (a vocab shard counts its padding rows)."""
+        c, h, d = self.cfg, self.cfg.hidden_size, self.cfg.head_dim
+        q = (self.heads[1] - self.heads[0]) * d
+        kv = (self.kv_heads[1] - self.kv_heads[0]) * d
+        attn = 2 * h * q + 2 * h * kv + (q + 2 * kv) * c.attention_bias + h * c.o_bias
+        if c.num_experts:
+            i = c.intermediate_size
+            ffn = (self.experts[1] - self.experts[0]) * (3 * h * i + (2 * i + h) * c.mlp_bias) + c.num_experts * h
+        else:
+            i = self.intermediate[1] - self.intermediate[0]
+            ffn = 3 * h * i + (2 * i + h) * c.mlp_bias
+        embed = self.padded_vocab * h
+        return embed * (1 if c.tie_word_embeddings else 2) + c.num_layers * (attn + ffn + 2 * h) + h
+
+
+def largest_rank_params(cfg: TextConfig, size: int) -> int:
+    """The most decoder parameters any rank of a ``size``-way group holds (what sizes its device)."""
+    return max(ShardPlan(cfg, r, size).num_params() for r in range(size))
+

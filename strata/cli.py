@@ -200,7 +200,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Sizes are binary: K/KB/KiB = 2^10, G/GB/GiB = 2^30, T/TB/TiB = 2^40 bytes. "
         "Token counts take K = 1,000 and M = 1,000,000 (e.g. --context 1M). Exit 0 if it fits, 1 if not.",
     )
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory containing config.json, or the config.json file")
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory containing config.json, the "
+                   "config.json file, or a built-in shape: moe-1t (the 1T-parameter MoE Strata targets)")
     p.add_argument("--context", required=True, help="tokens per sequence: an integer, or with K (x1000) / M (x1000000), e.g. 128K, 1M")
     p.add_argument("--concurrency", default="1", help="sequences held at full context at once (default 1)")
     p.add_argument("--device-mem", default="80GiB", help="accelerator memory (default 80GiB)")
@@ -210,21 +211,29 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--staging-blocks", type=int, default=64, help="device blocks reserved for staging host/disk KV")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the language stage (default 1); "
+                   "--device-mem is then one rank's")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (default 1); tp must be a multiple")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from strata.pipeline.memory_plan import format_plan, parse_count, parse_size, plan_memory
 
+    from strata.pipeline.model_shapes import BUILTIN_SHAPES
+
     config = args.model / "config.json" if args.model.is_dir() else args.model
-    if not config.is_file():
-        raise CLIError(f"no config.json at {args.model}: pass a checkpoint directory or its config.json")
+    if str(args.model) in BUILTIN_SHAPES:
+        config = args.model
+    elif not config.is_file():
+        raise CLIError(f"no config.json at {args.model}: pass a checkpoint directory or its config.json, "
+                       f"or a built-in shape ({', '.join(BUILTIN_SHAPES)})")
     try:
         sizes = {name: parse_size(getattr(args, name)) for name in ("device_mem", "host_mem", "disk")}
         plan = plan_memory(
             config, parse_count(args.context), parse_count(args.concurrency), sizes["device_mem"], sizes["host_mem"],
             sizes["disk"], dtype=args.dtype, block_size=args.block_size, chunk_tokens=args.chunk_tokens,
-            staging_blocks=args.staging_blocks,
+            staging_blocks=args.staging_blocks, tp=args.tp, nodes=args.nodes,
         )
     except ValueError as exc:  # bad sizes / counts, and ModelConfigError for an unusable config.json
         raise CLIError(str(exc)) from exc

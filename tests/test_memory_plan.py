@@ -257,3 +257,43 @@ def test_cli_plan_missing_or_invalid_config(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "config.json").write_text("[1, 2]")
     rc, out, err = run_plan(capsys, "--model", str(tmp_path), "--context", "1K")
     assert rc == 2 and out == "" and err.startswith("strata: error:") and "JSON object" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- tensor-parallel plans
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rank_shards_add_up_to_the_decoder(arch: str, tiny_models: dict[str, Path]) -> None:
+    """One rank of one holds the whole decoder; two ranks hold it once plus the replicated norms/router."""
+    from strata.pipeline.memory_plan import text_params
+    from strata.pipeline.shard_plan import ShardPlan
+
+    tc = load_model_shape(tiny_models[arch])[1].text
+    assert ShardPlan(tc, 0, 1).num_params() == text_params(tc)
+    halves = [ShardPlan(tc, r, 2).num_params() for r in range(2)]
+    replicated = (2 * tc.num_layers + 1) * tc.hidden_size + tc.num_layers * tc.num_experts * tc.hidden_size
+    assert sum(halves) == text_params(tc) + replicated
+
+
+def test_the_1t_moe_shape_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFixture) -> None:
+    plan = plan_memory("moe-1t", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=8)
+    assert 1.0e12 < plan.num_params < 1.1e12
+    assert plan.weights_bytes == pytest.approx(2 * plan.num_params / 8, rel=0.01)  # bf16, one eighth per rank
+    assert not plan.fits and (plan.nodes_needed, plan.tp_needed) == (4, 32)  # tp=16 still needs ~121 GiB a rank
+    assert plan.rank_bytes_per_block == plan.bytes_per_block // 8  # 8 KV heads: one per rank
+    wide = plan_memory("moe-1t", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=32, nodes=4)
+    assert wide.fits and wide.rank_bytes_per_block == plan.bytes_per_block // 8  # each KV head on 4 ranks
+    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", "--tp", "16", "--nodes", "2",
+                            "--device-mem", "141GiB", "--host-mem", "1TiB")
+    assert rc == 0 and "group:  tp=16 over 2 node(s), 8 rank(s) per node" in out and "verdict: fits" in out
+    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", "--tp", "8", "--host-mem", "1TiB")
+    assert rc == 1 and "needs:  4 node(s) of 8 rank(s): tp=32" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "3", "--nodes", "2"], "tp (3) must be a multiple of nodes (2)"),
+    (["--tp", "12"], "tp=12 does not divide the model's 64 attention heads"),
+], ids=["tp-not-multiple-of-nodes", "tp-does-not-split-heads"])
+def test_cli_plan_bad_groups_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", *args)
+    assert rc == 2 and out == "" and message in err and err.count("\n") == 1
