@@ -1,22 +1,32 @@
 """The tensor-parallel group of one stage replica: ``tp`` processes joined by ``torch.distributed``.
 
 Rank 0 is the driver: it schedules, owns the KV tiers and tells the other ranks what to do next with
-a command (one broadcast object) before every collective they must join. Gloo on CPU, NCCL on CUDA.
-Every collective has a timeout, so a dead worker turns into an error on the driver, never a hang.
+a command (one broadcast object) before every collective they must join. The group forms over gloo
+(NCCL for tensors on CUDA). On one CPU node the collectives then go through a shared-memory file
+(``pipeline.shm_channel``: microseconds instead of gloo's millisecond); anything too big for its
+slots, or a group spanning nodes, stays on gloo. Every collective has a timeout, and a dead peer is
+an error on the driver at once, never a hang; only a worker waiting for its next command waits
+as long as the driver lives.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import platform
 import socket
+import tempfile
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+from strata.pipeline.shm_channel import ShmChannel
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective inside a step: a peer this late is dead or stuck
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # waiting for the next command: idle workers wait indefinitely
@@ -24,25 +34,36 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # waiting for the next command: idl
 
 @dataclass(frozen=True)
 class GroupAddress:
-    """Where rank 0 listens for the group's rendezvous (loopback unless the ranks span nodes)."""
+    """Where rank 0 listens for the group's rendezvous (loopback unless the ranks span nodes), and
+    the shared-memory file the ranks on rank 0's node use once the group formed."""
 
     host: str
     port: int
+    shm_path: str | None = None
+    shm_slot_bytes: int = 0
 
     @staticmethod
-    def free_local() -> "GroupAddress":
+    def free_local(host: str = "127.0.0.1", shm_slot_bytes: int = 0) -> "GroupAddress":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            return GroupAddress("127.0.0.1", s.getsockname()[1])
+            port = s.getsockname()[1]
+        shm = None
+        if shm_slot_bytes and platform.machine() in ("x86_64", "AMD64"):  # the channel relies on x86 ordering
+            root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            shm = str(root / f"strata-tp-{uuid.uuid4().hex}")
+        return GroupAddress(host, port, shm, shm_slot_bytes)
 
 
 class TPGroup:
     """This process's membership in a tensor-parallel group (``size`` 1: no group, no communication)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, command_group: Any = None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, command_group: Any = None, shm: ShmChannel | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.rank = rank
         self.size = size
         self._commands = command_group  # a gloo group without a practical timeout, for commands only
+        self._shm = shm
+        self.timeout_s = timeout_s
         self.comm_seconds = 0.0  # wall time spent in collectives (the benchmark's communication share)
 
     @classmethod
@@ -54,17 +75,31 @@ class TPGroup:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"tcp://{address.host}:{address.port}", rank=rank,
                                 world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank, size, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+        commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        shm = _open_channel(address, rank, size, commands) if device == "cpu" else None
+        return cls(rank, size, commands, shm, timeout_s)
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    @property
+    def transport(self) -> str:
+        return "shared memory" if self._shm is not None else "gloo"
+
+    def _on_shm(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` goes through shared memory (the same answer on every rank: same shapes)."""
+        return (self._shm is not None and t.device.type == "cpu" and t.is_contiguous()
+                and self._shm.fits(t.numel() * t.element_size()))
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place (row-parallel outputs, vocab-parallel embeddings)."""
         if self.size > 1:
             with self._timed():
-                dist.all_reduce(t)
+                if self._on_shm(t):
+                    self._shm.all_reduce(t, self.timeout_s)  # type: ignore[union-attr]
+                else:
+                    dist.all_reduce(t)
         return t
 
     def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -73,6 +108,8 @@ class TPGroup:
             return [t]
         t = t.contiguous()
         with self._timed():
+            if self._on_shm(t):
+                return self._shm.gather(t, self.timeout_s)  # type: ignore[union-attr]
             parts = [torch.empty_like(t) for _ in range(self.size)] if self.is_driver else None
             dist.gather(t, parts, dst=0)
         return parts
@@ -81,16 +118,23 @@ class TPGroup:
         """Rank 0's ``t`` on every rank (in place)."""
         if self.size > 1:
             with self._timed():
-                dist.broadcast(t, src=0)
+                if self._on_shm(t):
+                    self._shm.broadcast(t, self.timeout_s)  # type: ignore[union-attr]
+                else:
+                    dist.broadcast(t, src=0)
         return t
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's picklable ``obj`` on every rank: how the driver sends commands and step inputs
-        (over the command group, so a worker may wait for the next one as long as the stage idles)."""
+    def broadcast_object(self, obj: Any = None, idle: bool = False) -> Any:
+        """Rank 0's picklable ``obj`` on every rank: how the driver sends commands and step inputs.
+        ``idle``: a worker waiting for its next command, which waits as long as the driver lives."""
         if self.size == 1:
             return obj
-        box = [obj]
         with self._timed():
+            if self._shm is not None:
+                sent, value = self._shm.broadcast_object(obj, None if idle else self.timeout_s)
+                if sent:
+                    return value
+            box = [obj]
             dist.broadcast_object_list(box, src=0, group=self._commands)
         return box[0]
 
@@ -111,5 +155,36 @@ class TPGroup:
             self.comm_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _open_channel(address: GroupAddress, rank: int, size: int, group: Any) -> ShmChannel | None:
+    """Rank 0 creates the file, the others open it; used only if every rank could (one node), and
+    unlinked as soon as all have it mapped (nothing is left behind, whatever happens later)."""
+    if address.shm_path is None:
+        return None
+    channel = None
+    if rank == 0:
+        channel = _try(lambda: ShmChannel.create(address.shm_path, size, address.shm_slot_bytes))
+    dist.barrier(group=group)
+    if rank != 0:  # another node, or no room: gloo it is
+        channel = _try(lambda: ShmChannel(address.shm_path, rank, size, address.shm_slot_bytes))
+    everyone = torch.tensor([1 if channel is not None else 0])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+    if rank == 0:
+        Path(address.shm_path).unlink(missing_ok=True)
+    if not everyone.item() and channel is not None:
+        channel.close()
+        return None
+    return channel
+
+
+def _try(open_channel: Any) -> ShmChannel | None:
+    try:
+        return open_channel()
+    except OSError:
+        return None

@@ -162,7 +162,7 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
     kv = executor.device_kv
     block_shape = (*kv.shape[1:-2], full_heads, kv.shape[-1])
     while True:
-        command, arg = group.broadcast_object(None)
+        command, arg = group.broadcast_object(None, idle=True)
         if command == "stop":
             return
         if command == "step":

@@ -36,11 +36,23 @@ class TPGroupHandle:
         self.workers.close()
 
 
+MAX_SLOT_BYTES = 64 << 20
+
+
+def shm_slot_bytes(config: EngineConfig, cfg: LlavaConfig) -> int:
+    """One rank's slot in the shared-memory channel: room for a full step's hidden states (fp32) or
+    its logits shard; larger messages (rare) fall back to gloo."""
+    t = cfg.text
+    hidden = config.max_num_batched_tokens * t.hidden_size * 4
+    logits = config.max_num_seqs * (-(-t.vocab_size // config.tp)) * 4
+    return min(MAX_SLOT_BYTES, max(1 << 20, hidden, logits))
+
+
 def open_group(model_dir: Path, config: EngineConfig, cfg: LlavaConfig, launcher: Launcher | None = None,
                host: str = "127.0.0.1") -> TPGroupHandle:
     """Start and join ``config.tp`` ranks; raises (with the workers stopped) if they cannot form."""
     ShardPlan(cfg.text, 0, config.tp)  # a model that does not split fails here, before anything starts
-    address = GroupAddress.free_local() if host == "127.0.0.1" else GroupAddress(host, GroupAddress.free_local().port)
+    address = GroupAddress.free_local(host, shm_slot_bytes(config, cfg))
     workers = (launcher or LocalWorkers)(WorkerSpec(str(model_dir), config.to_dict(), address, config.tp))
     try:
         group = TPGroup.join(address, 0, config.tp, config.device)

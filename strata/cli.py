@@ -166,12 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    from strata.pipeline.shard_plan import ShardingError
-
-    try:
-        engine = load_engine(model, engine_config_from_args(args))
-    except ShardingError as exc:
-        raise CLIError(str(exc)) from exc
+    engine = load_engine(model, engine_config_from_args(args))  # a tp the model cannot split: ValueError
     request: dict[str, Any] = {"images": images, "params": params}
     if args.prompt is not None:
         request["prompt"] = args.prompt

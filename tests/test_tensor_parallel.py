@@ -50,6 +50,8 @@ def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_m
     model_dir = tiny_models[arch]
     one = build(model_dir)
     with engine(model_dir, tp=2) as two:
+        assert two.prefiller.core.runner.group.transport == "shared memory"
+        assert not list(Path("/dev/shm").glob("strata-tp-*"))  # unlinked once every rank mapped it
         for images in ([], demo_images[:1]):
             a = prefill_logits(one, "Describe the picture in detail.", images)
             b = prefill_logits(two, "Describe the picture in detail.", images)

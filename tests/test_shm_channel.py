@@ -1,0 +1,93 @@
+"""The shared-memory collectives of a single-node CPU tensor-parallel group: exact results, the same
+bits on every rank, a fallback for what does not fit, and a dead peer reported at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from strata.pipeline.shm_channel import PeerDiedError, ShmChannel
+
+SLOT = 64 * 1024
+
+
+def _pair(tmp_path: Path, size: int = 2) -> list[ShmChannel]:
+    path = str(tmp_path / "channel")
+    first = ShmChannel.create(path, size, SLOT)
+    return [first] + [ShmChannel(path, r, size, SLOT) for r in range(1, size)]
+
+
+def _together(channels: list[ShmChannel], op: Callable[[int, ShmChannel], Any]) -> list[Any]:
+    """Run ``op`` on every rank at once (one thread each), as the ranks' processes would."""
+    out: list[Any] = [None] * len(channels)
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = op(r, channels[r])
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(channels))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+def test_all_reduce_gather_and_broadcast_are_exact_on_every_rank(tmp_path: Path) -> None:
+    channels = _pair(tmp_path, size=3)
+    parts = [torch.randn(7, 33, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for _ in range(5):  # several rounds: the two buffers alternate
+        sums = _together(channels, lambda r, c: (c.all_reduce(t := parts[r].clone(), 10), t)[1])
+        expected = parts[0] + parts[1] + parts[2]
+        for s in sums:
+            assert torch.equal(s, sums[0]) and torch.allclose(s, expected, rtol=0, atol=1e-6)
+    gathered = _together(channels, lambda r, c: c.gather(parts[r], 10))
+    assert gathered[1] is None and all(torch.equal(a, b) for a, b in zip(gathered[0], parts))
+    sent = _together(channels, lambda r, c: (c.broadcast(t := parts[r].clone(), 10), t)[1])
+    assert all(torch.equal(t, parts[0]) for t in sent)
+
+
+def test_objects_travel_and_a_too_big_one_is_refused_on_every_rank(tmp_path: Path) -> None:
+    channels = _pair(tmp_path)
+    command = ("step", {"token_ids": list(range(100))})
+    assert _together(channels, lambda r, c: c.broadcast_object(command if r == 0 else None, 10)) == [(True, command)] * 2
+    huge = b"x" * (2 * SLOT)
+    assert _together(channels, lambda r, c: c.broadcast_object(huge if r == 0 else None, 10)) == [(False, None)] * 2
+    assert not channels[0].fits(SLOT + 1)
+
+
+def test_a_dead_peer_is_an_error_within_a_second(tmp_path: Path) -> None:
+    path = str(tmp_path / "channel")
+    driver = ShmChannel.create(path, 2, SLOT)
+    code = ("import sys, time; from strata.pipeline.shm_channel import ShmChannel; "
+            "c = ShmChannel(sys.argv[1], 1, 2, 4096 * 16); print('in', flush=True); time.sleep(120)")
+    peer = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    assert peer.stdout is not None and peer.stdout.readline().strip() == "in"
+    peer.kill()
+    peer.wait()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError, match="rank 1 exited"):
+        driver.all_reduce(torch.ones(4), timeout_s=60)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_peer_that_never_arrives_times_out(tmp_path: Path) -> None:
+    driver, _idle = _pair(tmp_path)  # rank 1 is alive (this process) but never joins the operation
+    with pytest.raises(TimeoutError):
+        driver.all_reduce(torch.ones(4), timeout_s=0.3)
+
+
+def test_the_file_is_private(tmp_path: Path) -> None:
+    _pair(tmp_path)
+    assert (tmp_path / "channel").stat().st_mode & 0o777 == 0o600
