@@ -140,6 +140,19 @@ class ServeConfig:
         return cls.from_dict(read_json_object(path))
 
 
+def check_tensor_parallel(config: ServeConfig, model_dir: str | Path) -> None:
+    """Refuse (ShardingError, a ValueError) a stage's tp the model cannot be split into, before any
+    cluster starts."""
+    from strata.pipeline.model_config import load_llava_config
+    from strata.pipeline.shard_plan import ShardPlan
+
+    wanted = sorted({config.tp(stage) for stage in LANGUAGE_STAGES} - {1})
+    if wanted:
+        text = load_llava_config(model_dir).text
+        for tp in wanted:
+            ShardPlan(text, 0, tp)
+
+
 # The disaggregated mode needs the host tier: prefill and decode replicas are separate processes with their
 # own pools. The aggregated mode keeps one pool and writes nothing through unless a host tier is configured.
 _SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"host_kv_blocks": 4096}

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_config(args: argparse.Namespace) -> Any:
-    from strata.deployments.config import ServeConfig
+    from strata.deployments.config import ServeConfig, check_tensor_parallel
+    from strata.pipeline.tiny_model import ensure_demo_model
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     if args.model is not None:
@@ -49,6 +50,7 @@ def load_config(args: argparse.Namespace) -> Any:
         config.model_dir = str(args.model)
     if args.model_name:
         config.model_name = args.model_name
+    check_tensor_parallel(config, config.model_dir or ensure_demo_model())
     return config
 
 

@@ -98,7 +98,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 # Engine knobs a command line may set; a --config JSON file sets any of them, flags win over it.
 _ENGINE_FLAGS: dict[str, type] = {
     "dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
-    "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str,
+    "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str, "tp": int,
 }
 
 

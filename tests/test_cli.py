@@ -40,6 +40,14 @@ def test_generate_streams_the_engine_output(llama_dir: Path, tmp_path: Path, dem
     assert res.stdout == expected + "\n"
 
 
+@pytest.mark.slow  # a real `strata` process (and its tensor-parallel worker)
+def test_generate_with_tp2_prints_the_one_process_text(llama_dir: Path) -> None:
+    res = strata("generate", "--model", str(llama_dir), "--prompt", "Tell me about the tides.", "--max-tokens", "16",
+                 "--tp", "2")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "".join(build(llama_dir).stream(prompt="Tell me about the tides.", params=greedy(16))) + "\n"
+
+
 @pytest.mark.slow  # a real `strata` process
 def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
     res = strata("generate", "--model", str(llama_dir), "--raw-prompt", "USER: hi ASSISTANT:", "--max-tokens", "5")
@@ -56,8 +64,10 @@ def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
         (["--prompt", "hi", "--image", "/no/such/image.png"], "cannot read image"),
         (["--prompt", "   "], "empty"),
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--tp", "3"], "tp=3 does not divide the model's 4 attention heads"),
+        (["--prompt", "hi", "--tp", "0"], "tp must be an integer >= 1"),
     ],
-    ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature"],
+    ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature", "tp-does-not-split", "zero-tp"],
 )
 def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path, capsys) -> None:
     if "--model" not in args:
@@ -133,9 +143,11 @@ def test_bad_engine_config_is_a_clear_error(config: str, flags: list[str], messa
         ('{"mode": "disaggregated", "engine": {"host_kv_blocks": 0}}', "host_kv_blocks must be > 0"),
         ('{"mode": "pipelined"}', "mode must be one of"),
         ('{"stream_interval_ms": -1}', "stream_interval_ms"),
+        ('{"stages": {"encode": {"tp": 2}}}', "only prefill, decode, llm run the decoder"),
+        ('{"stages": {"decode": {"tp": 3}}}', "tp=3 does not divide the model's 4 attention heads"),
     ],
     ids=["bad-json", "unknown-key", "unknown-stage-key", "unknown-stage", "bad-bounds", "no-host-tier", "bad-mode",
-         "bad-interval"],
+         "bad-interval", "tp-on-the-encoder", "tp-does-not-split"],
 )
 def test_serve_refuses_a_bad_config_before_starting_anything(config: str, message: str, tmp_path: Path, capsys) -> None:
     path = tmp_path / "serve.json"

@@ -45,3 +45,20 @@ def test_the_policy_scales_on_the_stage_signal() -> None:
 def test_bad_queue_bounds_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match="stages.ingress"):
         ServeConfig.from_dict({"stages": {"ingress": bad}})
+
+
+def test_a_tensor_parallel_stage_reserves_one_bundle_per_rank_and_tells_its_engine() -> None:
+    from strata.deployments.app import engine_for
+
+    config = ServeConfig.from_dict({"mode": "disaggregated", "engine": {"tp": 1},
+                                    "stages": {"decode": {"tp": 2, "num_cpus": 1}}})
+    decode = deployment_options(config, "decode")
+    assert decode["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    assert decode["ray_actor_options"]["num_cpus"] == 1  # the replica (rank 0) fits the first bundle
+    assert engine_for(config, "decode")["tp"] == 2 and engine_for(config, "prefill")["tp"] == 1
+    assert "placement_group_bundles" not in deployment_options(config, "prefill")
+    everywhere = ServeConfig.from_dict({"engine": {"tp": 2}})  # the engine's tp: every decoder stage
+    assert len(deployment_options(everywhere, "llm")["placement_group_bundles"]) == 2
+    assert engine_for(everywhere, "encode")["tp"] == 1  # the encoder never splits
+    with pytest.raises(ValueError, match="only prefill, decode, llm run the decoder"):
+        ServeConfig.from_dict({"stages": {"preprocess": {"tp": 2}}})
