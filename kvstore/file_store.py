@@ -32,6 +32,7 @@ import numpy as np
 
 from strata.kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
 from strata.kvstore.layout import KVLayout
+from strata.kvstore.liveness import pid_alive
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (hash BLOB PRIMARY KEY, last_access REAL NOT NULL) WITHOUT ROWID;
@@ -72,16 +73,6 @@ def _private_file(path: Path | str) -> None:
             os.chmod(str(path) + suffix, 0o600)
         except FileNotFoundError:
             pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class FileBlockStore:
@@ -166,7 +157,7 @@ class FileBlockStore:
         """Make the index agree with the files on disk; drop pins and temp files of dead processes."""
         for entry in os.scandir(self.root / "tmp"):
             pid = entry.name.split(".", 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 _unlink(entry.path)
         with self._lock, self._tx():  # scan under the write lock: no put can slip between scan and fix-up
             present = self._scan_files()
@@ -178,7 +169,7 @@ class FileBlockStore:
             )
             self._set_count(len(present))
             owners = {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM pins")}
-            dead = [o for o in owners if o.split(":", 1)[0].isdigit() and not _pid_alive(int(o.split(":", 1)[0]))]
+            dead = [o for o in owners if o.split(":", 1)[0].isdigit() and not pid_alive(int(o.split(":", 1)[0]))]
             self._db.executemany("DELETE FROM pins WHERE owner=?", ((o,) for o in dead))
 
     def _scan_files(self) -> dict[bytes, float]:

@@ -20,10 +20,11 @@ import mmap
 import os
 import pickle
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from strata.kvstore.liveness import pid_alive
 
 LINE = 8  # int64s per flag: one cache line each, so ranks never write the same line
 SPIN_S = 0.002  # busy-wait this long before sleeping (the ranks of a step meet within it)
@@ -33,19 +34,6 @@ CHECK_PEERS_S = 0.1
 
 class PeerDiedError(RuntimeError):
     """Another rank of the group is gone (its process exited)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child not yet reaped still answers kill(0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class ShmChannel:
@@ -106,7 +94,7 @@ class ShmChannel:
                 time.sleep(sleep)
             if now > next_check:
                 next_check = now + CHECK_PEERS_S
-                dead = [r for r in range(self.size) if flags[r] < seq and not _alive(int(self._pids[r]))]
+                dead = [r for r in range(self.size) if flags[r] < seq and not pid_alive(int(self._pids[r]))]
                 if dead:
                     raise PeerDiedError(f"tensor-parallel rank {dead[0]} exited")
                 if timeout_s is not None and now - start > timeout_s:

@@ -111,14 +111,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = SparseMoE(cfg) if cfg.num_experts else DenseMLP(cfg)
 
-    def forward(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
-        a, ln1, ln2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
+    def attention(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
+        """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
+        a, ln1 = self.self_attn, self.input_layernorm
         if a.qkv_weight is None:
             a.fuse()
         q, k, v = steps.qkv_rope(x, ln1.weight, ln1.eps, a.qkv_weight, a.qkv_bias, cos, sin_signed,
                                  a.num_heads, a.num_kv_heads, a.head_dim)
-        attn = a.attend(q, k, v, kv, meta, backend)
-        o = a.o_proj
+        return a.attend(q, k, v, kv, meta, backend)
+
+    def forward(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
+        ln2, mlp = self.post_attention_layernorm, self.mlp
+        attn = self.attention(x, cos, sin_signed, kv, meta, backend, steps)
+        o = self.self_attn.o_proj
         if isinstance(mlp, DenseMLP):
             if mlp.gate_up_weight is None:
                 mlp.fuse()

@@ -36,12 +36,8 @@ class ParallelDecoderLayer(DecoderLayer):
     first_expert: int = 0
 
     def forward(self, x, cos, sin_signed, kv, meta, backend, steps) -> torch.Tensor:
-        a, ln1, ln2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
-        if a.qkv_weight is None:
-            a.fuse()
-        q, k, v = steps.qkv_rope(x, ln1.weight, ln1.eps, a.qkv_weight, a.qkv_bias, cos, sin_signed,
-                                 a.num_heads, a.num_kv_heads, a.head_dim)
-        attn = a.attend(q, k, v, kv, meta, backend)
+        a, ln2, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
+        attn = self.attention(x, cos, sin_signed, kv, meta, backend, steps)  # this rank's heads
         x = x + self._reduce(linear(attn.reshape(x.shape[0], -1), a.o_proj.weight), a.o_proj.bias)
         h = rms_norm(x, ln2.weight, ln2.eps)
         if isinstance(mlp, DenseMLP):
