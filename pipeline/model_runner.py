@@ -74,6 +74,11 @@ class ModelRunner:
         self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device)
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
 
+    @property
+    def tp_size(self) -> int:
+        """Processes that run each step (1 here; a tensor-parallel group's size for its driver)."""
+        return 1
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear."""
         inputs = self.prepare(chunks)

@@ -128,6 +128,10 @@ class TPModelRunner(ModelRunner):
         self.group = group
         self.load_stats: list = []  # each rank's LoadStats (bytes read), set by whoever formed the group
 
+    @property
+    def tp_size(self) -> int:
+        return self.group.size
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.prepare(chunks)
         self.group.broadcast_object(("step", inputs))

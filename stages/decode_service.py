@@ -64,7 +64,8 @@ class DecodeService:
         pool = kv.pool.stats()
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
                 "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens),
-                "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {}}
+                "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {},
+                "tp": self.decoder.core.runner.tp_size}
 
     def close(self) -> None:
         self.loop.stop()

@@ -64,7 +64,7 @@ class PrefillService:
 
     def _stats(self) -> dict[str, Any]:
         return {"queued_prompt_tokens": self.prefiller.num_queued_tokens, "kv": self.prefiller.kv.stats(),
-                "preemptions": self.prefiller.scheduler.num_preemptions}
+                "preemptions": self.prefiller.scheduler.num_preemptions, "tp": self.prefiller.core.runner.tp_size}
 
     def close(self) -> None:
         self.loop.stop()
