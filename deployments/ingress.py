@@ -106,6 +106,10 @@ class Ingress:
         if self.service is not None and not self.service.engine.healthy():
             raise RuntimeError("a tensor-parallel worker of this replica died")
 
+    def __del__(self) -> None:
+        if getattr(self, "service", None) is not None:  # the aggregated LLM: stop its loop (and tp workers)
+            self.service.close()
+
     # ------------------------------------------------------------ small routes
     @app.get("/health")
     async def health(self) -> Response:

@@ -28,7 +28,8 @@ from strata.kvstore.liveness import pid_alive
 
 LINE = 8  # int64s per flag: one cache line each, so ranks never write the same line
 SPIN_S = 0.002  # busy-wait this long before sleeping (the ranks of a step meet within it)
-MAX_SLEEP_S = 0.005
+MAX_SLEEP_S = 0.0005  # inside a step: a rank that is late by a long prefill chunk is not overslept by much
+MAX_IDLE_SLEEP_S = 0.005  # waiting for the next command: costs next to nothing while the stage idles
 CHECK_PEERS_S = 0.1
 
 
@@ -86,11 +87,11 @@ class ShmChannel:
             return
         start = time.monotonic()
         next_check = start + CHECK_PEERS_S
-        sleep = 0.0
+        sleep, longest = 0.0, MAX_SLEEP_S if timeout_s is not None else MAX_IDLE_SLEEP_S
         while not (flags >= seq).all():
             now = time.monotonic()
             if now - start > SPIN_S:
-                sleep = min(MAX_SLEEP_S, max(sleep * 2, 5e-5))
+                sleep = min(longest, max(sleep * 2, 5e-5))
                 time.sleep(sleep)
             if now > next_check:
                 next_check = now + CHECK_PEERS_S

@@ -41,17 +41,20 @@ class GroupAddress:
     port: int
     shm_path: str | None = None
     shm_slot_bytes: int = 0
+    store_path: str | None = None  # a loopback group meets through a file, so nothing listens beyond lo
 
     @staticmethod
     def free_local(host: str = "127.0.0.1", shm_slot_bytes: int = 0) -> "GroupAddress":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        token = uuid.uuid4().hex
         shm = None
         if shm_slot_bytes and platform.machine() in ("x86_64", "AMD64"):  # the channel relies on x86 ordering
-            root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-            shm = str(root / f"strata-tp-{uuid.uuid4().hex}")
-        return GroupAddress(host, port, shm, shm_slot_bytes)
+            shm = str(root / f"strata-tp-{token}")
+        store = str(root / f"strata-tp-store-{token}") if host == "127.0.0.1" else None
+        return GroupAddress(host, port, shm, shm_slot_bytes, store)
 
 
 class TPGroup:
@@ -65,19 +68,28 @@ class TPGroup:
         self._shm = shm
         self.timeout_s = timeout_s
         self.comm_seconds = 0.0  # wall time spent in collectives (the benchmark's communication share)
+        self._store_path: str | None = None  # the rendezvous file rank 0 removes when the group ends
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, size: int, device: str = "cpu",
              timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
         """Join (rank > 0) or open (rank 0) the group; blocks until all ``size`` ranks are in."""
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        if address.host == "127.0.0.1":  # keep gloo's own sockets on loopback too (it picks the host's IP)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if address.store_path is not None:  # one node: rendezvous through a file, gloo's sockets on lo
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://{address.host}:{address.port}", rank=rank,
-                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+            if rank == 0:
+                os.close(os.open(address.store_path, os.O_CREAT | os.O_WRONLY, 0o600))
+            store = dist.FileStore(address.store_path, size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        else:  # a TCP store on the driver's node address (the ranks span nodes)
+            dist.init_process_group(backend, init_method=f"tcp://{address.host}:{address.port}", rank=rank,
+                                    world_size=size, timeout=timeout)
         commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         shm = _open_channel(address, rank, size, commands) if device == "cpu" else None
-        return cls(rank, size, commands, shm, timeout_s)
+        group = cls(rank, size, commands, shm, timeout_s)
+        group._store_path = address.store_path if rank == 0 else None
+        return group
 
     @property
     def is_driver(self) -> bool:
@@ -160,6 +172,8 @@ class TPGroup:
             self._shm = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        if self._store_path is not None:
+            Path(self._store_path).unlink(missing_ok=True)
 
 
 def _open_channel(address: GroupAddress, rank: int, size: int, group: Any) -> ShmChannel | None:

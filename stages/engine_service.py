@@ -71,7 +71,8 @@ class EngineService:
         pool = kv.pool.stats()
         return {"running": self.engine.num_running, "queued_prompt_tokens": self.engine.num_queued_prompt_tokens(),
                 "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
-                "preemptions": self.engine.prefiller.scheduler.num_preemptions + self.engine.decoder.scheduler.num_preemptions}
+                "preemptions": self.engine.prefiller.scheduler.num_preemptions + self.engine.decoder.scheduler.num_preemptions,
+                "tp": self.engine.prefiller.core.runner.tp_size}
 
     def close(self) -> None:
         self.loop.stop()

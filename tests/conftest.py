@@ -106,10 +106,12 @@ def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def aggregated_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A second real `strata serve`, in the aggregated mode (the default): one LLM replica is the ingress."""
+    """A second real `strata serve`, in the aggregated mode (the default): one LLM replica is the ingress,
+    and it runs the engine over a tensor-parallel group of two (`strata smoke` covers tp=1)."""
     workdir = tmp_path_factory.mktemp("serve-aggregated")
     yield from _serve(llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
-                                           "max_image_bytes": 200_000})
+                                           "max_image_bytes": 200_000,
+                                           "stages": {"llm": {"tp": 2}}})  # the LLM replica is a group of two
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

@@ -1,17 +1,27 @@
-"""`strata serve` with a tensor-parallel decode stage: the shared disaggregated server's config says
-``"decode": {"tp": 2}``, so every disaggregated test of the openai client (test_serve_api: text and
-image, streamed and whole, sampling parameters) is answered through a group of two. Here: the
-replica really is that group. (Killing either rank: test_serve_faults.)"""
+"""`strata serve` with tensor-parallel stages: the shared disaggregated server's config says
+``"decode": {"tp": 2}`` and the aggregated one ``"llm": {"tp": 2}``, so every test of the openai
+client against them (test_serve_api: text and image, streamed and whole, sampling parameters; the
+bad-input corpus) is answered through a group of two. Here: the replicas really are those groups.
+(Killing either rank of a decode group: test_serve_faults.)"""
 
 from __future__ import annotations
 
 import httpx
 
 
-def test_the_decode_replica_is_a_group_of_two(serve_server) -> None:
+def _workers(server) -> list[dict]:
     params = {"filter_keys": "class_name", "filter_predicates": "=", "filter_values": "TPWorker", "limit": 100}
-    body = httpx.get(serve_server.dashboard_url + "/api/v0/actors", params=params, timeout=30).json()
-    alive = [a for a in body["data"]["result"]["result"] if a["state"] == "ALIVE"]
-    assert len(alive) == 1  # rank 1 of the one decode replica (rank 0 is the replica itself)
+    body = httpx.get(server.dashboard_url + "/api/v0/actors", params=params, timeout=30).json()
+    return [a for a in body["data"]["result"]["result"] if a["state"] == "ALIVE"]
+
+
+def test_the_decode_replica_is_a_group_of_two(serve_server) -> None:
+    assert len(_workers(serve_server)) == 1  # rank 1 of the one decode replica (rank 0 is the replica itself)
     stats = httpx.get(serve_server.base_url + "/strata/stats", timeout=30).json()
     assert stats["decode"]["tp"] == 2
+
+
+def test_the_aggregated_llm_replica_is_a_group_of_two(aggregated_server) -> None:
+    assert len(_workers(aggregated_server)) == 1
+    stats = httpx.get(aggregated_server.base_url + "/strata/stats", timeout=30).json()
+    assert stats["decode"]["tp"] == 2  # aggregated: prefill and decode are the LLM replica's engine

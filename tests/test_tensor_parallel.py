@@ -19,6 +19,7 @@ from strata.pipeline.model_loader import load_language_model
 from strata.pipeline.shard_plan import ShardingError, ShardPlan
 from strata.pipeline.weights import canonical_name, weight_map
 from helpers import build, greedy, prefill_logits
+from serve_process import listening_sockets
 
 pytestmark = pytest.mark.slow  # every test forms a group with a child process
 
@@ -51,7 +52,10 @@ def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_m
     one = build(model_dir)
     with engine(model_dir, tp=2) as two:
         assert two.prefiller.core.runner.group.transport == "shared memory"
-        assert not list(Path("/dev/shm").glob("strata-tp-*"))  # unlinked once every rank mapped it
+        assert not list(Path("/dev/shm").glob("strata-tp-[!s]*"))  # unlinked once every rank mapped it
+        ours = [addr for addr, proc in listening_sockets() if "python" in proc]
+        loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+        assert ours and all(a.startswith(loopback) for a in ours), ours  # the group listens on lo only
         for images in ([], demo_images[:1]):
             a = prefill_logits(one, "Describe the picture in detail.", images)
             b = prefill_logits(two, "Describe the picture in detail.", images)
