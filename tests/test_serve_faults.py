@@ -145,8 +145,8 @@ def test_disconnect_during_prefill_frees_everything(server) -> None:
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
                      f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        _wait(lambda: _stats(server)["prefill"]["queued_prompt_tokens"] > 0, 60, "the prompt to be in prefill")
-        assert _stats(server)["prefill"]["queued_prompt_tokens"] < 6000  # part-way through its chunks
+        # part-way through its chunks (a loaded machine may take a moment to start them)
+        _wait(lambda: 0 < _stats(server)["prefill"]["queued_prompt_tokens"] < 6000, 60, "the prompt to be mid-prefill")
     # the client hung up mid-prefill: the prompt's chunks stop, its blocks and pins are released
     _settled(server, baseline)
 
