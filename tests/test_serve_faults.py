@@ -161,13 +161,10 @@ def _first_lines(lines: Iterator[str], n: int) -> list[str]:
     return out
 
 
-def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_resumes(server) -> None:
-    expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
-    baseline = _baseline(server)
-    failed_before = metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
-                                 status="500")
-    (pid,) = _replica_pids(server, "Decode")
-    body = _chat(_long_prompt(50, 3), max_tokens=4000, ignore_eos=True, stream=True)
+def _kill_mid_stream(server, pid: int, seed: int) -> None:
+    """Kill ``pid`` five events into a long stream: the stream must end with one in-band error event
+    without internals, then ``[DONE]``."""
+    body = _chat(_long_prompt(50, seed), max_tokens=4000, ignore_eos=True, stream=True)
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # one iterator: the stream can be read once
@@ -177,10 +174,23 @@ def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_re
     assert rest[-1] == "data: [DONE]"
     assert '"error"' in rest[-2] and "server_error" in rest[-2]
     assert not any(leak in rest[-2] for leak in LEAKS), rest[-2]
-    _wait(lambda: [p for p in _replica_pids(server, "Decode") if p != pid], 120, "a new Decode replica")
+
+
+def _answer_after_restart(server) -> str:
     again = _wait(lambda: (r := _post(server, _chat("A short tale of the sea.", max_tokens=12))).status_code == 200 and r,
                   60, "a successful request after the restart")
-    assert again.json()["choices"][0]["message"]["content"] == expected
+    return again.json()["choices"][0]["message"]["content"]
+
+
+def test_killing_the_decode_replica_mid_stream_is_an_error_event_then_service_resumes(server) -> None:
+    expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
+    baseline = _baseline(server)
+    failed_before = metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
+                                 status="500")
+    (pid,) = _replica_pids(server, "Decode")
+    _kill_mid_stream(server, pid, seed=3)
+    _wait(lambda: [p for p in _replica_pids(server, "Decode") if p != pid], 120, "a new Decode replica")
+    assert _answer_after_restart(server) == expected
     _settled(server, {**baseline, "decode": 0})
     # the metrics count the killed stream as a failed (500) chat request, not as a success or a cancel
     _wait(lambda: metric_value(scrape_metrics(server.metrics_url), "ray_strata_requests_total", endpoint="chat",
@@ -197,22 +207,11 @@ def test_killing_a_tensor_parallel_decode_worker_fails_its_streams_then_the_grou
     expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
     (replica,) = _replica_pids(server, "Decode")
     (worker,) = _wait(lambda: _tp_worker_pids(server), 60, "the decode replica's rank-1 worker")
-    body = _chat(_long_prompt(50, 6), max_tokens=4000, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        _first_lines(lines, 5)
-        os.kill(worker, signal.SIGKILL)
-        rest = [line for line in lines if line.strip()]
-    assert rest[-1] == "data: [DONE]"
-    assert '"error"' in rest[-2] and "server_error" in rest[-2]
-    assert not any(leak in rest[-2] for leak in LEAKS), rest[-2]
+    _kill_mid_stream(server, worker, seed=6)
     # the replica's health check fails, and Serve replaces the whole group (replica and worker)
     _wait(lambda: [p for p in _replica_pids(server, "Decode") if p != replica], 120, "a new Decode replica")
     _wait(lambda: [p for p in _tp_worker_pids(server) if p != worker], 120, "a new rank-1 worker")
-    again = _wait(lambda: (r := _post(server, _chat("A short tale of the sea.", max_tokens=12))).status_code == 200 and r,
-                  60, "a successful request after the restart")
-    assert again.json()["choices"][0]["message"]["content"] == expected
+    assert _answer_after_restart(server) == expected
 
 
 def test_killing_the_prefill_replica_mid_prefill_is_a_json_500_then_service_resumes(server) -> None:
