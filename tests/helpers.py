@@ -127,3 +127,27 @@ def metric_value(samples: dict[str, float], prefix: str, **labels: str) -> float
             if all(f'{k}="{val}"' in key for k, val in labels.items()):
                 total += v
     return total
+
+
+def write_transformers5_checkpoint(src: Path, dst: Path) -> None:
+    """Re-save a checkpoint with transformers-5 runtime names (model.language_model…, fused experts)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import LlavaForConditionalGeneration
+
+    shutil.copytree(src, dst)
+    for p in dst.glob("*.safetensors"):
+        p.unlink()
+    (dst / "model.safetensors.index.json").unlink()
+    (dst / "SHA256SUMS").unlink()
+    hf = LlavaForConditionalGeneration.from_pretrained(src)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    keys = sorted(state)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    for name, ks in shards.items():
+        save_file({k: state[k] for k in ks}, str(dst / name))
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))

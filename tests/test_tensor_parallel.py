@@ -18,7 +18,7 @@ from strata.pipeline.model_config import load_llava_config
 from strata.pipeline.model_loader import load_language_model
 from strata.pipeline.shard_plan import ShardingError, ShardPlan
 from strata.pipeline.weights import canonical_name, weight_map
-from helpers import build, greedy, prefill_logits
+from helpers import build, greedy, prefill_logits, write_transformers5_checkpoint
 from serve_process import listening_sockets
 
 pytestmark = pytest.mark.slow  # every test forms a group with a child process
@@ -109,6 +109,19 @@ def test_each_rank_reads_only_its_slices_of_the_shards(arch: str, tiny_models) -
     assert sum(per_rank) == whole + replicated
     for b in per_rank:
         assert b <= (whole - replicated) // 2 + replicated + 4 * 1024  # its half (+ uneven vocab rows)
+
+
+def test_stacked_experts_split_by_expert_too(tiny_models, tmp_path: Path) -> None:
+    """The transformers-5 layout stacks a layer's experts in one tensor: each rank reads its rows of it."""
+    stacked = tmp_path / "mixtral-t5"
+    write_transformers5_checkpoint(tiny_models["llava-mixtral"], stacked)
+    one = build(stacked)
+    whole = load_language_model(stacked)[1].bytes_read
+    with engine(stacked, tp=2) as two:
+        a, b = (prefill_logits(e, "Which experts answer this?", []) for e in (one, two))
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
+        per_rank = [s.bytes_read for s in two.prefiller.core.runner.load_stats]
+    assert sum(per_rank) == whole + _replicated_bytes(stacked)
 
 
 def _replicated_bytes(model_dir: Path) -> int:

@@ -12,30 +12,11 @@ from safetensors.torch import save_file
 
 from strata.pipeline.model_loader import load_image_encoder, load_language_model
 from strata.pipeline.weights import WeightsError, canonical_name, weight_map
+from helpers import write_transformers5_checkpoint
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _write_transformers5_checkpoint(src: Path, dst: Path) -> None:
-    """Re-save a checkpoint with transformers-5 runtime names (model.language_model…, fused experts)."""
-    from transformers import LlavaForConditionalGeneration
-
-    shutil.copytree(src, dst)
-    for p in dst.glob("*.safetensors"):
-        p.unlink()
-    (dst / "model.safetensors.index.json").unlink()
-    (dst / "SHA256SUMS").unlink()
-    hf = LlavaForConditionalGeneration.from_pretrained(src)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    keys = sorted(state)
-    half = len(keys) // 2
-    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
-    for name, ks in shards.items():
-        save_file({k: state[k] for k in ks}, str(dst / name))
-    index = {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _rename_vision_classic(src: Path, dst: Path) -> None:
@@ -61,7 +42,7 @@ def test_name_layouts_give_identical_weights(arch: str, tiny_models, tmp_path: P
     src = tiny_models[arch]
     t5 = tmp_path / "t5"
     classic = tmp_path / "classic"
-    _write_transformers5_checkpoint(src, t5)
+    write_transformers5_checkpoint(src, t5)
     _rename_vision_classic(src, classic)
     assert any(k.startswith("model.language_model.") for k in weight_map(t5))
     assert any(k.startswith("vision_tower.vision_model.") for k in weight_map(classic))
