@@ -68,7 +68,6 @@ class TPGroup:
         self._shm = shm
         self.timeout_s = timeout_s
         self.comm_seconds = 0.0  # wall time spent in collectives (the benchmark's communication share)
-        self._store_path: str | None = None  # the rendezvous file rank 0 removes when the group ends
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, size: int, device: str = "cpu",
@@ -87,9 +86,10 @@ class TPGroup:
                                     world_size=size, timeout=timeout)
         commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         shm = _open_channel(address, rank, size, commands) if device == "cpu" else None
-        group = cls(rank, size, commands, shm, timeout_s)
-        group._store_path = address.store_path if rank == 0 else None
-        return group
+        dist.barrier(group=commands)  # every rank is done with the store: nothing reads it again
+        if rank == 0 and address.store_path is not None:
+            Path(address.store_path).unlink(missing_ok=True)  # so a killed group leaves nothing behind
+        return cls(rank, size, commands, shm, timeout_s)
 
     @property
     def is_driver(self) -> bool:
@@ -172,8 +172,7 @@ class TPGroup:
             self._shm = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-        if self._store_path is not None:
-            Path(self._store_path).unlink(missing_ok=True)
+
 
 
 def _open_channel(address: GroupAddress, rank: int, size: int, group: Any) -> ShmChannel | None:
