@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.14.1 torchvision==0.29.1
 	$(PIP) -e '.[test]'
+	$(VENV)/bin/strata build-kernels  # compile the CPU kernels here, never inside a server start
 	touch $(STAMP)
 
 install: $(STAMP)

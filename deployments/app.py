@@ -34,6 +34,10 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 
 
 MIN_BUNDLE_CPUS = 0.01  # a placement-group bundle needs some resource; "no CPU limit" reserves next to nothing
+# Serve counts an HTTP request against a replica while its body is still arriving; the ingress admits it
+# (our 429 limit) only once the body is whole. These extra Serve slots let that many stalled uploads sit
+# out their body deadline (408) without holding up clients whose requests did arrive.
+STALLED_UPLOAD_SLOTS = 256
 
 
 def deployment_options(config: ServeConfig, stage: str, access_log: bool = False) -> dict[str, Any]:
@@ -64,7 +68,8 @@ def deployment_options(config: ServeConfig, stage: str, access_log: bool = False
     return {
         **group,
         "autoscaling_config": autoscaling,
-        "max_ongoing_requests": sc.max_ongoing_requests + sc.max_queued_requests + 8 if http_facing else sc.max_ongoing_requests,
+        "max_ongoing_requests": (sc.max_ongoing_requests + sc.max_queued_requests + STALLED_UPLOAD_SLOTS if http_facing
+                                 else sc.max_ongoing_requests),
         "max_queued_requests": 64 if http_facing else sc.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=sc.retry_after_s),
         "ray_actor_options": {"num_cpus": sc.num_cpus or (MIN_BUNDLE_CPUS if tp > 1 else 0.0)},

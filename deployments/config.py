@@ -83,6 +83,7 @@ class ServeConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # a request body, refused (413) before it is read whole
     mode: str = "aggregated"  # or "disaggregated" (see DEPLOYMENTS)
     startup_timeout_s: float = 600.0  # a request waits at most this long for a model still loading
+    request_body_timeout_s: float = 30.0  # the whole body must arrive within this (else 408): stalled uploads
     # aggregated: after a stream's first token, gather its tokens up to this long per write (0: every step).
     # 5 ms keeps the per-token cost of 16 concurrent streams near the engine's (docs/architecture.md).
     stream_interval_ms: float = 5.0
@@ -112,6 +113,8 @@ class ServeConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be > 0")
+        if not 0 < self.request_body_timeout_s <= 3600:
+            raise ValueError("request_body_timeout_s must be > 0 and at most 3600")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ValueError("stream_interval_ms must be in [0, 1000]")
         if self.mode == "disaggregated" and not self.engine.has_lower_tiers:

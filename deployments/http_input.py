@@ -3,6 +3,7 @@ JSON, and checked for text the tokenizer cannot take. Every refusal is an :class
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,19 +12,18 @@ from fastapi import Request
 from strata.deployments.openai_protocol import APIError
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
+async def read_json(request: Request, max_bytes: int, timeout_s: float) -> Any:
     """The decoded JSON body. A body over ``max_bytes`` is a 413 before it is buffered whole (the
-    Content-Length header is checked first, then the stream is read only up to the limit)."""
+    Content-Length header is checked first, then the stream is read only up to the limit). A body
+    that has not arrived whole within ``timeout_s`` is a 408: a client that sends headers and then
+    stalls (or trickles bytes) holds a connection for that long at most."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
         raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -32,6 +32,16 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise APIError(400, "request body is nested too deeply") from exc
     check_text(body)
     return body
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def check_text(value: Any, path: str = "", depth: int = 0) -> None:

@@ -175,12 +175,15 @@ class Ingress:
     async def _complete(self, request: HTTPRequest, chat: bool) -> Response:
         t0, rid = time.perf_counter(), new_id("chatcmpl" if chat else "cmpl")
         endpoint = "chat" if chat else "completions"
+        try:  # the body first, under its own deadline: a stalled upload is never counted as admitted work
+            body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s)
+        except APIError as exc:
+            return error_response(exc, endpoint)
         if self.responder.ongoing + self._preparing >= self.admission_limit:
             return error_response(APIError(429, "the server is busy; retry shortly", type_="rate_limit_error",
                                            code="rate_limit_exceeded", retry_after_s=self.retry_after_s), endpoint)
         self._preparing += 1
         try:
-            body = await read_json(request, self.config.max_request_bytes)
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
-from strata.pipeline.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from strata.pipeline.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
 
 # OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
 # instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)
@@ -76,7 +76,8 @@ class StreamOptions(_Lenient):
 
 class _SamplingFields(_Lenient):
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # Range-checked here, as a field, so a bad value is a 400 naming it whichever limit ends up used.
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # 1 and 1.0 both; never "1" or true
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
@@ -105,8 +106,9 @@ class _SamplingFields(_Lenient):
         )
         try:
             params.validate()
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+        except ValueError as exc:  # its message starts with the field's name
+            name = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=name if name in type(self).model_fields else None) from exc
         return params
 
     def requested_logprobs(self) -> int | None:
@@ -119,7 +121,7 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -128,10 +130,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+    @model_validator(mode="after")
+    def _one_output_limit(self) -> "ChatCompletionRequest":
+        """``max_completion_tokens`` is OpenAI's current name for the chat output limit and
+        ``max_tokens`` the deprecated one; a request may send either or both. Both were range-checked
+        as fields above; when both are given the new one wins (as in vLLM: ``max_completion_tokens or
+        max_tokens``), and ``max_tokens`` then holds the limit in force, so code that asks whether
+        the client set a limit (``max_tokens is None``) sees either field."""
+        if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return self
 
 
 class CompletionRequest(_SamplingFields):

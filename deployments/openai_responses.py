@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from strata.pipeline.sampler import FINISH_LENGTH, FINISH_STOP
+
 
 def sse(obj: dict[str, Any] | str) -> str:
     """One server-sent event line (``data: [DONE]`` for the terminator)."""
@@ -64,6 +66,35 @@ def completion(rid: str, model: str, created: int, text: str, finish_reason: str
     }
 
 
+# The finish reasons the OpenAI API defines; no other value may reach a client.
+OPENAI_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+# Strata's reasons for a request that *completed*, in OpenAI's words. "eos" is the name older
+# replicas gave an end-of-sequence stop (events may cross versions during a rolling update).
+COMPLETED_FINISH_REASONS: dict[str, str] = {FINISH_STOP: "stop", "eos": "stop", FINISH_LENGTH: "length"}
+
+
+class IncompleteFinish(ValueError):
+    """A finish reason of a request that did not complete (``abort``, ``error``, or one unknown here)."""
+
+
+def is_completed(reason: str | None) -> bool:
+    """Whether ``reason`` ends a request that completed (its answer may be shown as finished)."""
+    return reason in COMPLETED_FINISH_REASONS
+
+
 def openai_finish_reason(reason: str | None) -> str | None:
-    """Strata's reasons (eos, stop, length, abort) in OpenAI's vocabulary."""
-    return {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", reason)
+    """Strata's reason of a completed request in OpenAI's vocabulary (None while it runs on).
+
+    Any other reason raises :class:`IncompleteFinish`: ``abort`` (the sequence was cancelled: its
+    client went away, or its stage failed or shut down) and ``error`` mean the answer is cut short.
+    Calling it ``stop`` would pass a truncated answer off as complete, and ``abort`` is no OpenAI
+    value (clients that validate it fail), so such a request takes the error path instead (see
+    ``responder``): a JSON error before the first byte, an in-band error event once streaming.
+    """
+    if reason is None:
+        return None
+    try:
+        return COMPLETED_FINISH_REASONS[reason]
+    except KeyError:
+        raise IncompleteFinish(f"finish reason {reason!r} does not end a completed request") from None

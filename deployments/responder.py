@@ -5,6 +5,10 @@ with ``Retry-After`` when a stage is saturated, 500 otherwise); once a stream ha
 in-band error event and ``data: [DONE]``. Messages never carry exception text from Ray or the
 stages (actor ids, pids, addresses): an error event's own message, written for clients, or a
 generic one; the details go to the server log under the request id.
+
+A request that ends without completing (an ``error`` or ``abort`` event, its deadline, a token
+stream that stops early) takes those same error paths, never a ``finish_reason``: a client only
+ever sees OpenAI's finish reasons, and only on answers that are complete.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError, usage
 from strata.deployments.openai_responses import (
-    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, openai_finish_reason, sse, usage_chunk,
+    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, is_completed, openai_finish_reason, sse,
+    usage_chunk,
 )
 from strata.pipeline.request import Request, TokenEvent
+from strata.stages.pixel_budget import PixelBudgetTimeout
 
 log = logging.getLogger("strata.ingress")
 Decode = Callable[[list[int]], str]
@@ -35,12 +41,18 @@ def client_error(exc: BaseException, retry_after_s: float) -> APIError:
     """The API error a client gets for a failure, without internals."""
     if isinstance(exc, APIError):
         return exc
-    if type(exc).__name__ == "BackPressureError":  # ray.serve.exceptions: a stage's queue is full
+    if type(exc).__name__ == "BackPressureError" or _is_busy(exc):  # a stage's queue or image budget is full
         return APIError(429, "the server is busy; retry shortly", type_="rate_limit_error", code="rate_limit_exceeded",
                         retry_after_s=retry_after_s)
     if isinstance(exc, GenerationFailed):
         return APIError(500, f"generation failed: {exc}", type_="server_error")
     return APIError(500, "generation failed: a serving stage failed; retry the request", type_="server_error")
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """A Preprocess replica waited too long for decode budget (Ray re-raises a replica's exception as
+    an instance of its class, with the original as ``cause``): the server is saturated, so a 429."""
+    return isinstance(exc, PixelBudgetTimeout) or isinstance(getattr(exc, "cause", None), PixelBudgetTimeout)
 
 
 def error_response(exc: APIError, endpoint: str) -> JSONResponse:
@@ -50,9 +62,16 @@ def error_response(exc: APIError, endpoint: str) -> JSONResponse:
 
 
 def _check(batch: list[TokenEvent]) -> list[TokenEvent]:
+    """The batch, or GenerationFailed at an event that ends its request without completing it: an
+    error event, and also ``abort`` (or a reason this version does not know), so no response or
+    chunk ever carries a finish reason outside OpenAI's set and no cut-short answer looks complete."""
     for ev in batch:
+        if ev.finish_reason is None or is_completed(ev.finish_reason):
+            continue
         if ev.finish_reason == "error":
             raise GenerationFailed(ev.error or "the request could not be completed")
+        log.warning("request %s ended with finish reason %r", ev.request_id, ev.finish_reason)
+        raise GenerationFailed("the request was stopped before it finished; retry the request")
     return batch
 
 
@@ -140,6 +159,11 @@ class Responder:
         try:
             while (batch := await timed.next()) is not None:
                 collected.extend(batch)
+            # every event was checked: the last reason is a completed one, or there is none at all
+            last = next((ev.finish_reason for ev in reversed(collected) if ev.finish_reason), None)
+            reason = openai_finish_reason(last)
+            if reason is None:
+                raise GenerationFailed("the token stream ended before the request finished")
             timed.done()
         except Exception as exc:  # the request cannot be completed: say so without internals
             log.warning("request %s failed: %r", prepared.request_id, exc)
@@ -148,16 +172,15 @@ class Responder:
             self.ongoing -= 1
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
         text = "".join(ev.text_delta for ev in collected)
-        reason = next((ev.finish_reason for ev in reversed(collected) if ev.finish_reason), None)
         cached = max((ev.num_cached_tokens for ev in collected), default=0)
         use = usage(prepared.num_prompt_tokens, len(collected), cached)
         created = int(time.time())
         if chat:
-            body = chat_completion(prepared.request_id, self.model_name, created, text, openai_finish_reason(reason), use)
+            body = chat_completion(prepared.request_id, self.model_name, created, text, reason, use)
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
         else:
-            body = completion(prepared.request_id, self.model_name, created, text, openai_finish_reason(reason), use)
+            body = completion(prepared.request_id, self.model_name, created, text, reason, use)
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.completion_logprobs(collected, 0)
         return JSONResponse(body)

@@ -26,18 +26,25 @@ from strata.pipeline.request import Request, pack_events
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
 from strata.stages.stage_loop import LoopStopped
+from strata.stages.pixel_budget import PixelBudget
 from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
 from strata.stages.vision_encoder import VisionEncoder
 
 
 @serve.deployment(name="Preprocess")
 class Preprocess:
-    """Image bytes -> pixel values + content hash (decode, RGB, resize, crop, normalize)."""
+    """Image bytes -> pixel values + content hash (decode, RGB, resize, crop, normalize).
+
+    Images decode on worker threads, as many at once as fit in the replica's pixel budget
+    (``engine.max_image_pixels_in_flight``): the rest wait, in order and on their threads (never on
+    the event loop), up to ``engine.image_wait_timeout_s`` from their arrival here."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         config = EngineConfig.from_dict(engine)
         config.apply_threads()
-        self.preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels)
+        self.budget = PixelBudget(config.image_pixels_in_flight, config.image_wait_timeout_s)
+        self.preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels,
+                                                        pixel_budget=self.budget)
         self.pending = 0
 
     async def ready(self) -> bool:
@@ -48,10 +55,11 @@ class Preprocess:
         """The preprocessed image, or the :class:`ImageError` that says what the user must fix (a 400)."""
         self.pending += 1
         t0 = time.perf_counter()
+        deadline = self.budget.deadline()  # from arrival: time queued for a worker thread counts too
         try:
-            return await asyncio.to_thread(self.preprocessor.process, data)
+            return await asyncio.to_thread(self.preprocessor.process, data, deadline)
         except ImageError as exc:
-            return exc
+            return exc.with_traceback(None)  # its frames would keep the decoded pixels alive
         finally:
             self.pending -= 1
             metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "preprocess"})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -45,6 +46,12 @@ _DEMOTE_BATCH = 16
 
 log = logging.getLogger(__name__)
 
+
+class TierWriteError(OSError):
+    """A tier could not store blocks (its filesystem or its index is full or read-only). Write-through
+    is a cache: the caller keeps the block on the device or recomputes it later."""
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -54,17 +61,51 @@ def _unlink(path: str) -> None:
 
 def _private_dir(path: Path) -> None:
     """Create ``path`` 0700, or accept an existing one only if this user owns it and nobody else can write
-    it: KV blocks hold users' prompts, and a directory others control could feed us their blocks."""
+    it: KV blocks hold users' prompts, and a directory others control could feed us their blocks or
+    receive ours. The directory itself must not be a symbolic link, and no component of its path may be
+    a link another user owns: in a world-writable parent such as /dev/shm anyone can plant
+    ``strata-kv-<uid>`` pointing at a directory of the victim's, and following it would write the
+    victim's prompts (or read planted blocks) somewhere they did not choose."""
+    _refuse_foreign_links(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.stat(path)
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"KV tier directory {path} belongs to another user (uid {info.st_uid}); "
-                              "choose a directory of your own")
-    if info.st_mode & 0o022:
-        raise PermissionError(f"KV tier directory {path} is writable by group or others; "
-                              f"chmod 0700 it or choose another directory")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)  # readable by others: tighten it (ours, not writable by them)
+    _refuse_foreign_links(path)  # makedirs follows links: look again now that every component exists
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise PermissionError(f"KV tier directory {path} cannot be opened as a plain directory "
+                              f"({exc.strerror}); choose a directory of your own") from None
+    try:
+        info = os.fstat(fd)  # the directory actually opened, not whatever the name points at later
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"KV tier directory {path} belongs to another user (uid {info.st_uid}); "
+                                  "choose a directory of your own")
+        if info.st_mode & 0o022:
+            raise PermissionError(f"KV tier directory {path} is writable by group or others; "
+                                  f"chmod 0700 it or choose another directory")
+        if info.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # readable by others: tighten it (ours, not writable by them)
+    finally:
+        os.close(fd)
+
+
+def _refuse_foreign_links(path: Path) -> None:
+    """No symbolic link as the directory itself, and none owned by another user on the way to it
+    (links owned by root or by us are the system's or the user's own layout)."""
+    full = Path(os.path.abspath(path))
+    current = Path(full.anchor)
+    for i, part in enumerate(full.parts[1:], 1):
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISLNK(info.st_mode):
+            continue
+        if i == len(full.parts) - 1:
+            raise PermissionError(f"KV tier directory {path} is a symbolic link; give the real directory")
+        if info.st_uid not in (os.getuid(), 0):
+            raise PermissionError(f"KV tier directory {path} goes through a symbolic link another user owns "
+                                  f"({current}); choose a directory of your own")
 
 
 def _private_file(path: Path | str) -> None:
@@ -97,8 +138,9 @@ class FileBlockStore:
         self.next_tier = next_tier
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0,
-                         "reconciled": 0}
+                         "reconciled": 0, "write_failures": 0, "index_errors": 0}
         self._lock = threading.Lock()
+        self._unpins: list[tuple[bytes, str]] = []  # pins to drop that the index could not take yet
         self._blocks_dir = str(self.root / "blocks")
         self._tmp_dir = str(self.root / "tmp")
         _private_dir(self.root)
@@ -199,7 +241,11 @@ class FileBlockStore:
 
     # ------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> list[bool]:
-        """Store blocks (raw payloads, or whole files if ``encoded``); False where the tier is full of pins."""
+        """Store blocks (raw payloads, or whole files if ``encoded``); False where the tier is full of pins.
+
+        Raises :class:`TierWriteError` when the tier's filesystem refuses a file or the index refuses a
+        transaction (ENOSPC, ``database or disk is full``): nothing of the call is then left behind,
+        files and index agree as before, and the caller treats the blocks as uncached."""
         staged: list[tuple[bytes, str]] = []
         try:
             for block_hash, data in items:
@@ -208,62 +254,98 @@ class FileBlockStore:
                 blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
                 with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                     f.write(blob)
-        except OSError:  # a full or read-only tier: leave no temp files behind
+        except OSError as exc:  # a full or read-only tier: leave no temp files behind
             for _, tmp in staged:
                 _unlink(tmp)
-            raise
-        results: list[bool] = []
+            raise TierWriteError(f"{self.name} tier: {exc.strerror or exc}") from exc
         victims: list[tuple[bytes, str]] = []
-        now = time.time()
-        with self._lock, self._tx():
-            count = self._count()
-            for block_hash, tmp in staged:
-                if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
-                    if os.path.exists(self.path(block_hash)):
-                        self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
-                        _unlink(tmp)  # same content is already there
-                        results.append(True)
-                        continue
-                    # The index says present but the file is gone: believe the disk, store it again.
-                    self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,))
-                    count -= 1
-                    self.counters["reconciled"] += 1
-                if count >= self.capacity:
-                    row = self._db.execute(
-                        "SELECT hash FROM blocks WHERE NOT EXISTS (SELECT 1 FROM pins WHERE pins.hash=blocks.hash)"
-                        " ORDER BY last_access LIMIT 1"
-                    ).fetchone()
-                    if row is None:
-                        _unlink(tmp)
-                        self.counters["rejected"] += 1
-                        results.append(False)
-                        continue
-                    victim = bytes(row[0])
-                    self._db.execute("DELETE FROM blocks WHERE hash=?", (victim,))
-                    moved = self._tmp_path()
-                    try:  # move it aside inside the transaction: a concurrent re-put cannot be unlinked by us
-                        os.replace(self.path(victim), moved)
-                        victims.append((victim, moved))
-                    except FileNotFoundError:
-                        pass
-                    count -= 1
-                final = self.path(block_hash)
-                os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                os.replace(tmp, final)
-                self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
-                count += 1
-                self.counters["puts"] += 1
-                results.append(True)
-            self._set_count(count)
+        placed: list[str] = []
+        try:
+            with self._lock:
+                with self._tx():
+                    self._flush_unpins()
+                    results = self._place(staged, victims, placed)
+                self._unpins.clear()
+        except (OSError, sqlite3.Error) as exc:
+            self._undo(staged, victims, placed)
+            raise TierWriteError(f"{self.name} tier: {exc}") from exc
         self._dispose(victims)
         return results
+
+    def _place(self, staged: list[tuple[bytes, str]], victims: list[tuple[bytes, str]], placed: list[str]) -> list[bool]:
+        """Inside the write transaction: make room (LRU, never a pinned block) and rename each staged file
+        into place. ``victims`` and ``placed`` record every file move, so a failed commit can undo them."""
+        results: list[bool] = []
+        now = time.time()
+        count = self._count()
+        for block_hash, tmp in staged:
+            if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
+                if os.path.exists(self.path(block_hash)):
+                    self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
+                    _unlink(tmp)  # same content is already there
+                    results.append(True)
+                    continue
+                # The index says present but the file is gone: believe the disk, store it again.
+                self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,))
+                count -= 1
+                self.counters["reconciled"] += 1
+            if count >= self.capacity:
+                row = self._db.execute(
+                    "SELECT hash FROM blocks WHERE NOT EXISTS (SELECT 1 FROM pins WHERE pins.hash=blocks.hash)"
+                    " ORDER BY last_access LIMIT 1"
+                ).fetchone()
+                if row is None:
+                    _unlink(tmp)
+                    self.counters["rejected"] += 1
+                    results.append(False)
+                    continue
+                victim = bytes(row[0])
+                self._db.execute("DELETE FROM blocks WHERE hash=?", (victim,))
+                moved = self._tmp_path()
+                try:  # move it aside inside the transaction: a concurrent re-put cannot be unlinked by us
+                    os.replace(self.path(victim), moved)
+                    victims.append((victim, moved))
+                except FileNotFoundError:
+                    pass
+                count -= 1
+            final = self.path(block_hash)
+            if os.path.exists(final):  # on disk but not indexed (a put whose commit failed): replace it
+                _unlink(final)
+            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            os.replace(tmp, final)
+            placed.append(final)
+            self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
+            count += 1
+            self.counters["puts"] += 1
+            results.append(True)
+        self._set_count(count)
+        return results
+
+    def _undo(self, staged: list[tuple[bytes, str]], victims: list[tuple[bytes, str]], placed: list[str]) -> None:
+        """The transaction rolled back: take the new files out again and put the evicted ones back, so the
+        files agree with the index as it was before the call."""
+        new = set(placed)
+        for final in placed:
+            _unlink(final)
+        for _, tmp in staged:
+            _unlink(tmp)
+        for victim, moved in victims:
+            if self.path(victim) in new:  # placed and evicted again within this call: it never existed
+                _unlink(moved)
+                continue
+            try:
+                os.replace(moved, self.path(victim))
+            except OSError:
+                _unlink(moved)  # cannot restore it: the index entry is reconciled on its next read
+        self.counters["write_failures"] += 1
 
     def put(self, block_hash: bytes, payload: bytes | memoryview) -> bool:
         return self.put_many([(block_hash, payload)])[0]
 
     def _dispose(self, victims: list[tuple[bytes, str]]) -> None:
         """Demote evicted files to the next tier (verified first, a few at a time so memory stays
-        bounded), or delete them."""
+        bounded), or delete them. A next tier that cannot take them (full disk) just loses them: they
+        were evicted anyway, and a later reader recomputes."""
         batch: list[tuple[bytes, bytes]] = []
         for n, (block_hash, moved) in enumerate(victims, 1):
             self.counters["evicted"] += 1
@@ -274,7 +356,10 @@ class FileBlockStore:
             _unlink(moved)
             if batch and (len(batch) == _DEMOTE_BATCH or n == len(victims)):
                 assert self.next_tier is not None
-                self.counters["demoted"] += sum(self.next_tier.put_many(batch, encoded=True))
+                try:
+                    self.counters["demoted"] += sum(self.next_tier.put_many(batch, encoded=True))
+                except TierWriteError as exc:
+                    self._index_failed("demotion", exc)
                 batch = []
 
     def _verified_file(self, block_hash: bytes, path: str) -> bytes | None:
@@ -327,33 +412,68 @@ class FileBlockStore:
         return blob
 
     def touch(self, hashes: Iterable[bytes]) -> None:
-        """Mark blocks as just used (LRU)."""
+        """Mark blocks as just used (LRU). If the index cannot take it, the LRU order is only staler."""
         now = time.time()
-        with self._lock, self._tx():
-            self._db.executemany("UPDATE blocks SET last_access=? WHERE hash=?", ((now, h) for h in hashes))
+        hashes = list(hashes)
+        self._write_index("touch", lambda: self._db.executemany(
+            "UPDATE blocks SET last_access=? WHERE hash=?", ((now, h) for h in hashes)))
 
     def remove(self, block_hash: bytes) -> None:
-        with self._lock, self._tx():
+        def drop() -> None:
             if self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
                 self._set_count(self._count() - 1)
-            _unlink(self.path(block_hash))
+
+        self._write_index("remove", drop)
+        _unlink(self.path(block_hash))  # a bad file goes even when the index cannot say so (it is reconciled)
 
     def _forget(self, block_hash: bytes) -> None:
         """Drop the index entry of a block whose file is missing (unless someone just wrote it)."""
-        with self._lock, self._tx():
+        def drop() -> None:
             if not os.path.exists(self.path(block_hash)) and \
                     self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
                 self._set_count(self._count() - 1)
                 self.counters["reconciled"] += 1
 
+        self._write_index("reconcile", drop)
+
     # ------------------------------------------------------------ pins
     def pin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
-        with self._lock, self._tx():
-            self._db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)", ((h, owner or self.owner) for h in hashes))
+        """Keep blocks from eviction. If the index cannot record it the block may be evicted while read,
+        which its reader sees as a lost block and recomputes: costlier, never wrong."""
+        rows = [(h, owner or self.owner) for h in hashes]
+        self._write_index("pin", lambda: self._db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)", rows))
 
     def unpin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
-        with self._lock, self._tx():
-            self._db.executemany("DELETE FROM pins WHERE hash=? AND owner=?", ((h, owner or self.owner) for h in hashes))
+        """Release pins. One the index cannot drop now is retried with every later index write, so a
+        full filesystem never leaves blocks pinned for good."""
+        with self._lock:
+            self._unpins.extend((h, owner or self.owner) for h in hashes)
+        self._write_index("unpin", lambda: None)
+
+    def _write_index(self, what: str, change) -> bool:
+        """Run ``change`` in a write transaction (with any pending unpins); False if the index refused it."""
+        with self._lock:
+            try:
+                with self._tx():
+                    self._flush_unpins()
+                    change()
+                self._unpins.clear()
+                return True
+            except sqlite3.Error as exc:
+                self._index_failed(what, exc)
+                return False
+
+    def _flush_unpins(self) -> None:
+        """Inside a write transaction (lock held): drop the pins earlier writes could not."""
+        if self._unpins:
+            self._db.executemany("DELETE FROM pins WHERE hash=? AND owner=?", self._unpins)
+
+    def _index_failed(self, what: str, exc: Exception) -> None:
+        self.counters["index_errors"] += 1
+        n = self.counters["index_errors"]
+        if n == 1 or n % 1000 == 0:
+            log.warning("KV %s tier: %s failed (%s); caching degrades, requests go on (%d failures so far)",
+                        self.name, what, exc, n)
 
     def num_pinned(self) -> int:
         with self._lock:
@@ -363,9 +483,8 @@ class FileBlockStore:
         return {"blocks": len(self), "capacity": self.capacity, **self.counters}
 
     def close(self) -> None:
-        with self._lock, self._tx():
-            self._db.execute("DELETE FROM pins WHERE owner=?", (self.owner,))
-        self._db.close()
+        self._write_index("close", lambda: self._db.execute("DELETE FROM pins WHERE owner=?", (self.owner,)))
+        self._db.close()  # pins this left behind (a full index) belong to a dead pid: dropped at the next open
 
 
 class _Transaction:
@@ -379,4 +498,18 @@ class _Transaction:
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error:  # e.g. "database or disk is full": SQLite may keep the transaction open
+                self._rollback()
+                raise
+        self._rollback()
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 DIGEST_SIZE = 16
-_FINGERPRINT_DOMAIN = b"strata.kv.model.v1"
+_FINGERPRINT_DOMAIN = b"strata.kv.model.v2"
 _BLOCK_DOMAIN = b"strata.kv.block.v1"
 
 
@@ -41,11 +41,15 @@ def _update_field(h: "hashlib._Hash", data: bytes) -> None:
     h.update(data)
 
 
-def model_fingerprint(architecture: str, weights_digest: str, dtype: str, block_size: int) -> bytes:
-    """Root of every chain: KV from a different model/dtype/block size never matches."""
+def model_fingerprint(architecture: str, weights_digest: str, dtype: str, block_size: int,
+                      config_digest: str = "", layout: str = "") -> bytes:
+    """Root of every chain: KV from another model, config, dtype or block layout never matches.
+
+    Callers pass a content digest of the weights and of every configuration file that changes what a
+    block holds (``pipeline.model_identity`` builds them); the store itself stays model-agnostic."""
     h = _new()
     _update_field(h, _FINGERPRINT_DOMAIN)
-    for field in (architecture, weights_digest, dtype):
+    for field in (architecture, weights_digest, dtype, config_digest, layout):
         _update_field(h, field.encode("utf-8"))
     _update_field(h, struct.pack("<q", block_size))
     return h.digest()

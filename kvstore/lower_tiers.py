@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from strata.kvstore.block_file import BlockFileError, verify_blob
-from strata.kvstore.file_store import FileBlockStore
+from strata.kvstore.file_store import FileBlockStore, TierWriteError
 from strata.kvstore.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,10 @@ class LowerTiers:
                 continue
             out.reshape(-1)[:] = np.frombuffer(blob, dtype=np.uint8, offset=len(blob) - self.block_nbytes)
             tier.counters["hits"] += 1
-            self.top.put_many([(block_hash, blob)], encoded=True)
+            try:
+                self.top.put_many([(block_hash, blob)], encoded=True)
+            except TierWriteError:  # the read succeeded; only the promotion is lost
+                self.write_errors += 1
             return True
         return False
 
@@ -135,7 +138,11 @@ class LowerTiers:
                 rejected += 1
                 continue
             good.append((block_hash, blob))
-        stored = sum(self.top.put_many(good, encoded=True)) if good else 0
+        try:
+            stored = sum(self.top.put_many(good, encoded=True)) if good else 0
+        except TierWriteError:  # a full tier here: the reader recomputes what was not stored
+            self.write_errors += 1
+            stored = 0
         return stored, rejected
 
     # ------------------------------------------------------------ pins

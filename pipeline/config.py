@@ -34,6 +34,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 64  # images kept encoded, by content hash
     max_image_pixels: int = 4096 * 4096
+    # decoded pixels one Preprocess replica holds at once (0: two images at max_image_pixels), and the
+    # longest an image waits for room before its request is refused as busy (429, Retry-After)
+    max_image_pixels_in_flight: int = 0
+    image_wait_timeout_s: float = 30.0
     max_images_per_request: int = 8
     request_timeout_s: float = 600.0  # a request still running after this long ends with an error (0: never)
 
@@ -58,6 +62,14 @@ class EngineConfig:
             raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.max_image_pixels_in_flight and self.max_image_pixels_in_flight < self.max_image_pixels:
+            # an image at the cap could never get room: it would wait out its timeout every time
+            raise ValueError(f"max_image_pixels_in_flight must be 0 or >= max_image_pixels ({self.max_image_pixels}), "
+                             f"got {self.max_image_pixels_in_flight}")
+        if not isinstance(self.image_wait_timeout_s, (int, float)) or not self.image_wait_timeout_s > 0:
+            raise ValueError(f"image_wait_timeout_s must be > 0, got {self.image_wait_timeout_s!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
@@ -68,6 +80,11 @@ class EngineConfig:
             import torch
 
             torch.set_num_threads(self.num_threads)
+
+    @property
+    def image_pixels_in_flight(self) -> int:
+        """The decode budget of one Preprocess replica, in pixels (``max_image_pixels_in_flight`` resolved)."""
+        return self.max_image_pixels_in_flight or 2 * self.max_image_pixels
 
     @property
     def has_lower_tiers(self) -> bool:

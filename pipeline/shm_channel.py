@@ -8,10 +8,19 @@ it, read. Buffers alternate by sequence parity; a rank rewrites a buffer only af
 flag reach the previous operation, which every rank publishes only after it finished reading the
 one before, so no slot is overwritten while someone still reads it.
 
+Every operation also publishes its *kind* (all-reduce, gather, broadcast, object) next to its
+sequence number, and a rank checks that every peer ran the same kind before it reads: operations are
+paired by number, so a rank that fell out of step would otherwise sum a command's bytes into an
+all-reduce. Two kinds poison an operation on purpose, which is how a failed step is abandoned by the
+whole group without losing step: ``ABORT`` (the driver gives the step up) and ``FAILED`` (a worker's
+step raised). A rank that meets one at its next operation raises :class:`StepAborted`; every rank has
+then published the same sequence number, so the next command finds the group in step again.
+
 Ordering relies on x86's total store order (the group uses this channel only there). A wait spins
 briefly, then sleeps in growing steps (an idle worker costs next to nothing), checks that its peers
-are still alive (a dead rank is an error within a fraction of a second, not a timeout), and gives up
-after ``timeout_s`` unless it is the idle wait for the next command.
+are still alive (a dead process, or a rank that marked itself gone before leaving, is an error within
+a fraction of a second, not a timeout), and gives up after ``timeout_s`` unless it is the idle wait
+for the next command.
 """
 
 from __future__ import annotations
@@ -26,15 +35,32 @@ import torch
 
 from strata.kvstore.liveness import pid_alive
 
-LINE = 8  # int64s per flag: one cache line each, so ranks never write the same line
+LINE = 8  # int64s per rank's flag line (one cache line, so ranks never write the same line):
+SEQ, KIND_EVEN, KIND_ODD, GONE = 0, 1, 2, 3  # ... its sequence number, the kind of its last even and odd op, gone mark
 SPIN_S = 0.002  # busy-wait this long before sleeping (the ranks of a step meet within it)
 MAX_SLEEP_S = 0.0005  # inside a step: a rank that is late by a long prefill chunk is not overslept by much
 MAX_IDLE_SLEEP_S = 0.005  # waiting for the next command: costs next to nothing while the stage idles
 CHECK_PEERS_S = 0.1
 
 
+ALL_REDUCE, GATHER, BROADCAST, OBJECT, ABORT, FAILED = range(1, 7)
+KIND_NAMES = {ALL_REDUCE: "all-reduce", GATHER: "gather", BROADCAST: "broadcast", OBJECT: "object",
+              ABORT: "abort", FAILED: "failed step", 0: "nothing"}
+POISON = (ABORT, FAILED)
+
+
 class PeerDiedError(RuntimeError):
-    """Another rank of the group is gone (its process exited)."""
+    """Another rank of the group is gone (its process exited, or it marked itself gone)."""
+
+
+class StepAborted(RuntimeError):
+    """A rank abandoned the current step (the driver aborted it, or a worker's step failed). The group is
+    still in step: the caller drops what it computed and waits for the next command."""
+
+
+class ChannelDesyncError(RuntimeError):
+    """Ranks ran different operations under one sequence number: the group lost step and cannot be
+    trusted again (the replica must be replaced)."""
 
 
 class ShmChannel:
@@ -53,7 +79,9 @@ class ShmChannel:
         finally:
             os.close(fd)
         words = np.frombuffer(self._mm, dtype=np.int64, count=2 * size * LINE)
-        self._flags = words[: size * LINE : LINE]
+        self._lines = words[: size * LINE].reshape(size, LINE)
+        self._flags = self._lines[:, SEQ]
+        self._gone = self._lines[:, GONE]
         self._pids = words[size * LINE :: LINE]
         self._pids[rank] = os.getpid()
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
@@ -71,15 +99,32 @@ class ShmChannel:
     def _slot(self, buf: int, rank: int, t: torch.Tensor) -> torch.Tensor:
         return self._slots[buf, rank].view(t.dtype)[: t.numel()].view(t.shape)
 
-    def _step(self, timeout_s: float | None) -> int:
-        """Publish the next sequence number and wait for every rank to reach it; the buffer to use."""
+    def _step(self, kind: int, timeout_s: float | None) -> int:
+        """Publish the next operation (its kind, then its sequence number) and wait for every rank to
+        reach it; the buffer to use. Raises :class:`StepAborted` if a peer poisoned this operation."""
         self._seq += 1
+        self._lines[self.rank, KIND_EVEN + self._seq % 2] = kind  # visible before the number (x86 TSO)
         self._flags[self.rank] = self._seq
         self._wait(self._seq, timeout_s)
+        self._check_kinds(self._seq, kind)
         return self._seq % 2
 
     def _begin(self) -> int:
         return (self._seq + 1) % 2  # the buffer the next operation uses (written before publishing)
+
+    def _check_kinds(self, seq: int, kind: int) -> None:
+        kinds = self._lines[:, KIND_EVEN + seq % 2]
+        if (kinds == kind).all():
+            return
+        poisoned = [r for r in range(self.size) if kinds[r] in POISON]
+        if poisoned:
+            if kind in POISON:
+                return  # this rank is abandoning the step too
+            who = "the driver aborted" if kinds[poisoned[0]] == ABORT else f"rank {poisoned[0]} failed"
+            raise StepAborted(f"{who} the tensor-parallel step")
+        other = next(r for r in range(self.size) if kinds[r] != kind)
+        raise ChannelDesyncError(f"tensor-parallel ranks lost step: rank {other} ran {KIND_NAMES.get(int(kinds[other]), '?')} "
+                                 f"where rank {self.rank} ran {KIND_NAMES[kind]} (operation {seq})")
 
     def _wait(self, seq: int, timeout_s: float | None) -> None:
         flags = self._flags
@@ -95,18 +140,38 @@ class ShmChannel:
                 time.sleep(sleep)
             if now > next_check:
                 next_check = now + CHECK_PEERS_S
+                gone = [r for r in range(self.size) if flags[r] < seq and self._gone[r]]
+                if gone:
+                    raise PeerDiedError(f"tensor-parallel rank {gone[0]} stopped")
                 dead = [r for r in range(self.size) if flags[r] < seq and not pid_alive(int(self._pids[r]))]
                 if dead:
                     raise PeerDiedError(f"tensor-parallel rank {dead[0]} exited")
                 if timeout_s is not None and now - start > timeout_s:
                     raise TimeoutError(f"tensor-parallel peers did not arrive within {timeout_s:.0f} s")
 
+    # ------------------------------------------------------------ failure
+    def poison(self, kind: int, timeout_s: float) -> None:
+        """Abandon the current step as a group: publish ``kind`` (ABORT from the driver, FAILED from a
+        worker) as this rank's next operation and wait until every rank reached it. Ranks still inside
+        the step raise :class:`StepAborted` there; ranks already waiting for the next command raise it at
+        that wait and wait again. Afterwards every rank is at the same sequence number."""
+        assert kind in POISON
+        self._step(kind, timeout_s)
+
+    def mark_gone(self) -> None:
+        """Tell the peers this rank will take part in nothing more (set before leaving on an error, so a
+        peer waiting on it fails at once even though this process may live on, as a Ray actor does)."""
+        try:
+            self._gone[self.rank] = 1
+        except (ValueError, TypeError):  # already unmapped
+            pass
+
     # ------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, timeout_s: float) -> None:
         """Sum over ranks, in rank order on every rank (so every rank holds identical bits)."""
         buf = self._begin()
         self._slot(buf, self.rank, t).copy_(t)
-        self._step(timeout_s)
+        self._step(ALL_REDUCE, timeout_s)
         t.copy_(self._slot(buf, 0, t))
         for r in range(1, self.size):
             t.add_(self._slot(buf, r, t))
@@ -114,7 +179,7 @@ class ShmChannel:
     def gather(self, t: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
         buf = self._begin()
         self._slot(buf, self.rank, t).copy_(t)
-        self._step(timeout_s)
+        self._step(GATHER, timeout_s)
         if self.rank:
             return None
         return [self._slot(buf, r, t).clone() for r in range(self.size)]
@@ -123,7 +188,7 @@ class ShmChannel:
         buf = self._begin()
         if self.rank == 0:
             self._slot(buf, 0, t).copy_(t)
-        self._step(timeout_s)
+        self._step(BROADCAST, timeout_s)
         if self.rank:
             t.copy_(self._slot(buf, 0, t))
 
@@ -138,7 +203,7 @@ class ShmChannel:
             slot[:8].view(torch.int64)[0] = len(data) if fits else -1
             if fits:
                 slot[8 : 8 + len(data)].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        self._step(timeout_s)
+        self._step(OBJECT, timeout_s)
         n = int(slot[:8].view(torch.int64)[0])
         if n < 0:
             return False, None
@@ -147,6 +212,8 @@ class ShmChannel:
         return True, pickle.loads(slot[8 : 8 + n].numpy().tobytes())
 
     def close(self) -> None:
+        self.mark_gone()
+        self._lines = self._flags = self._gone = self._pids = self._slots = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:  # views still alive: the mapping goes with the process

@@ -7,6 +7,12 @@ a command (one broadcast object) before every collective they must join. The gro
 slots, or a group spanning nodes, stays on gloo. Every collective has a timeout, and a dead peer is
 an error on the driver at once, never a hang; only a worker waiting for its next command waits
 as long as the driver lives.
+
+A step that fails on one rank is abandoned by all of them (:meth:`TPGroup.abandon_step`): on the
+shared-memory channel every rank meets the poisoned operation at its next collective and the group
+stays in step. A step that had used gloo cannot be abandoned that way (a rank may sit in a gloo
+collective no one else joins), so the group is then *broken*: every later step fails at once, and the
+replica's health check asks for a new group.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from strata.pipeline.shm_channel import ShmChannel
+from strata.pipeline.shm_channel import ABORT, FAILED, ShmChannel
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective inside a step: a peer this late is dead or stuck
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # waiting for the next command: idle workers wait indefinitely
@@ -68,6 +74,9 @@ class TPGroup:
         self._shm = shm
         self.timeout_s = timeout_s
         self.comm_seconds = 0.0  # wall time spent in collectives (the benchmark's communication share)
+        self.broken: str | None = None  # why this group can run no more steps (None: it can)
+        self.abandoned_steps = 0  # steps given up by the whole group after a failure on some rank
+        self._gloo_in_step = False  # a collective of the current step went over gloo (cannot be abandoned)
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, size: int, device: str = "cpu",
@@ -111,6 +120,7 @@ class TPGroup:
                 if self._on_shm(t):
                     self._shm.all_reduce(t, self.timeout_s)  # type: ignore[union-attr]
                 else:
+                    self._gloo_in_step = True
                     dist.all_reduce(t)
         return t
 
@@ -122,6 +132,7 @@ class TPGroup:
         with self._timed():
             if self._on_shm(t):
                 return self._shm.gather(t, self.timeout_s)  # type: ignore[union-attr]
+            self._gloo_in_step = True
             parts = [torch.empty_like(t) for _ in range(self.size)] if self.is_driver else None
             dist.gather(t, parts, dst=0)
         return parts
@@ -133,6 +144,7 @@ class TPGroup:
                 if self._on_shm(t):
                     self._shm.broadcast(t, self.timeout_s)  # type: ignore[union-attr]
                 else:
+                    self._gloo_in_step = True
                     dist.broadcast(t, src=0)
         return t
 
@@ -146,9 +158,45 @@ class TPGroup:
                 sent, value = self._shm.broadcast_object(obj, None if idle else self.timeout_s)
                 if sent:
                     return value
+            self._gloo_in_step = True
             box = [obj]
             dist.broadcast_object_list(box, src=0, group=self._commands)
         return box[0]
+
+    # ------------------------------------------------------------ failures
+    def begin_step(self) -> None:
+        """The driver is about to send a step command: refuse it on a broken group, and start counting
+        the step's gloo collectives afresh."""
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken ({self.broken})")
+        self._gloo_in_step = False
+
+    def abandon_step(self, reason: str) -> bool:
+        """Give up the current step on every rank after it failed here (the driver's forward raised, or
+        this worker's did). True if the group is in step again; False if it is now broken (the step
+        used gloo, or a peer did not come), and then every later step fails at once."""
+        if self.size == 1:
+            return True
+        if self._shm is None or self._gloo_in_step:
+            self.broken = f"a step failed ({reason}) while it used gloo collectives"
+            return False
+        try:
+            with self._timed():
+                self._shm.poison(ABORT if self.is_driver else FAILED, self.timeout_s)
+        except Exception as exc:  # a peer died or never came: no more steps on this group
+            self.broken = f"a step failed ({reason}) and the group could not recover ({exc})"
+            return False
+        self.abandoned_steps += 1
+        return True
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = reason
+
+    def leave_on_error(self) -> None:
+        """This rank stops for good on an error: tell the peers at once (they may wait on us), even if
+        the process lives on (a Ray actor does)."""
+        if self._shm is not None:
+            self._shm.mark_gone()
 
     def gather_object(self, obj: Any) -> list[Any] | None:
         """Every rank's picklable ``obj`` on rank 0, in rank order (load statistics, say)."""

@@ -8,6 +8,13 @@ other ranks must join, it broadcasts one command:
 * ``("write", block_id)`` - take your heads of the block I broadcast (a block promoted from a tier);
 * ``("stop", None)`` - leave the group.
 
+When a step fails on any rank, the whole group abandons it (``TPGroup.abandon_step``): the driver
+poisons the channel's next operation if its own forward raised, a worker does if its forward raised,
+and every rank still inside the step raises :class:`StepAborted` at its next collective. The driver
+then raises the step's failure to its engine core (which retries the chunks one by one, each a fresh
+step of a group that is in step again); workers go back to waiting for the next command. No rank ever
+pairs one step's collective with another's.
+
 Every rank holds the same block ids (the driver allocates, the steps write), each with only its own
 KV heads, so tier files, hashes and handles always describe whole blocks. Spilled blocks stream
 into attention the same way: the driver reads a segment's layer from the tier files and broadcasts
@@ -25,6 +32,8 @@ from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError
 from strata.pipeline.model_runner import ModelRunner, StepExecutor
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.scheduler import ScheduledChunk
+from strata.pipeline.fault_points import fault_point
+from strata.pipeline.shm_channel import ChannelDesyncError, PeerDiedError, StepAborted
 from strata.pipeline.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
@@ -134,9 +143,24 @@ class TPModelRunner(ModelRunner):
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.prepare(chunks)
+        self.group.begin_step()
         self.group.broadcast_object(("step", inputs))
-        spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
-        logits = self.executor.run(inputs, spilled)
+        try:
+            spilled = [self.spilled_source(c.seq.block_table) if n else None
+                       for c, n in zip(chunks, inputs.num_spilled)]
+            logits = self.executor.run(inputs, spilled)
+        except KVBlockLostError:  # every rank gave the step up at the same operation
+            raise
+        except StepAborted:  # a worker's forward failed; the whole group gave the step up with it
+            self.group.abandoned_steps += 1
+            raise
+        except (PeerDiedError, ChannelDesyncError, TimeoutError) as exc:
+            self.group.mark_broken(type(exc).__name__)
+            raise
+        except Exception as exc:  # this rank's forward raised mid-step: the workers must drop it too
+            if not self.group.abandon_step(type(exc).__name__):
+                log.error("tensor-parallel group broken: %s", self.group.broken)
+            raise
         assert logits is not None
         return logits
 
@@ -159,14 +183,19 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
                    segment_blocks: int) -> None:
     """A worker's life after loading: run the driver's commands until it says stop.
 
-    A lost spilled block fails the step on every rank alike (the driver recomputes); any other
-    error leaves the loop, which closes this rank's sockets so the driver's next collective fails
-    at once instead of waiting for its timeout.
+    A lost spilled block fails the step on every rank alike (the driver recomputes); a forward that
+    raises here is abandoned by the whole group and this rank waits for the next command. Anything
+    else (a dead or out-of-step peer, a broken command) leaves the loop; the caller then marks this
+    rank gone, so the driver's next collective fails at once instead of waiting for its timeout.
     """
     kv = executor.device_kv
     block_shape = (*kv.shape[1:-2], full_heads, kv.shape[-1])
     while True:
-        command, arg = group.broadcast_object(None, idle=True)
+        try:
+            command, arg = group.broadcast_object(None, idle=True)
+        except StepAborted:  # the driver gave up a step this rank had already finished
+            continue
+        fault_point("tp_command", group.rank)
         if command == "stop":
             return
         if command == "step":
@@ -175,7 +204,14 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
                 for n in arg.num_spilled]
             try:
                 executor.run(arg, spilled)
-            except KVBlockLostError:
+            except (KVBlockLostError, StepAborted):  # the whole group gave this step up
+                continue
+            except (PeerDiedError, ChannelDesyncError, TimeoutError):
+                raise
+            except Exception:  # this rank's forward raised: the group abandons the step, this rank stays
+                log.exception("tensor-parallel rank %d: step failed", group.rank)
+                if not group.abandon_step("a worker's forward raised"):
+                    raise
                 continue
         elif command == "read":
             group.gather_to_driver(kv[arg])

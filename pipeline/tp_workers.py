@@ -19,6 +19,7 @@ import torch
 
 from strata.kernels import get_attention_backend
 from strata.pipeline.config import EngineConfig
+from strata.pipeline.fault_points import set_fault_rank
 from strata.pipeline.model_config import load_llava_config
 from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
 from strata.pipeline.model_runner import StepExecutor
@@ -61,6 +62,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     """Rank ``rank``'s whole life: join, load, serve commands until the driver says stop."""
     config = EngineConfig.from_dict(spec.config)
     config.apply_threads()
+    set_fault_rank(rank)
     group = TPGroup.join(spec.address, rank, spec.size, config.device)
     try:
         cfg = load_llava_config(spec.model_dir)
@@ -75,6 +77,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         serve_commands(group, executor, t.num_kv_heads, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
+        group.leave_on_error()  # the driver fails at once, even though this process (an actor) lives on
         raise
     finally:
         group.close()

@@ -7,9 +7,9 @@ only the tensors of the parts a stage asks for.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from strata.pipeline.file_digest import file_identity, hash_file, remember
 
 if TYPE_CHECKING:
     from strata.pipeline.shard_plan import ShardPlan
@@ -76,19 +78,31 @@ def read_manifest(model_dir: Path) -> dict[str, str]:
     return sums
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def verify_shard(path: Path, expected: str) -> None:
+    """Check a shard against its manifest digest; the digest read on the way is remembered, so the
+    KV fingerprint (a content digest of the weights) costs no second read of the file."""
+    version = file_identity(path)
+    digest = hash_file(path)
+    if digest != expected:
+        raise WeightsError(f"shard {path.name} does not match its SHA-256 in {MANIFEST}: "
+                           "the file is corrupt or was changed")
+    remember(path, digest, version)
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:
-    """tensor name -> shard file name, from the index or from the shards themselves."""
+    """tensor name -> shard file name, from the index or from the shards themselves. Every shard named
+    by the index must lie inside the model directory: a hostile index cannot make us open other files."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index.name} is not a valid safetensors index ({type(exc).__name__})") from None
+        if not isinstance(mapping, dict):
+            raise WeightsError(f"{index.name}: weight_map is not an object")
+        for shard in set(mapping.values()):
+            _check_shard_name(shard)
+        return dict(mapping)
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not shards:
         raise WeightsError(f"no *.safetensors weights in {model_dir}")
@@ -99,16 +113,19 @@ def weight_map(model_dir: Path) -> dict[str, str]:
     return mapping
 
 
-def weights_digest(model_dir: str | Path) -> str:
-    """A stable identity of the weights (for the KV fingerprint): the manifest, else names and sizes."""
-    model_dir = Path(model_dir)
-    manifest = model_dir / MANIFEST
-    if manifest.is_file():
-        return hashlib.sha256(manifest.read_bytes()).hexdigest()
-    h = hashlib.sha256()
-    for p in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return h.hexdigest()
+def _check_shard_name(shard: object) -> None:
+    """A shard is a relative path that stays inside the model directory (no absolute path, no ``..``).
+    Symlinks inside the directory are the owner's choice (the Hugging Face cache links into blobs/)."""
+    if not isinstance(shard, str) or not shard or "\0" in shard:
+        raise WeightsError(f"the weight index names an invalid shard file {shard!r}")
+    norm = os.path.normpath(shard)
+    if os.path.isabs(shard) or norm == ".." or norm.startswith(".." + os.sep) or norm == ".":
+        raise WeightsError(f"the weight index names shard {shard!r}, which lies outside the model directory")
+
+
+def shard_files(model_dir: Path) -> list[str]:
+    """Every weight file the checkpoint uses, sorted."""
+    return sorted(set(weight_map(model_dir).values()))
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -196,9 +213,8 @@ def load_weights(
             path = model_dir / shard_file
             if not path.is_file():
                 raise WeightsError(f"shard {shard_file} listed in the index is missing from {model_dir}")
-            if shard_file in sums and sha256_file(path) != sums[shard_file]:
-                raise WeightsError(f"shard {shard_file} does not match its SHA-256 in {MANIFEST}: "
-                                   "the file is corrupt or was changed")
+            if shard_file in sums:
+                verify_shard(path, sums[shard_file])
             stats.shards_opened.append(shard_file)
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:

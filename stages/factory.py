@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 
 from strata.kernels import get_attention_backend
-from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache, model_fingerprint
+from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
 from strata.pipeline.compiled import compile_model
 from strata.pipeline.config import EngineConfig
 from strata.pipeline.engine import Engine
 from strata.pipeline.engine_core import EngineCore
 from strata.pipeline.model_config import load_llava_config
+from strata.pipeline.model_identity import kv_fingerprint
 from strata.pipeline.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.model_runner import ModelRunner
 from strata.pipeline.scheduler import Scheduler
@@ -21,7 +22,6 @@ from strata.pipeline.tokenizer import PromptTokenizer
 from strata.pipeline.tp_group import TPGroup
 from strata.pipeline.tp_runner import ShardedDeviceBlocks, TPModelRunner
 from strata.pipeline.tp_workers import Launcher
-from strata.pipeline.weights import weights_digest
 from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
@@ -67,16 +67,18 @@ class LanguageStage:
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
         layout = KVLayout(cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim, config.block_size, dtype)
-        self.fingerprint = model_fingerprint(cfg.text.model_type, weights_digest(self.model_dir), config.dtype, config.block_size)
         backend = get_attention_backend(config.attention_backend, config.device)
         self.tp: TPGroupHandle | None = None
         if config.tp > 1:
             self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
+            self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return
         model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
+        # after the load: a manifest check there already read each shard, so this costs no second read
+        self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
@@ -84,8 +86,8 @@ class LanguageStage:
                                                        config.max_num_batched_tokens)
 
     def alive(self) -> bool:
-        """False once a tensor-parallel worker died (the replica must then be replaced whole)."""
-        return self.tp is None or self.tp.workers.alive()
+        """False once a tensor-parallel worker died or the group broke (the replica must then be replaced whole)."""
+        return self.tp is None or (self.tp.workers.alive() and self.tp.group.broken is None)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process)."""

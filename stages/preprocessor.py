@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 from torchvision.transforms.v2.functional import InterpolationMode
+
+from strata.stages.pixel_budget import PixelBudget
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +68,17 @@ class PreprocessedImage:
 class Preprocessor:
     """Turns raw image bytes into model pixel values exactly as the checkpoint's processor config says."""
 
-    def __init__(self, processor_config: dict, max_pixels: int = 4096 * 4096) -> None:
+    def __init__(self, processor_config: dict, max_pixels: int = 4096 * 4096,
+                 pixel_budget: PixelBudget | None = None) -> None:
+        """``pixel_budget``: shared by the threads that call :meth:`process` (a serving replica), it
+        bounds the decoded pixels they hold at once; None decodes without waiting (one caller)."""
         if max_pixels < 1:
             raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
+        if pixel_budget is not None and pixel_budget.capacity < max_pixels:
+            raise ValueError(f"the pixel budget ({pixel_budget.capacity}) must hold one image at the pixel cap "
+                             f"({max_pixels}), or such an image could never be decoded")
         self.max_pixels = max_pixels
+        self.pixel_budget = pixel_budget
         cfg = {key: processor_config.get(key) for key in _CLIP_DEFAULTS}
         cfg = {key: _CLIP_DEFAULTS[key] if value is None else value for key, value in cfg.items()}
         kind = processor_config.get("image_processor_type", "")
@@ -95,33 +105,46 @@ class Preprocessor:
         logger.info("image preprocessor: %s", {k: v for k, v in vars(self).items() if k not in ("mean", "std")})
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, max_pixels: int = 4096 * 4096) -> Preprocessor:
+    def from_model_dir(cls, model_dir: str | Path, max_pixels: int = 4096 * 4096,
+                       pixel_budget: PixelBudget | None = None) -> Preprocessor:
         """Load the image-processor config the way transformers 5 does: nested processor_config.json first."""
         model_dir = Path(model_dir)
         nested = model_dir / "processor_config.json"
         if nested.is_file():
             image_config = _read_json(nested).get("image_processor")
             if isinstance(image_config, dict):
-                return cls(image_config, max_pixels=max_pixels)
+                return cls(image_config, max_pixels=max_pixels, pixel_budget=pixel_budget)
         flat = model_dir / "preprocessor_config.json"
         if flat.is_file():
-            return cls(_read_json(flat), max_pixels=max_pixels)
+            return cls(_read_json(flat), max_pixels=max_pixels, pixel_budget=pixel_budget)
         raise FileNotFoundError(f"no image processor config in {model_dir} (processor_config.json or preprocessor_config.json)")
 
-    def process(self, image_bytes: bytes) -> PreprocessedImage:
-        """Decode, convert, resize, crop and normalise one image; raises ImageError for unusable input."""
+    def process(self, image_bytes: bytes, deadline: float | None = None) -> PreprocessedImage:
+        """Decode, convert, resize, crop and normalise one image; raises ImageError for unusable input.
+
+        With a pixel budget the image's pixels (known from its header) are reserved before it is
+        decoded and given back once its pixel values are made: every full-size copy lives inside
+        that window. ``deadline`` (``time.monotonic()``) bounds the wait for room; past it,
+        :class:`~strata.stages.pixel_budget.PixelBudgetTimeout`."""
         content_hash = hashlib.blake2b(image_bytes, digest_size=16).digest()
-        image = _to_chw_uint8(_decode(image_bytes, self.max_pixels), self.do_convert_rgb)
-        if self.do_resize:
-            height, width = image.shape[-2:]
-            size = self._output_size(height, width)
-            if size[0] * size[1] > MAX_RESIZED_PIXELS or min(size) < 1:  # e.g. 1 x 16M px: resized, it would not fit
-                raise ImageError(f"image is {width}x{height}: its aspect ratio is too extreme to resize for this model")
-            image = tvF.resize(image, list(size), interpolation=self.interpolation, antialias=True)
-        if self.do_center_crop:
-            image = _center_crop(image, *self.crop_size)
-        pixels = self._rescale_and_normalize(image)
-        return PreprocessedImage(pixel_values=np.ascontiguousarray(pixels.numpy()), content_hash=content_hash)
+        header = _open(image_bytes, self.max_pixels)
+        width, height = header.size
+        reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(width * height, deadline)
+        with reserve:  # full-size buffers are dropped (del) before the reservation is given back
+            image = _to_chw_uint8(_load(header), self.do_convert_rgb)
+            del header
+            if self.do_resize:
+                height, width = image.shape[-2:]
+                size = self._output_size(height, width)
+                if size[0] * size[1] > MAX_RESIZED_PIXELS or min(size) < 1:  # e.g. 1 x 16M px: it would not fit
+                    raise ImageError(f"image is {width}x{height}: its aspect ratio is too extreme to resize "
+                                     "for this model")
+                image = tvF.resize(image, list(size), interpolation=self.interpolation, antialias=True)
+            if self.do_center_crop:
+                image = _center_crop(image, *self.crop_size)
+            pixels = self._rescale_and_normalize(image)
+            del image
+            return PreprocessedImage(pixel_values=np.ascontiguousarray(pixels.numpy()), content_hash=content_hash)
 
     def _output_size(self, height: int, width: int) -> tuple[int, int]:
         """Target (height, width), using the same integer truncation as transformers."""
@@ -143,8 +166,9 @@ class Preprocessor:
         return image.to(torch.float32)
 
 
-def _decode(image_bytes: bytes, max_pixels: int) -> Image.Image:
-    """Decode with Pillow, rejecting oversized images from the header alone, before pixels are allocated."""
+def _open(image_bytes: bytes, max_pixels: int) -> Image.Image:
+    """Read the header with Pillow (lazy: nothing decoded yet), rejecting oversized images from it
+    alone, before pixels are allocated."""
     if not image_bytes:
         raise ImageError("image is empty")
     try:
@@ -159,6 +183,11 @@ def _decode(image_bytes: bytes, max_pixels: int) -> Image.Image:
         raise ImageError(f"image has zero size ({width}x{height})")
     if width * height > max_pixels:
         raise ImageError(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}")
+    return image
+
+
+def _load(image: Image.Image) -> Image.Image:
+    """Decode the pixels of an image :func:`_open` accepted."""
     try:
         image.load()
     except Image.DecompressionBombError as exc:

@@ -1,4 +1,4 @@
-"""The `strata` command line: make-tiny-model, generate, bench, plan, serve, ops, align, smoke.
+"""The `strata` command line: make-tiny-model, generate, bench, plan, serve, build-kernels, ops, align, smoke.
 
 The entry room: it only calls down into the rooms below (deployments, stages, pipeline, ...).
 Results go to stdout (generated text, benchmark tables); logs and progress go to stderr.
@@ -253,6 +253,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from exc
 
 
+def _add_build_kernels(sub: argparse._SubParsersAction) -> None:
+    import strata.build_kernels as build_kernels
+    from strata.commands import register
+
+    register(sub, [("build-kernels", "compile the C++ CPU kernels now (install time), not on the first server start",
+                    build_kernels)])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
@@ -263,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_plan(sub)
     _add_serve(sub)
+    _add_build_kernels(sub)
     from strata.bringup import add_bringup_commands
 
     add_bringup_commands(sub)

@@ -9,6 +9,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if "STRATA_DIGEST_CACHE" not in os.environ:  # weight digests of the session's tiny checkpoints stay out of ~/.cache
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["STRATA_DIGEST_CACHE"] = tempfile.mkdtemp(prefix="strata-digests-")
+    atexit.register(shutil.rmtree, os.environ["STRATA_DIGEST_CACHE"], True)
 
 from strata.kernels import available_backends  # noqa: E402
 from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
@@ -67,6 +74,7 @@ SERVE_TEST_CONFIG = {
     "mode": "disaggregated",
     "engine": {"max_model_len": 2048, "host_kv_blocks": 2048},
     "max_image_bytes": 200_000,
+    "request_body_timeout_s": 5,  # the soak smoke test's stalled uploads get their 408 quickly
     "stages": {
         "prefill": {"min_replicas": 1, "max_replicas": 2, "target_per_replica": 256,
                     "upscale_delay_s": 0.5, "downscale_delay_s": 4.0},

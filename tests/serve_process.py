@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import httpx
+
 from strata.local_server import LocalServer
 
 
@@ -19,9 +21,38 @@ def listening_sockets() -> set[tuple[str, str]]:
 
 
 class ServeProcess(LocalServer):
-    def __init__(self, model_dir: Path, workdir: Path, config: dict) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, config: dict, env: dict[str, str] | None = None) -> None:
+        # Compile (or find) the CPU kernels here, before the server starts: its replicas then load the
+        # cached library, and a minutes-long compile under load never runs inside wait_ready's timeout.
+        from strata.kernels.cpu_kernels import cpu_kernels
+
+        cpu_kernels()
         self.sockets_before = listening_sockets()
-        super().__init__(model_dir, workdir, config, model_name="strata-test", env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"})
+        super().__init__(model_dir, workdir, config, model_name="strata-test", env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000", **(env or {})})
+
+    def wait_ready(self, timeout: float = 240.0) -> "ServeProcess":
+        """LocalServer's wait, with a timeout that says what the server was still waiting for."""
+        try:
+            super().wait_ready(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"strata serve not ready after {timeout}s: {self.waiting_for()}\n{self.tail()}") from None
+        return self
+
+    def waiting_for(self) -> str:
+        """What /health says the server waits for now, or that its port does not answer."""
+        try:
+            r = httpx.get(self.base_url + "/health", timeout=5)
+        except httpx.HTTPError as exc:
+            return f"its HTTP port {self.port} never answered ({type(exc).__name__})"
+        try:
+            body = r.json()
+        except ValueError:
+            body = r.text[:200]
+        if isinstance(body, dict) and body.get("waiting_for"):
+            return f"/health {r.status_code}, still waiting for {', '.join(map(str, body['waiting_for']))}"
+        if r.status_code == 200:
+            return "/health is 200 but the CLI never printed its endpoints (\"Ctrl-C stops\")"
+        return f"/health {r.status_code}: {body}"
 
     def shutdown_errors(self) -> list[str]:
         """ERROR lines and tracebacks the server logged after Ctrl-C (a clean stop logs none)."""

@@ -73,5 +73,5 @@ def test_bench_soak_finds_no_leak_in_a_short_run(serve_server, tmp_path: Path, c
     assert len(result["samples"]) >= 2
     assert {"Ingress", "Prefill", "Decode"} <= set(result["rss"]) and all(g["end_mib"] > 0 for g in result["rss"].values())
     kinds = {k.split(":")[0] for k in result["outcomes"]}
-    assert {"chat", "stream", "disconnect"} <= kinds
+    assert {"chat", "stream", "disconnect", "slowbody"} <= kinds  # stalled uploads (a phase of their own) got 408s
     assert "back to baseline" in printed

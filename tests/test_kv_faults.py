@@ -8,6 +8,7 @@ import errno
 import glob
 import os
 import random
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -154,3 +155,97 @@ def test_host_files_vanishing_under_running_requests_never_livelock(llama_dir: P
     assert len(finished) >= len(ids) // 2
     assert all(got == want for got, want in finished)
     assert engine.prefiller.kv.lower.top.num_pinned() == 0
+
+
+class _FullIndex:
+    """The tier's SQLite connection on a filesystem that just filled: every COMMIT fails with
+    SQLITE_FULL ("database or disk is full"), as a full /dev/shm gives it, and the transaction stays
+    open until rolled back. ``room()`` frees the filesystem again."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db, self.full = db, True
+
+    def execute(self, sql: str, *args):
+        if self.full and sql == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+
+def _fill_index(s: FileBlockStore) -> _FullIndex:
+    s._db = _FullIndex(s._db)  # type: ignore[assignment]
+    return s._db  # type: ignore[return-value]
+
+
+def _files(s: FileBlockStore) -> set[bytes]:
+    return {bytes.fromhex(Path(p).stem) for p in glob.glob(str(s.root / "blocks" / "*" / "*.kv"))}
+
+
+def test_a_full_index_fails_the_write_whole_and_leaves_files_and_index_agreeing(tmp_path: Path) -> None:
+    """The defect: a failed SQLite commit escaped write-through and failed the step. Now it is a
+    TierWriteError (an OSError, which write-through treats as 'not cached'), the new files are taken
+    back out and the evicted ones put back, and the store keeps answering."""
+    from strata.kvstore.file_store import TierWriteError
+
+    disk = FileBlockStore(tmp_path / "disk", 64, LAYOUT, FP, name="disk")
+    s = FileBlockStore(tmp_path / "host", 4, LAYOUT, FP, next_tier=disk)
+    for i in range(4):
+        assert s.put(_h(i), _payload(i))
+    s.pin([_h(0)])
+    index = _fill_index(s)
+    with pytest.raises(TierWriteError, match="full"):
+        s.put_many([(_h(i), _payload(i)) for i in range(10, 40)])  # would evict 1..3 and add new blocks
+    assert _files(s) == {_h(i) for i in range(4)}, "files agree with the index as it was"
+    assert all(_read(s, i) for i in range(4)) and len(s) == 4
+    assert not os.listdir(tmp_path / "host" / "tmp"), "no temp file left behind"
+    s.touch([_h(1)])  # index writes degrade quietly ...
+    s.pin([_h(2)])
+    s.unpin([_h(0)])  # ... and an unpin the index refused is kept and retried
+    assert s.counters["index_errors"] == 3 and s._unpins
+    index.full = False  # room again (the filesystem was cleaned up)
+    assert s.put(_h(50), _payload(50))
+    assert not s._unpins and s.num_pinned() == 0, "the pending unpin landed with the next write"
+
+
+def test_write_through_survives_a_full_index(llama_dir: Path, tmp_path: Path) -> None:
+    """Through the whole engine: the host tier's index refuses every commit; requests give the tokens of
+    a run without tiers and the failures are counted."""
+    rng = random.Random(4)
+    requests = [{"prompt_token_ids": [rng.randrange(5, 500) for _ in range(300)], "params": greedy(6)} for _ in range(3)]
+    expected = build(llama_dir, max_model_len=800).generate(requests)
+    engine = build(llama_dir, max_model_len=800, num_kv_blocks=120, prefill_chunk_tokens=128,
+                   max_num_batched_tokens=256, host_kv_blocks=400, host_kv_dir=str(tmp_path / "host"))
+    _fill_index(engine.prefiller.kv.lower.top)
+    outs = engine.generate(requests)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in expected]
+    assert all(o.error is None for o in outs)
+    assert engine.prefiller.kv.lower.stats()["host"]["write_errors"] > 0
+
+
+def test_a_planted_symlink_tier_directory_is_refused(tmp_path: Path) -> None:
+    """In a world-writable parent (/dev/shm) another user can plant strata-kv-<uid> -> a directory of the
+    victim's. Following it would write the victim's prompts there; the tier refuses instead."""
+    victims_dir = tmp_path / "victims-own-dir"
+    victims_dir.mkdir(mode=0o700)
+    planted = tmp_path / "strata-kv-planted"
+    planted.symlink_to(victims_dir)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        FileBlockStore(planted, 8, LAYOUT, FP)
+    assert list(victims_dir.iterdir()) == [], "nothing was written through the link"
+
+
+def test_a_path_through_another_users_symlink_is_refused(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to create a link owned by someone else")
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    os.lchown(link, 12345, 12345)
+    with pytest.raises(PermissionError, match="another user owns"):
+        FileBlockStore(link / "host", 8, LAYOUT, FP)
+    own = tmp_path / "own-link"
+    own.symlink_to(target)
+    FileBlockStore(own / "host", 8, LAYOUT, FP)  # the user's own link (or root's) is their layout

@@ -1,5 +1,6 @@
-"""Faults against a real disaggregated server of its own: overload, killed replicas, disconnects
-during prefill, tier files deleted under load, and a poisoned request in a batch.
+"""Faults against a real disaggregated server of its own: overload, stalled uploads, killed replicas,
+disconnects during prefill, tier files deleted under load, a poisoned request in a batch, and
+tensor-parallel ranks that fail mid-step.
 
 Every failure reaches its client (a JSON 4xx/5xx, or an in-band error then ``[DONE]``) without
 internals, the server serves correctly afterwards, and no KV block or host-tier pin leaks.
@@ -29,10 +30,14 @@ pytestmark = pytest.mark.serve
 # Prefill admits 3 calls at a time (2 running + 1 queued) so that 12 requests at once overflow it
 # (one running slot stays free for /strata/stats while a prompt prefills), and prefills in 16-token
 # chunks so that a long prompt stays in prefill long enough to be interrupted.
+# The ingress admits 12 requests (8 + 4 queued) and gives a body 3 s to arrive: 20 stalled uploads
+# would lock everyone out if they counted as admitted, and are cut off quickly when they do not.
 FAULT_CONFIG = {
     "mode": "disaggregated",
     "engine": {"max_model_len": 8192, "prefill_chunk_tokens": 16, "host_kv_blocks": 4096},
+    "request_body_timeout_s": 3,
     "stages": {"prefill": {"min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1},
+               "ingress": {"max_ongoing_requests": 8, "max_queued_requests": 4},
                "decode": {"tp": 2}},  # decode is a tensor-parallel group: killing either rank is a fault too
 }
 LEAKS = ("pid", "actor", "ip=", "/tmp/", "Traceback", "ActorDied", "RayTaskError")
@@ -44,10 +49,13 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     workdir = tmp_path_factory.mktemp("serve-faults")
     config = {**FAULT_CONFIG, "engine": {**FAULT_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}
-    proc = ServeProcess(llama_dir, workdir, config)
+    faults = workdir / "faults"  # files here make a rank fail at a named point (pipeline.fault_points)
+    faults.mkdir()
+    proc = ServeProcess(llama_dir, workdir, config, env={"STRATA_FAULT_DIR": str(faults)})
     try:
         proc.wait_ready()
         proc.host_dir = workdir / "host"
+        proc.faults = faults
         yield proc
     finally:
         proc.stop()
@@ -272,3 +280,102 @@ def test_a_poisoned_request_in_a_batch_harms_no_other(server) -> None:
     assert answers[0].status_code == 200
     assert answers[0].json()["choices"][0]["message"]["content"] == expected[0]  # behaves as greedy
     assert [a.json()["choices"][0]["message"]["content"] for a in answers[1:]] == expected
+
+
+def _stream_text(server, body: dict[str, Any], after_events: int = 0, then: Any = None) -> tuple[str, list[str]]:
+    """A streamed chat's text and its raw event lines; ``then()`` runs after ``after_events`` events."""
+    lines_seen: list[str] = []
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.strip():
+                continue
+            lines_seen.append(line)
+            if then is not None and len(lines_seen) == after_events:
+                then()
+    text = ""
+    for line in lines_seen:
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                text += chunk["choices"][0]["delta"].get("content") or ""
+    return text, lines_seen
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["driver", "worker"])
+def test_a_tp_step_failing_on_one_rank_mid_stream_changes_no_token(server, rank: int) -> None:
+    """A fault in one rank's forward, between a layer's two all-reduces, while the decode group streams:
+    the group abandons that step together and retries it, so the stream is exactly the unfaulted one."""
+    body = _chat(_long_prompt(40, 7), max_tokens=48, ignore_eos=True, stream=True)
+    expected, _ = _stream_text(server, body)
+    armed = server.faults / f"tp_layer.rank{rank}"
+    got, lines = _stream_text(server, body, after_events=5, then=lambda: armed.write_text("1"))
+    assert not armed.exists(), "the fault fired inside the stream"
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    assert got == expected
+
+
+def test_a_tp_worker_whose_loop_raises_fails_its_stream_at_once_then_the_group_is_replaced(server) -> None:
+    """The worker's command loop raises (its Ray actor lives on): its gone mark fails the driver's next
+    collective at once - an in-band error within seconds, not the 60 s collective timeout - and the
+    health check has Serve replace the group."""
+    expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
+    (replica,) = _replica_pids(server, "Decode")
+    body = _chat(_long_prompt(50, 8), max_tokens=4000, ignore_eos=True, stream=True)
+    armed: dict[str, float] = {}
+
+    def arm() -> None:
+        (server.faults / "tp_command.rank1").write_text("1")
+        armed["at"] = time.monotonic()
+
+    _, lines = _stream_text(server, body, after_events=5, then=arm)
+    assert time.monotonic() - armed["at"] < 15
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "server_error" in lines[-2]
+    assert not any(leak in lines[-2] for leak in LEAKS), lines[-2]
+    _wait(lambda: [p for p in _replica_pids(server, "Decode") if p != replica], 120, "a new Decode replica")
+    assert _answer_after_restart(server) == expected
+
+
+def _stall(base_url: str) -> socket.socket:
+    """A client that sends headers and the start of a JSON body, then nothing."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                 f"content-length: 4096\r\n\r\n{{\"model\": ".encode())
+    return sock
+
+
+def _response_of(sock: socket.socket) -> tuple[int, str]:
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode(errors="replace")
+
+
+@pytest.mark.parametrize("port", ["proxy", "direct"])
+def test_stalled_uploads_lock_nobody_out_and_are_cut_off(server, port: str) -> None:
+    """Twenty sockets that send headers and `{"model": ` then stall - more than the ingress admits - while a
+    normal client is answered at once (a request counts only once its body arrived), and each stalled
+    socket gets a JSON 408 when its body deadline passes."""
+    base = server.base_url if port == "proxy" else server.direct_url
+    assert base is not None, "the fast path prints a direct endpoint"
+    stalled = [_stall(base) for _ in range(20)]
+    try:
+        time.sleep(0.5)  # every stalled request has reached the ingress
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/chat/completions", json=_chat("calm water", max_tokens=2), timeout=30)
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 2.0
+        for sock in stalled:
+            status, body = _response_of(sock)
+            assert status == 408, body
+            err = json.loads(body)["error"]
+            assert "did not arrive within 3 s" in err["message"] and err["code"] == "request_timeout"
+    finally:
+        for sock in stalled:
+            sock.close()

@@ -92,3 +92,45 @@ def test_stage_partial_load_reads_only_its_tensors(llama_dir: Path) -> None:
     }
     assert text_only_shards, "the tiny checkpoint should have shards holding decoder tensors only"
     assert not text_only_shards & set(vision_stats.shards_opened)
+
+
+@pytest.mark.parametrize("shard", ["../../../../etc/passwd", "/etc/passwd", "sub/../../outside.safetensors", ".."])
+def test_an_index_cannot_point_outside_the_model_directory(shard: str, llama_dir: Path, tmp_path: Path,
+                                                           capsys) -> None:
+    """A hostile index naming ``../../../../etc/passwd`` made the loader open it. Now the weight map is
+    refused before any file is opened, and the CLI says so in one line (exit 2)."""
+    from strata.cli import main
+
+    model = tmp_path / "hostile"
+    shutil.copytree(llama_dir, model)
+    (model / "SHA256SUMS").unlink()
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match="outside the model directory|invalid shard"):
+        weight_map(model)
+    code = main(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "outside the model directory" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_a_shard_in_a_subdirectory_and_a_symlinked_shard_are_fine(llama_dir: Path, tmp_path: Path) -> None:
+    """What real checkpoints do stays allowed: shards in a subfolder, and symlinks inside the directory
+    (the Hugging Face cache links every snapshot file into blobs/)."""
+    model = tmp_path / "nested"
+    shutil.copytree(llama_dir, model)
+    (model / "SHA256SUMS").unlink()
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    (model / "parts").mkdir()
+    shutil.move(str(model / shards[0]), blobs / "abc123")
+    (model / "parts" / shards[0]).symlink_to(blobs / "abc123")
+    index["weight_map"] = {k: (f"parts/{v}" if v == shards[0] else v) for k, v in index["weight_map"].items()}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    text, _ = load_language_model(model)
+    ref, _ = load_language_model(llama_dir)
+    assert all(torch.equal(a, b) for a, b in zip(_state(text).values(), _state(ref).values()))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from strata.kernels import linear, moe_experts, moe_route, rms_norm
 from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
 from strata.pipeline.models.mlp import DenseMLP, MoEExperts
+from strata.pipeline.fault_points import fault_point
 from strata.pipeline.shard_plan import ShardPlan, shard_range
 from strata.pipeline.tp_group import TPGroup
 
@@ -39,6 +40,7 @@ class ParallelDecoderLayer(DecoderLayer):
         a, ln2, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
         attn = self.attention(x, cos, sin_signed, kv, meta, backend, steps)  # this rank's heads
         x = x + self._reduce(linear(attn.reshape(x.shape[0], -1), a.o_proj.weight), a.o_proj.bias)
+        fault_point("tp_layer", self.group.rank)  # mid-step: between one layer's two all-reduces
         h = rms_norm(x, ln2.weight, ln2.eps)
         if isinstance(mlp, DenseMLP):
             if mlp.gate_up_weight is None:

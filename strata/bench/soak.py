@@ -2,6 +2,11 @@
 requests against a real server, watching for what only time reveals: memory that grows, KV blocks or
 host-tier pins that never come back, requests that stop answering.
 
+The run has three phases of equal length: mixed traffic; the same plus uploads that stall (each
+must end in a 408, nobody else locked out); the same plus a host tier whose filesystem is full (a
+tmpfs of the soak's own filled with ballast: every request still answered). Against ``--url`` the
+full-tier phase is skipped (the tier is not ours to fill), and without root it cannot be mounted.
+
 Every ``--sample-s`` seconds it records each replica's RSS (by deployment) and the KV blocks in use
 per stage. At the end it waits for the server to go idle and checks that blocks in use, queued
 prompt tokens and running sequences are back to their values before the run. It reports RSS growth
@@ -24,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from strata.bench.soak_phases import Staller, TierBallast
+
 KINDS = ("chat", "stream", "disconnect", "long", "bad")
 
 
@@ -39,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="an already running `strata serve` (default: start one for the run)")
     p.add_argument("--dashboard-url", help="its Ray dashboard, for the replicas' pids (with --url)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--tier-mb", type=int, default=64, help="size of the soak's own host-tier tmpfs (full-tier phase)")
 
 
 class Traffic:
@@ -90,8 +98,9 @@ class Traffic:
                 self.one(client, kind)
 
     def unexpected(self) -> dict[str, int]:
-        """Outcomes that should not happen: anything but 200 (and 400 for the bad requests)."""
-        ok = {f"{k}:200" for k in KINDS if k != "bad"} | {"bad:400"}
+        """Outcomes that should not happen: anything but 200 (400 for the bad requests, 408 for stalled
+        uploads)."""
+        ok = {f"{k}:200" for k in KINDS if k != "bad"} | {"bad:400", "slowbody:408"}
         return {k: v for k, v in self.outcomes.items() if k not in ok}
 
 
@@ -122,6 +131,15 @@ def _kv(server: Any) -> dict[str, Any]:
     return out
 
 
+def _host_write_errors(server: Any) -> int | None:
+    """Writes the host tier refused so far (prefill's view; None without a host tier)."""
+    try:
+        stats = httpx.get(server.base_url + "/strata/stats", timeout=30).json()
+        return int(stats["prefill"]["kv"]["tiers"]["host"]["write_errors"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _idle_state(kv: dict[str, Any]) -> dict[str, Any]:
     return {stage: (v["in_use"], v["running"], v["queued_prompt_tokens"]) for stage, v in kv.items()}
 
@@ -133,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url and not args.dashboard_url:
         raise ValueError("--url needs --dashboard-url (the replicas' RSS is read through the Ray dashboard)")
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 10)
+    ballast: TierBallast | None = None
     if args.url:
         server: Any = argparse.Namespace(base_url=args.url.rstrip("/"), dashboard_url=args.dashboard_url.rstrip("/"),
                                          stop=lambda: None)
@@ -140,14 +159,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = args.model or ensure_demo_model()
         work = Path(tempfile.mkdtemp(prefix="strata-soak-"))
-        config: dict[str, Any] = {"mode": args.mode}
-        if args.mode == "disaggregated":
-            config["engine"] = {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")}
-        server = LocalServer(model, work / "server", config, env={"RAY_AUTH_MODE": "disabled"}).wait_ready()
+        config: dict[str, Any] = {"mode": args.mode, "request_body_timeout_s": 5}
+        ballast = TierBallast(work / "host", args.tier_mb)
+        ballast.mount()
+        config["engine"] = {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")}
+        server = LocalServer(model, work / "server", config, env={"RAY_AUTH_MODE": "disabled"})
+        stop_server = server.stop
+        server.stop = lambda: (stop_server(), ballast.unmount())  # type: ignore[union-attr]
+        server.wait_ready()
         where = f"a {args.mode} server of {model.name} started for the run"
+    full_tier = ("skipped: the tier of a server given by --url is not ours to fill" if ballast is None
+                 else f"skipped: {ballast.skipped}" if ballast.skipped else f"a {args.tier_mb} MB tmpfs filled with ballast")
     print(f"# strata bench soak: {args.minutes:g} min of mixed traffic ({', '.join(f'{k} x{w}' for k, w in Traffic.WEIGHTS.items())}),"
           f" {args.concurrency} clients, {where}; samples every {args.sample_s:g} s;"
           f" RSS growth measured after {warmup_s / 60:g} min of warm-up", flush=True)
+    print(f"# phases of {args.minutes / 3:g} min: mixed; + 4 stalled uploads at a time; + a full host tier ({full_tier})",
+          flush=True)
     samples: list[dict[str, Any]] = []
     try:
         try:
@@ -160,13 +187,28 @@ def run(args: argparse.Namespace) -> int:
         # long prompts fill about a third of the context (a few tokens per word with any tokenizer)
         traffic = Traffic(server.base_url, served["id"], args.seed, long_words=served.get("max_model_len", 2048) // 12)
         clients = [threading.Thread(target=traffic.run_client, daemon=True) for _ in range(args.concurrency)]
+        staller = Staller(server.base_url)
+        phase = 0
+        tier_errors_before_full: int | None = None
         t0 = time.monotonic()
         for c in clients:
             c.start()
         print(f"{'t (s)':>7} {'requests':>9} " + " ".join(f"{n + ' MiB':>14}" for n in _replica_rss(server))
               + f" {'prefill blk':>12} {'decode blk':>11}", flush=True)
-        while (elapsed := time.monotonic() - t0) < args.minutes * 60:
-            time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - elapsed)))
+        total_s, next_sample = args.minutes * 60, args.sample_s
+        while (elapsed := time.monotonic() - t0) < total_s:
+            now_phase = min(2, int(3 * elapsed / total_s))
+            if now_phase >= 1 and phase < 1:
+                staller.start()
+                print(f"# {elapsed:.0f} s: uploads start stalling", flush=True)
+            if now_phase >= 2 and phase < 2 and ballast is not None and ballast.mounted:
+                tier_errors_before_full = _host_write_errors(server)
+                print(f"# {elapsed:.0f} s: host tier full ({ballast.fill() / 2**20:.0f} MiB of ballast)", flush=True)
+            phase = now_phase
+            if elapsed < min(next_sample, total_s - 0.05):
+                time.sleep(min(0.25, max(0.0, next_sample - elapsed)))
+                continue
+            next_sample += args.sample_s
             sample = {"t_s": time.monotonic() - t0, "requests": sum(traffic.outcomes.values()),
                       "rss_mib": _replica_rss(server), "kv": _kv(server)}
             samples.append(sample)
@@ -176,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
         traffic.stop.set()
         for c in clients:
             c.join(timeout=150)
+        staller.join()
+        traffic.outcomes.update(staller.outcomes)
+        tier_errors_at_end = _host_write_errors(server)
+        if ballast is not None:
+            ballast.empty()
         deadline, idle = time.monotonic() + 120, _kv(server)
         while _idle_state(idle) != _idle_state(baseline) and time.monotonic() < deadline:
             time.sleep(1)
@@ -183,11 +230,16 @@ def run(args: argparse.Namespace) -> int:
         final_rss = _replica_rss(server)
     finally:
         server.stop()
-    return _report(args, samples, baseline, idle, final_rss, traffic, warmup_s)
+    full = None
+    if tier_errors_before_full is not None and tier_errors_at_end is not None:
+        full = tier_errors_at_end - tier_errors_before_full
+        print(f"# full-tier phase: the host tier refused {full} writes; every request was still answered "
+              "as counted below", flush=True)
+    return _report(args, samples, baseline, idle, final_rss, traffic, warmup_s, full)
 
 
 def _report(args: argparse.Namespace, samples: list[dict[str, Any]], baseline: dict[str, Any], idle: dict[str, Any],
-            final_rss: dict[str, float], traffic: Traffic, warmup_s: float) -> int:
+            final_rss: dict[str, float], traffic: Traffic, warmup_s: float, full_tier_refusals: int | None) -> int:
     after_warmup = [s for s in samples if s["t_s"] >= warmup_s] or samples[-1:]
     growth = {}
     for name, last in final_rss.items():
@@ -211,5 +263,6 @@ def _report(args: argparse.Namespace, samples: list[dict[str, Any]], baseline: d
     if args.json:
         args.json.write_text(json.dumps({"samples": samples, "baseline": baseline, "idle": idle, "rss": growth,
                                          "outcomes": dict(traffic.outcomes), "kv_back_to_baseline": kv_back,
-                                         "unexpected": unexpected}, indent=2))
+                                         "unexpected": unexpected, "full_tier_refused_writes": full_tier_refusals},
+                                        indent=2))
     return 0 if kv_back and not unexpected else 1

@@ -205,14 +205,14 @@ def save_reference(path: Path, acts: dict[str, torch.Tensor], token_ids: list[in
                    model_dir: Path, dtype: str, device: str = "cpu") -> None:
     from safetensors.torch import save_file
 
-    from strata.pipeline.weights import weights_digest
+    from strata.pipeline.model_identity import weights_content_digest
 
     tensors = {f"act.{k}": v.contiguous() for k, v in acts.items()}
     tensors["input.token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
     if data.image is not None:
         tensors["input.image"] = torch.frombuffer(bytearray(data.image), dtype=torch.uint8)
     meta = {"prompt": data.prompt, "reference": f"transformers {dtype} {device}", "dtype": dtype,
-            "weights": weights_digest(model_dir),
+            "weights": weights_content_digest(model_dir),
             "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()}
     save_file(tensors, str(path), metadata={"strata_align": json.dumps(meta)})
 
@@ -254,11 +254,11 @@ def run(args: argparse.Namespace) -> int:
     if args.reference is not None:
         ref, ref_ids, data, meta = load_reference(args.reference)
         source = f"saved reference {args.reference.name} ({meta['reference']})"
-        from strata.pipeline.weights import weights_digest
+        from strata.pipeline.model_identity import weights_content_digest
 
         if meta.get("dtype", args.dtype) != args.dtype:
             raise ValueError(f"{args.reference} holds {meta['dtype']} activations; run with --dtype {meta['dtype']}")
-        if meta.get("weights") != weights_digest(args.model):
+        if meta.get("weights") != weights_content_digest(args.model):
             print("# note: the reference was captured from different weights than these (a copy or a new platform's load?)")
     else:
         data = _input(args)

@@ -1,0 +1,125 @@
+"""``max_tokens`` and ``max_completion_tokens`` through the real ingress route, in-process (no Ray
+cluster): both are checked (strict integers, in range) whichever is given, a bad one is a 400
+naming it, and when both are given ``max_completion_tokens`` is the limit (as in vLLM).
+
+The ingress is the real class without its constructor (no model is loaded); its request flow is a
+stand-in that records what reaches it and answers with one finished token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any, AsyncIterator
+
+import pytest
+from starlette.requests import Request as HTTPRequest
+
+from strata.deployments.config import ServeConfig
+from strata.deployments.ingress import Ingress
+from strata.deployments.responder import Responder
+from strata.pipeline.request import Request, TokenEvent
+from strata.pipeline.sampling_params import MAX_TOKENS, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+MODEL = "m"
+
+
+class FakeFlow:
+    """Records the params and the "no limit given" flag of each prepared request."""
+
+    def __init__(self) -> None:
+        self.prepared: list[tuple[SamplingParams, bool]] = []
+
+    async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
+                      **prompt: Any) -> Request:
+        self.prepared.append((params, default_max_tokens))
+        return Request(request_id, [1, 2, 3], params)
+
+    async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+        yield [TokenEvent(request.request_id, 7, "ok", finish_reason="length")]
+
+
+class _Ingress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
+    def __del__(self) -> None:
+        """Serve's ASGI wrapper shuts an app down here (a coroutine); this one never started one."""
+
+
+def _ingress(flow: FakeFlow) -> Any:
+    ingress = object.__new__(_Ingress)
+    config = ServeConfig()
+    ingress.config, ingress.model_name, ingress.flow, ingress.service = config, MODEL, flow, None
+    ingress.retry_after_s, ingress.admission_limit, ingress._preparing = 1.0, 16, 0
+    ingress.responder = Responder(MODEL, lambda ids: "x" * len(ids), 1.0, 30.0)
+    ingress._loaded, ingress._load_error = threading.Event(), None
+    ingress._loaded.set()
+    return ingress
+
+
+def _post(body: dict[str, Any], chat: bool = True) -> tuple[int, dict[str, Any], FakeFlow]:
+    """POST ``body`` to the chat (or completions) route: (status, JSON body, the flow)."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions" if chat else "/v1/completions",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def go() -> tuple[int, dict[str, Any], FakeFlow]:
+        flow = FakeFlow()
+        ingress = _ingress(flow)
+        resp = await ingress._complete(HTTPRequest(scope, receive), chat=chat)
+        return resp.status_code, json.loads(resp.body), flow
+
+    return asyncio.run(go())
+
+
+def _chat(**limits: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **limits}
+
+
+BAD = [0, -1, MAX_TOKENS + 1, 2**70, True, False, 4.0, "4", [4], {"n": 4}]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=repr)
+@pytest.mark.parametrize("field,other", [("max_tokens", None), ("max_completion_tokens", None),
+                                         ("max_tokens", "max_completion_tokens"),
+                                         ("max_completion_tokens", "max_tokens")])
+def test_a_bad_limit_is_a_400_naming_it_whichever_is_given(field: str, other: str | None, bad: Any) -> None:
+    limits = {field: bad} if other is None else {field: bad, other: 8}
+    status, body, flow = _post(_chat(**limits))
+    assert status == 400, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field and field in err["message"]
+    assert not flow.prepared  # refused before anything was tokenized
+
+
+@pytest.mark.parametrize("bad", [0, MAX_TOKENS + 1, True, 4.0], ids=repr)
+def test_completions_check_max_tokens_the_same_way(bad: Any) -> None:
+    status, body, _ = _post({"model": MODEL, "prompt": "hi", "max_tokens": bad}, chat=False)
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("limits,expected", [
+    ({"max_tokens": 5}, 5),
+    ({"max_completion_tokens": 6}, 6),
+    ({"max_tokens": 5, "max_completion_tokens": 9}, 9),  # both: max_completion_tokens wins (vLLM)
+    ({"max_tokens": 9, "max_completion_tokens": 5}, 5),
+    ({"max_tokens": MAX_TOKENS, "max_completion_tokens": 1}, 1),  # the limits themselves are in range
+    ({"max_tokens": 5, "max_completion_tokens": None}, 5),
+], ids=repr)
+def test_the_limit_in_force(limits: dict[str, Any], expected: int) -> None:
+    status, body, flow = _post(_chat(**limits))
+    assert status == 200, body
+    (params, default_max_tokens), = flow.prepared
+    assert params.max_tokens == expected and not default_max_tokens
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_limit_leaves_the_rest_of_the_context() -> None:
+    status, _, flow = _post(_chat())
+    assert status == 200
+    (_, default_max_tokens), = flow.prepared
+    assert default_max_tokens  # intake widens it to the room the prompt leaves
