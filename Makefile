@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.14.1 torchvision==0.29.1
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,bench]'
 	$(VENV)/bin/strata build-kernels  # compile the CPU kernels here, never inside a server start
 	touch $(STAMP)
 

@@ -19,12 +19,10 @@ from strata.deployments.stage_deployments import Decode, Encode, Prefill, Prepro
 
 
 def resolve_model(config: ServeConfig) -> ServeConfig:
-    """Fill in the model directory (the tiny demo model, built once, when none is given), its
-    name, and an absolute host-tier directory every replica on the node shares."""
+    """Make the model directory absolute, fill in its name, and an absolute host-tier directory every
+    replica on the node shares. (The entry room picks the demo model when none is given.)"""
     if config.model_dir is None:
-        from strata.pipeline.tiny_model import ensure_demo_model
-
-        config.model_dir = str(ensure_demo_model())
+        raise ValueError("no model: give --model or \"model_dir\" in the config")
     config.model_dir = str(Path(config.model_dir).resolve())
     config.model_name = config.model_name or Path(config.model_dir).name
     engine = config.engine
@@ -90,7 +88,6 @@ def engine_for(config: ServeConfig, stage: str) -> dict[str, Any]:
 
 def build_app(config: ServeConfig, access_log: bool = False) -> serve.Application:
     config = resolve_model(config)
-    config.validate()
     model = config.model_dir
 
     def options(stage: str) -> dict[str, Any]:

@@ -28,13 +28,18 @@ from strata.deployments import metrics
 from strata.deployments.config import ServeConfig
 from strata.deployments.http_input import read_json
 from strata.deployments.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, new_id, parse_request, split_chat,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    parse_request,
+    split_chat,
 )
 from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
 from strata.deployments.responder import Responder, client_error, error_response
-from strata.pipeline.intake import Intake
-from strata.pipeline.model_config import load_llava_config
-from strata.pipeline.tokenizer import PromptTokenizer
+from strata.pipeline.frontend.intake import Intake
+from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.models.model_config import load_llava_config
 from strata.stages.stage_loop import LoopStopped
 
 log = logging.getLogger("strata.ingress")
@@ -74,14 +79,12 @@ class Ingress:
         self.readiness_handles = {"preprocess": preprocess, **self.stage_handles}
 
     def _load_engine(self, model_dir: Path) -> None:
-        from dataclasses import replace
-
         from strata.deployments.tp_actors import RayWorkers, group_host
         from strata.stages.engine_service import EngineService
         from strata.stages.factory import build_engine
 
         try:
-            engine = build_engine(model_dir, replace(self.config.engine, tp=self.config.tp("llm")), RayWorkers,
+            engine = build_engine(model_dir, self.config.engine.model_copy(update={"tp": self.config.tp("llm")}), RayWorkers,
                                   group_host())
             self.service = EngineService(engine, self.config.stream_interval_ms / 1000)
             self.flow.service = self.service  # type: ignore[attr-defined]

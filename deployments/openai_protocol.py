@@ -15,9 +15,19 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
-from strata.pipeline.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
+from strata.pipeline.contract.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
 
 # OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
 # instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from strata.pipeline.sampler import FINISH_LENGTH, FINISH_STOP
+from strata.pipeline.core.sampler import FINISH_LENGTH, FINISH_STOP
 
 
 def sse(obj: dict[str, Any] | str) -> str:

@@ -17,10 +17,10 @@ from typing import Any, AsyncIterator
 
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.intake import Intake, PromptTooLongError, attach_images
-from strata.pipeline.request import Request, TokenEvent, unpack_events
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.handoff import Handoff
+from strata.pipeline.contract.request import Request, TokenEvent, unpack_events
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.frontend.intake import Intake, PromptTooLongError, attach_images
 from strata.stages.preprocessor import ImageError
 
 log = logging.getLogger("strata.ingress")

@@ -23,10 +23,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError, usage
 from strata.deployments.openai_responses import (
-    ContentChunks, chat_chunk, chat_completion, completion, completion_chunk, is_completed, openai_finish_reason, sse,
+    ContentChunks,
+    chat_chunk,
+    chat_completion,
+    completion,
+    completion_chunk,
+    is_completed,
+    openai_finish_reason,
+    sse,
     usage_chunk,
 )
-from strata.pipeline.request import Request, TokenEvent
+from strata.pipeline.contract.request import Request, TokenEvent
 from strata.stages.pixel_budget import PixelBudgetTimeout
 
 log = logging.getLogger("strata.ingress")

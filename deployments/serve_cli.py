@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from strata.deployments.loopback import LOOPBACK_ENV
 
@@ -39,9 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "deployments over gRPC)")
 
 
-def load_config(args: argparse.Namespace) -> Any:
+def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> Any:
+    """The serve config from ``--config`` and the flags; ``default_model`` (the entry room's demo
+    checkpoint) when neither names a model."""
     from strata.deployments.config import ServeConfig, check_tensor_parallel
-    from strata.pipeline.tiny_model import ensure_demo_model
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     if args.model is not None:
@@ -50,7 +51,11 @@ def load_config(args: argparse.Namespace) -> Any:
         config.model_dir = str(args.model)
     if args.model_name:
         config.model_name = args.model_name
-    check_tensor_parallel(config, config.model_dir or ensure_demo_model())
+    if config.model_dir is None:
+        if default_model is None:
+            raise ValueError("no model: give --model or \"model_dir\" in the config")
+        config.model_dir = str(default_model())
+    check_tensor_parallel(config, config.model_dir)
     return config
 
 
@@ -133,8 +138,8 @@ def check_ports(args: argparse.Namespace) -> None:
                 raise ValueError(f"port {port} on {host} is in use; pick another with {flag}") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    config = load_config(args)  # a bad config fails before any cluster starts
+def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> int:
+    config = load_config(args, default_model)  # a bad config fails before any cluster starts
     check_ports(args)
     context = _start_ray(args)
     from ray import serve

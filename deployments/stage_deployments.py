@@ -20,14 +20,14 @@ from ray import serve
 from strata.deployments import metrics
 from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
 from strata.deployments.tp_actors import RayWorkers, group_host
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.request import Request, pack_events
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.handoff import Handoff
+from strata.pipeline.contract.request import Request, pack_events
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
-from strata.stages.stage_loop import LoopStopped
 from strata.stages.pixel_budget import PixelBudget
 from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
+from strata.stages.stage_loop import LoopStopped
 from strata.stages.vision_encoder import VisionEncoder
 
 

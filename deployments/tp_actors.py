@@ -14,7 +14,7 @@ from ray.util import get_node_ip_address
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from strata.pipeline.tp_workers import WorkerSpec, run_worker
+from strata.pipeline.core.tp_workers import WorkerSpec, run_worker
 
 STOP_TIMEOUT_S = 10.0
 

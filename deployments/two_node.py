@@ -52,9 +52,9 @@ def _actors(model: str, root: str):
     import ray
 
     from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
-    from strata.pipeline.config import EngineConfig
-    from strata.pipeline.handoff import Handoff
-    from strata.pipeline.request import Request
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.contract.handoff import Handoff
+    from strata.pipeline.contract.request import Request
     from strata.stages.factory import build_decode_service, build_prefill_service
     from strata.stages.kv_transfer import KVPuller
 

@@ -6,7 +6,7 @@ from .device_blocks import DeviceBlocks
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
 from .tiered_cache import KVBlockLostError, PrefixMatch, SpilledBlocks, TieredKVCache
-from .block_table import BlockTable
+from .block_table import BlockTable, blocks_for_tokens, chunk_working_set_blocks
 from .hashing import (
     DIGEST_SIZE,
     ImageSpan,
@@ -29,6 +29,8 @@ __all__ = [
     "TieredKVCache",
     "PrefixMatch",
     "BlockTable",
+    "blocks_for_tokens",
+    "chunk_working_set_blocks",
     "HANDLE_VERSION",
     "HandleError",
     "KVHandle",

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens (the last one possibly partial)."""
+    return -(-num_tokens // block_size)
+
+
+def chunk_working_set_blocks(chunk_tokens: int, block_size: int) -> int:
+    """Device blocks one prefill chunk needs when older blocks may live in a lower tier: the chunk's
+    blocks plus one it may straddle. The least a device pool must keep free for a prompt to progress."""
+    return blocks_for_tokens(chunk_tokens, block_size) + 1
+
+
 @dataclass(eq=False)
 class BlockTable:
     """One sequence's blocks: how many tokens are written, which logical blocks are published
@@ -61,8 +72,12 @@ class BlockTable:
 
     def blocks_needed(self, new_num_tokens: int) -> int:
         """Extra blocks required to hold ``new_num_tokens`` tokens in total."""
-        needed = -(-new_num_tokens // self.block_size)
-        return max(0, needed - self.num_blocks)
+        return max(0, blocks_for_tokens(new_num_tokens, self.block_size) - self.num_blocks)
+
+    def slot(self, position: int) -> int:
+        """The flat slot id (block_id * block_size + offset) of one resident token position (a decode)."""
+        bs = self.block_size
+        return self.block_ids[position // bs - self.num_spilled] * bs + position % bs
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat slot ids (block_id * block_size + offset) for token positions [start, end)."""

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
-from strata.kvstore.block_table import BlockTable
+from strata.kvstore.block_table import BlockTable, chunk_working_set_blocks
 from strata.kvstore.device_blocks import DeviceBlocks
 from strata.kvstore.layout import KVLayout
 from strata.kvstore.handle import HandleError, KVHandle
@@ -51,6 +51,7 @@ class PrefixMatch:
     num_blocks: int = 0
     num_spilled: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
+    num_tokens: int = 0  # the tokens those blocks hold (their KV need not be computed)
 
 
 def _bytes_view(t: torch.Tensor) -> np.ndarray:
@@ -194,6 +195,15 @@ class TieredKVCache:
         return block_id is not None and self.lower.store([(block_hash, self._block_bytes(block_id))])[0]
 
     # ------------------------------------------------------------ prefix match over tiers
+    def matchable_blocks(self, num_tokens: int) -> int:
+        """Full blocks of a ``num_tokens`` prompt the prefix cache may supply: never the one holding the
+        last token, whose logits the step samples (so it is always computed)."""
+        return (num_tokens - 1) // self.layout.block_size
+
+    def chunk_working_set(self, chunk_tokens: int) -> int:
+        """Device blocks one prefill chunk needs (see :func:`chunk_working_set_blocks`)."""
+        return chunk_working_set_blocks(chunk_tokens, self.layout.block_size)
+
     def match_prefix(self, table: BlockTable, hashes: Sequence[bytes], keep_free: int) -> PrefixMatch:
         """Adopt the longest cached leading run of ``hashes`` into the empty ``table``.
 
@@ -217,7 +227,7 @@ class TieredKVCache:
         table.num_tokens = matched * table.block_size
         if table.num_blocks:
             self._live[id(table)] = table
-        return PrefixMatch(matched, spilled, by_tier)
+        return PrefixMatch(matched, spilled, by_tier, matched * self.layout.block_size)
 
     def _locate(self, hashes: Sequence[bytes]) -> list[str]:
         """The tier of each leading hash that is cached somewhere, up to the first miss."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable
 
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.request import TokenEvent
+from strata.pipeline.contract.handoff import Handoff
+from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.sequence import Sequence
 from strata.stages.decoder import Decoder
 from strata.stages.kv_transfer import KVPuller
 from strata.stages.stage_loop import Delivery, StageLoop
@@ -38,7 +39,7 @@ class DecodeService:
 
     async def generate(self, handoff: Handoff) -> AsyncIterator[list[TokenEvent]]:
         """Admit a prefilled sequence and yield its new token events, a batch per wake-up."""
-        seq = handoff.to_sequence(self.block_size)
+        seq = Sequence.from_handoff(handoff, self.block_size)
         events = self.delivery.open(seq.request_id)
         finished = False
         try:

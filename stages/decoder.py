@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from strata.kvstore import HandleError, KVHandle
-from strata.pipeline.engine_core import EngineCore
-from strata.pipeline.request import TokenEvent
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.engine_core import EngineCore
+from strata.pipeline.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
-from strata.pipeline.engine import Engine
-from strata.pipeline.request import Request, TokenEvent
+from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.core.engine import Engine
 from strata.stages.stage_loop import Delivery, StageLoop
 
 log = logging.getLogger(__name__)

@@ -9,19 +9,19 @@ import torch
 
 from strata.kernels import get_attention_backend
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
-from strata.pipeline.compiled import compile_model
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.engine import Engine
-from strata.pipeline.engine_core import EngineCore
-from strata.pipeline.model_config import load_llava_config
-from strata.pipeline.model_identity import kv_fingerprint
-from strata.pipeline.model_loader import load_language_model, resolve_dtype
-from strata.pipeline.model_runner import ModelRunner
-from strata.pipeline.scheduler import Scheduler
-from strata.pipeline.tokenizer import PromptTokenizer
-from strata.pipeline.tp_group import TPGroup
-from strata.pipeline.tp_runner import ShardedDeviceBlocks, TPModelRunner
-from strata.pipeline.tp_workers import Launcher
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.core.compiled import compile_model
+from strata.pipeline.core.engine import Engine
+from strata.pipeline.core.engine_core import EngineCore
+from strata.pipeline.core.model_runner import ModelRunner
+from strata.pipeline.core.scheduler import Scheduler
+from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner
+from strata.pipeline.core.tp_workers import Launcher
+from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_identity import kv_fingerprint
+from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
+from strata.pipeline.parallel.tp_group import TPGroup
 from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
@@ -58,7 +58,6 @@ class LanguageStage:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
                  group_host: str = "127.0.0.1") -> None:
-        config.validate()
         config.apply_threads()
         self.model_dir = Path(model_dir)
         self.config = config

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Awaitable, Callable, Sequence
 
 from strata.kvstore import KVHandle, TieredKVCache
-from strata.pipeline.handoff import Handoff
+from strata.pipeline.contract.handoff import Handoff
 
 log = logging.getLogger("strata.kv_transfer")
 Fetch = Callable[[str, Sequence[bytes]], Awaitable[list[bytes | None]]]

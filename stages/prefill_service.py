@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.request import Request
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.handoff import Handoff
+from strata.pipeline.contract.request import Request
+from strata.pipeline.core.sequence import Sequence
 from strata.stages.prefiller import Prefiller
 from strata.stages.stage_loop import Delivery, StageLoop
 
@@ -56,7 +56,7 @@ class PrefillService:
             raise
         finally:
             self.delivery.close(seq.request_id)
-        return Handoff.from_sequence(result.seq, result.event, result.kv_handle or b"", result.tail_kv)
+        return result.seq.to_handoff(result.event, result.kv_handle or b"", result.tail_kv)
 
     async def stats(self) -> dict[str, Any]:
         """KV store and queue figures, read on the loop thread (consistent with the scheduler)."""

@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from strata.pipeline.engine_core import EngineCore
-from strata.pipeline.request import TokenEvent
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.engine_core import EngineCore
+from strata.pipeline.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.model_config import LlavaConfig
-from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.core.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
+from strata.pipeline.models.model_config import LlavaConfig
+from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
-from strata.pipeline.shard_plan import ShardPlan
-from strata.pipeline.tp_group import GroupAddress, TPGroup
-from strata.pipeline.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
-from strata.pipeline.weights import LoadStats
+from strata.pipeline.models.weights import LoadStats
+from strata.pipeline.parallel.shard_plan import ShardPlan
+from strata.pipeline.parallel.tp_group import GroupAddress, TPGroup
 
 log = logging.getLogger(__name__)
 

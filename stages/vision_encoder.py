@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.model_config import LlavaConfig, load_llava_config
-from strata.pipeline.model_loader import load_image_encoder, resolve_dtype
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.models.model_config import LlavaConfig, load_llava_config
+from strata.pipeline.models.model_loader import load_image_encoder, resolve_dtype
 from strata.stages.preprocessor import PreprocessedImage
 
 

@@ -22,11 +22,11 @@ def __getattr__(name: str) -> Any:
 
         return load_engine
     if name == "EngineConfig":
-        from strata.pipeline.config import EngineConfig
+        from strata.pipeline.contract.config import EngineConfig
 
         return EngineConfig
     if name == "SamplingParams":
-        from strata.pipeline.sampling_params import SamplingParams
+        from strata.pipeline.contract.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'strata' has no attribute {name!r}")

@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from strata.pipeline.config import EngineConfig, read_json_object
-from strata.pipeline.errors import RequestFailed
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
+from strata.pipeline.contract.config import EngineConfig, read_json_object
+from strata.pipeline.contract.errors import RequestFailed
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 
 log = logging.getLogger("strata")
+
+
+# Packages only benchmarks, plots, load tests and the smoke check use: extras, not runtime dependencies.
+OPTIONAL_PACKAGES = {"matplotlib": "bench", "locust": "bench", "openai": "bench", "psutil": "bench"}
 
 
 class CLIError(Exception):
@@ -70,7 +74,7 @@ def _add_make_demo_image(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_demo_image(args: argparse.Namespace) -> int:
-    from strata.pipeline.tiny_model import make_demo_image
+    from strata.tiny_model import make_demo_image
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(make_demo_image(args.out, args.size))
@@ -108,9 +112,9 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             p.add_argument(flag, action="store_const", const=True, default=None,
-                           help=f"engine config {name} (default {getattr(EngineConfig, name)})")
+                           help=f"engine config {name} (default {EngineConfig.model_fields[name].default})")
         else:
-            p.add_argument(flag, type=kind, default=None, help=f"engine config {name} (default {getattr(EngineConfig, name)})")
+            p.add_argument(flag, type=kind, default=None, help=f"engine config {name} (default {EngineConfig.model_fields[name].default})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -131,7 +135,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _resolve_model(model: Path | None) -> Path:
     if model is None:
-        from strata.pipeline.tiny_model import ensure_demo_model
+        from strata.tiny_model import ensure_demo_model
 
         return ensure_demo_model()
     if not model.is_dir():
@@ -213,9 +217,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from strata.pipeline.memory_plan import format_plan, parse_count, parse_size, plan_memory
-
-    from strata.pipeline.model_shapes import BUILTIN_SHAPES
+    from strata.planning.memory_plan import format_plan, parse_count, parse_size, plan_memory
+    from strata.planning.model_shapes import BUILTIN_SHAPES
 
     config = args.model / "config.json" if args.model.is_dir() else args.model
     if str(args.model) in BUILTIN_SHAPES:
@@ -246,9 +249,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from strata.deployments.serve_cli import run
+    from strata.tiny_model import ensure_demo_model
 
     try:
-        return run(args)
+        return run(args, default_model=ensure_demo_model)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
 
@@ -280,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from strata.kvstore import HandleError
-    from strata.pipeline.model_config import ModelConfigError
-    from strata.pipeline.weights import WeightsError
+    from strata.pipeline.models.model_config import ModelConfigError
+    from strata.pipeline.models.weights import WeightsError
 
     errors: list[type[BaseException]] = [CLIError, ModelConfigError, WeightsError, HandleError, ValueError, OSError]
     return tuple(errors)
@@ -298,6 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             log.exception("failed")
         print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"strata: error: this command needs the optional package {exc.name.split('.')[0]}: "
+              f"pip install 'strata[{extra}]'", file=sys.stderr)
         return 2
     except RequestFailed as exc:  # the request ran and failed (not the user's input): exit 1
         print(f"strata: error: {exc}", file=sys.stderr)

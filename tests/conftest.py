@@ -18,7 +18,7 @@ if "STRATA_DIGEST_CACHE" not in os.environ:  # weight digests of the session's t
     atexit.register(shutil.rmtree, os.environ["STRATA_DIGEST_CACHE"], True)
 
 from strata.kernels import available_backends  # noqa: E402
-from strata.pipeline.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
+from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
 
 
 SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server"}

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.scheduler import ScheduledChunk
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.scheduler import ScheduledChunk
+from strata.pipeline.core.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16  # block size the kernel tests use

@@ -16,11 +16,14 @@ ROOMS = ("kernels", "kvstore", "pipeline", "stages", "deployments", "strata")
 RANK = {room: i for i, room in enumerate(ROOMS)}
 HTTP_ONLY = "loadtest"  # talks to the server over HTTP only: imports nothing of ours
 FOLDERS = (*ROOMS, HTTP_ONLY)
+# The rooms inside pipeline/, lowest first: core -> frontend -> models -> parallel -> contract.
+PIPELINE_ROOMS = ("contract", "parallel", "models", "frontend", "core")
+PIPELINE_RANK = {room: i for i, room in enumerate(PIPELINE_ROOMS)}
 
 
 @dataclass
 class Import:
-    source: str  # module that imports, e.g. "strata.pipeline.engine"
+    source: str  # module that imports, e.g. "strata.pipeline.core.engine"
     target: str  # module imported, e.g. "strata.kvstore.block_pool"
     line: int
     how: str  # "import", "from", "importlib"
@@ -123,6 +126,24 @@ def upward_imports(graph: Graph) -> list[Import]:
     return bad
 
 
+def pipeline_room_of(module: str) -> str | None:
+    """``strata.pipeline.core.engine`` -> ``core``; None outside pipeline/ (or for ``pipeline`` itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "pipeline" else None
+
+
+def pipeline_upward_imports(graph: Graph) -> list[Import]:
+    """Imports inside pipeline/ from a room into a room above it, or into a module outside the rooms."""
+    bad = []
+    for imp in graph.imports:
+        src, dst = pipeline_room_of(imp.source), pipeline_room_of(imp.target)
+        if src is None or room_of(imp.target) != "pipeline":
+            continue
+        if dst not in PIPELINE_RANK or src not in PIPELINE_RANK or PIPELINE_RANK[dst] > PIPELINE_RANK[src]:
+            bad.append(imp)
+    return bad
+
+
 def cycles(graph: Graph) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan). A package ``__init__`` that
     re-exports its own submodules is not a cycle unless a submodule imports the package back."""
@@ -170,7 +191,7 @@ if __name__ == "__main__":  # a report for humans: `python tests/import_graph.py
 
     repo = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
     g = read_graph(repo)
-    up = upward_imports(g)
+    up = upward_imports(g) + pipeline_upward_imports(g)
     cyc = cycles(g)
     print(f"modules: {len(g.modules)}  imports of ours: {len(g.imports)}")
     print("lines per room: " + ", ".join(f"{k} {v}" for k, v in sorted(g.lines.items())))

@@ -6,7 +6,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from strata.pipeline.detokenizer import IncrementalDetokenizer
+from strata.pipeline.frontend.detokenizer import IncrementalDetokenizer
 
 
 def test_incremental_equals_full_decode(llama_dir) -> None:
@@ -30,8 +30,8 @@ def test_incremental_equals_full_decode(llama_dir) -> None:
 
 def test_the_fast_decode_equals_the_tokenizers_decode(llama_dir) -> None:
     """PromptTokenizer.decode skips the Python wrapper; the text must not change."""
-    from strata.pipeline.model_config import load_llava_config
-    from strata.pipeline.tokenizer import PromptTokenizer
+    from strata.pipeline.frontend.tokenizer import PromptTokenizer
+    from strata.pipeline.models.model_config import load_llava_config
 
     tok = PromptTokenizer(llama_dir, load_llava_config(llama_dir))
     assert tok._backend is not None  # the fast path is what this test covers

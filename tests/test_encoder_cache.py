@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from strata.pipeline.config import EngineConfig
+from strata.pipeline.contract.config import EngineConfig
 from strata.stages.preprocessor import Preprocessor
 from strata.stages.vision_encoder import VisionEncoder
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata.pipeline.sampling_params import SamplingParams
 from helpers import build, greedy
+from strata.pipeline.contract.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

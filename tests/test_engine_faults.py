@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from strata.pipeline.model_runner import ModelRunner
-from strata.pipeline.sampling_params import SamplingParams
-from strata.stages.engine_service import EngineService
 from helpers import build, greedy
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.model_runner import ModelRunner
+from strata.stages.engine_service import EngineService
 
 PROMPTS = ["Tell me about the tides.", "What is a lighthouse?", "Count the waves.", "Describe the harbour."]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from strata.pipeline.sampling_params import SamplingParams
-from strata.stages.engine_service import EngineService
 from helpers import build, greedy
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.stages.engine_service import EngineService
 
 PROMPTS = ["Tell me about the tides and the moon. " * 6, "A short one.", "Why is the sea salty? " * 3]
 

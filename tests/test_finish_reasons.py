@@ -17,14 +17,17 @@ import pytest
 
 from strata.deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from strata.deployments.openai_responses import (
-    COMPLETED_FINISH_REASONS, OPENAI_FINISH_REASONS, IncompleteFinish, openai_finish_reason,
+    COMPLETED_FINISH_REASONS,
+    OPENAI_FINISH_REASONS,
+    IncompleteFinish,
+    openai_finish_reason,
 )
 from strata.deployments.responder import Responder
-from strata.pipeline import sampler
-from strata.pipeline.engine_core import EngineCore
-from strata.pipeline.request import Request, TokenEvent
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.core import sampler
+from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.engine_core import EngineCore
+from strata.pipeline.core.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

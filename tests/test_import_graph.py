@@ -7,12 +7,32 @@ import ast
 import json
 
 from helpers import REPO, run_python
-from import_graph import ROOMS, cycles, read_graph, room_of, upward_imports
+from import_graph import PIPELINE_ROOMS, ROOMS, cycles, pipeline_upward_imports, read_graph, room_of, upward_imports
 
 
 def test_no_room_imports_a_room_above_it() -> None:
     bad = upward_imports(read_graph(REPO))
     assert not bad, "upward imports:\n" + "\n".join(f"{i.source}:{i.line} -> {i.target} ({i.how})" for i in bad)
+
+
+def test_the_rooms_inside_pipeline_import_one_way() -> None:
+    """core -> frontend -> models -> parallel -> contract; every module of pipeline/ lives in one of them."""
+    graph = read_graph(REPO)
+    bad = pipeline_upward_imports(graph)
+    assert not bad, "upward imports inside pipeline/:\n" + "\n".join(
+        f"{i.source}:{i.line} -> {i.target} ({i.how})" for i in bad)
+    loose = [m for m in graph.modules if m.startswith("strata.pipeline.") and m.split(".")[2] not in PIPELINE_ROOMS]
+    assert not loose, f"modules of pipeline/ outside its rooms: {loose}"
+
+
+def test_the_pipeline_checker_can_fail(tmp_path) -> None:
+    for room, body in (("contract", "from strata.pipeline.core import engine\n"), ("core", "")):
+        (tmp_path / "pipeline" / room).mkdir(parents=True)
+        (tmp_path / "pipeline" / room / "__init__.py").write_text("")
+        (tmp_path / "pipeline" / room / ("request.py" if room == "contract" else "engine.py")).write_text(body)
+    (tmp_path / "pipeline" / "__init__.py").write_text("")
+    bad = {(i.source, i.target) for i in pipeline_upward_imports(read_graph(tmp_path))}
+    assert ("strata.pipeline.contract.request", "strata.pipeline.core.engine") in bad
 
 
 def test_the_import_graph_has_no_cycle() -> None:

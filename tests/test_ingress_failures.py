@@ -18,9 +18,9 @@ from ray.serve.exceptions import BackPressureError
 from strata.deployments.openai_protocol import ChatCompletionRequest, parse_request
 from strata.deployments.request_flow import StageFlow
 from strata.deployments.responder import Responder
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.request import Request, TokenEvent, pack_events
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.handoff import Handoff, SequenceState
+from strata.pipeline.contract.request import Request, TokenEvent, pack_events
+from strata.pipeline.contract.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -63,8 +63,8 @@ class FakePrefill:
                 raise error
             req = Request.from_msgpack(msg)
             first = TokenEvent(req.request_id, first_token, "a")
-            return Handoff(req.request_id, req.prompt_token_ids + [first_token], req.num_prompt_tokens,
-                           req.params, first, b"handle").to_msgpack()
+            state = SequenceState(req.request_id, req.prompt_token_ids + [first_token], req.num_prompt_tokens, req.params)
+            return Handoff(state, first, b"handle").to_msgpack()
 
         self.prefill = _Call(prefill)
 

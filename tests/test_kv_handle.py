@@ -36,8 +36,8 @@ def test_unknown_version_and_garbage_are_refused() -> None:
 
 
 def test_decoder_refuses_a_handle_from_another_pool(llama_dir) -> None:
-    from strata.pipeline.sequence import Sequence
     from helpers import build, greedy
+    from strata.pipeline.core.sequence import Sequence
 
     engine = build(llama_dir)
     h = _handle()

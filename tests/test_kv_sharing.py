@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from strata.pipeline.sequence import Sequence
 from helpers import build, greedy, run_python
+from strata.pipeline.core.sequence import Sequence
 
 pytestmark = pytest.mark.slow  # child processes sharing the tiers
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow  # child processes sharing the tiers
 _ENGINE = textwrap.dedent(
     """
     import json, random, sys
-    from strata.pipeline.config import EngineConfig
-    from strata.pipeline.sampling_params import SamplingParams
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.contract.sampling_params import SamplingParams
     from strata.stages.factory import build_engine
     model, config = sys.argv[1], json.loads(sys.argv[2])
     rng = random.Random(0)

@@ -11,12 +11,12 @@ from typing import Sequence
 
 import pytest
 
+from helpers import build, greedy
 from strata.kvstore import KVHandle, LowerTiers
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.handoff import Handoff
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.handoff import Handoff
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
-from helpers import build, greedy
 
 PROMPT = "Tell me the long story of the harbour, the lighthouse and the storm. " * 6
 

@@ -11,9 +11,16 @@ import pytest
 from safetensors import safe_open
 
 from strata.cli import main
-from strata.pipeline.memory_plan import count_params, format_plan, load_model_shape, parse_count, parse_size, plan_memory
-from strata.pipeline.model_config import ModelConfigError
-from strata.pipeline.tiny_model import ARCHITECTURES
+from strata.pipeline.models.model_config import ModelConfigError
+from strata.planning.memory_plan import (
+    count_params,
+    format_plan,
+    load_model_shape,
+    parse_count,
+    parse_size,
+    plan_memory,
+)
+from strata.tiny_model import ARCHITECTURES
 
 GiB = 1 << 30
 
@@ -265,8 +272,8 @@ def test_cli_plan_missing_or_invalid_config(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_rank_shards_add_up_to_the_decoder(arch: str, tiny_models: dict[str, Path]) -> None:
     """One rank of one holds the whole decoder; two ranks hold it once plus the replicated norms/router."""
-    from strata.pipeline.memory_plan import text_params
-    from strata.pipeline.shard_plan import ShardPlan
+    from strata.pipeline.parallel.shard_plan import ShardPlan
+    from strata.planning.memory_plan import text_params
 
     tc = load_model_shape(tiny_models[arch])[1].text
     assert ShardPlan(tc, 0, 1).num_params() == text_params(tc)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from strata.pipeline.tiny_model import ARCHITECTURES
 from helpers import build, sequence_logits
+from strata.tiny_model import ARCHITECTURES
 
 PROMPT = "Tell me a story about the sea and the stars."
 NEW_TOKENS = 24
@@ -57,9 +57,9 @@ def test_logits_cosine_is_at_least_0_999(arch: str, agreement) -> None:
 
 
 def test_the_vision_tower_in_bf16_matches_transformers(tiny_models, demo_images) -> None:
+    from strata.pipeline.contract.config import EngineConfig
     from strata.stages.preprocessor import Preprocessor
     from strata.stages.vision_encoder import VisionEncoder
-    from strata.pipeline.config import EngineConfig
 
     path = tiny_models["llava-llama"]
     hf, processor = _hf(path)

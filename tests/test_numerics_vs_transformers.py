@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from strata.pipeline.tiny_model import ARCHITECTURES
 from helpers import build, greedy, prefill_logits
+from strata.tiny_model import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
 

@@ -19,8 +19,8 @@ from starlette.requests import Request as HTTPRequest
 from strata.deployments.config import ServeConfig
 from strata.deployments.ingress import Ingress
 from strata.deployments.responder import Responder
-from strata.pipeline.request import Request, TokenEvent
-from strata.pipeline.sampling_params import MAX_TOKENS, SamplingParams
+from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.contract.sampling_params import MAX_TOKENS, SamplingParams
 
 pytestmark = pytest.mark.unit
 

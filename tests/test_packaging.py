@@ -46,9 +46,40 @@ def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"strata", next(t for t in tops if t.endswith(".dist-info"))}
-    assert "strata/kernels/attention_torch.py" in names and "strata/pipeline/engine.py" in names
+    assert "strata/kernels/attention_torch.py" in names and "strata/pipeline/core/engine.py" in names
     assert "strata/deployments/grafana/strata_dashboard.json" in names
     assert not any(n.startswith("strata/tests/") or "/tests/" in n for n in names)
+
+
+def test_load_test_and_plot_packages_are_extras_not_runtime_dependencies(wheel: Path) -> None:
+    """A plain `pip install strata` stays lean: locust, matplotlib, the openai client and psutil come only
+    with the `bench` (or `test`) extra."""
+    meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    requires = [line.split(":", 1)[1].strip() for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+    for package in ("locust", "matplotlib", "openai", "psutil"):
+        lines = [r for r in requires if r.split(">")[0].split("=")[0].split(";")[0].strip() == package]
+        assert lines and all("extra ==" in r for r in lines), (package, lines)
+    assert any(r.startswith("ray[serve]") and "extra" not in r for r in requires)
+
+
+def test_a_command_missing_its_extra_says_what_to_install(monkeypatch, capsys, tmp_path: Path) -> None:
+    """`strata bench serve --sweep` without matplotlib: one line naming the extra, exit 2."""
+    import sys as _sys
+
+    from strata.cli import main
+
+    monkeypatch.setitem(_sys.modules, "matplotlib", None)  # as if it were not installed
+    from strata.loadtest.bench import plot_sweep
+
+    def sweep(args):
+        plot_sweep([], tmp_path)
+        return 0
+
+    monkeypatch.setattr("strata.loadtest.bench.run", sweep)  # the sweep's plotting step, without a server
+    code = main(["bench", "serve", "--sweep", "1", "--result-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "strata: error: this command needs the optional package matplotlib: pip install 'strata[bench]'"
 
 
 def test_the_wheel_installs_and_runs_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
@@ -70,6 +101,28 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv(wheel: Path, tmp_path: Path
                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()).is_relative_to(site)
+    # The serving path needs none of the bench extra: with those packages made unimportable, the
+    # server's modules load and `strata serve --help` answers.
+    lean = subprocess.run([str(venv / "bin" / "python"), "-c", _WITHOUT_BENCH_EXTRA], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert lean.returncode == 0, lean.stderr[-3000:]
+    assert "--config" in lean.stdout
+
+
+_WITHOUT_BENCH_EXTRA = """
+import sys
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("locust", "matplotlib", "openai", "psutil"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+import strata.deployments.app, strata.deployments.ingress, strata.stages.factory
+from strata.cli import main
+try:
+    main(["serve", "--help"])
+except SystemExit as exc:
+    sys.exit(exc.code)
+"""
 
 
 def test_the_editable_install_maps_the_rooms_into_strata() -> None:

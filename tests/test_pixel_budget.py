@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from strata.pipeline.config import EngineConfig
+from strata.pipeline.contract.config import EngineConfig
 from strata.stages import preprocessor as preprocessor_module
 from strata.stages.pixel_budget import PixelBudget, PixelBudgetTimeout
 from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.pipeline.sampler import Sampler, StopResult, check_stop, make_generator
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.sampler import Sampler, StopResult, check_stop, make_generator
 
 VOCAB = 50
 

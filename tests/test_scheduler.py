@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 
 from strata.kvstore import BlockPool, KVLayout, TieredKVCache
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.scheduler import Scheduler
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.scheduler import Scheduler
+from strata.pipeline.core.sequence import Sequence
 
 FP = b"fingerprint"
 
 
 def _sched(num_blocks: int = 64, **cfg) -> Scheduler:
+    # a small step budget comes with as few sequences (each running one must be able to decode per step)
+    cfg.setdefault("max_num_seqs", min(64, cfg.get("max_num_batched_tokens", 64)))
     config = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **cfg)
     return Scheduler(config, TieredKVCache(BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks), fingerprint=FP))
 

@@ -72,7 +72,7 @@ PARAMETERS = {
 
 @pytest.mark.parametrize("name", PARAMETERS, ids=list(PARAMETERS))
 def test_sampling_parameters_mean_the_same_over_http(client, engine, name: str) -> None:
-    from strata.pipeline.sampling_params import SamplingParams
+    from strata.pipeline.contract.sampling_params import SamplingParams
 
     request, params = PARAMETERS[name]
     messages = [{"role": "user", "content": f"Parameter {name}: tell me about the sea."}]
@@ -87,7 +87,7 @@ def test_a_request_without_max_tokens_may_use_the_rest_of_the_context(client, en
     messages = [{"role": "user", "content": "Say something, as long as you like."}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
     prompt_tokens = resp.usage.prompt_tokens
-    from strata.pipeline.sampling_params import SamplingParams
+    from strata.pipeline.contract.sampling_params import SamplingParams
 
     expected = engine.generate([{"messages": messages, "params": SamplingParams(max_tokens=2048 - prompt_tokens,
                                                                                   temperature=0.0)}])[0]

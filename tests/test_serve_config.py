@@ -62,3 +62,27 @@ def test_a_tensor_parallel_stage_reserves_one_bundle_per_rank_and_tells_its_engi
     assert engine_for(everywhere, "encode")["tp"] == 1  # the encoder never splits
     with pytest.raises(ValueError, match="only prefill, decode, llm run the decoder"):
         ServeConfig.from_dict({"stages": {"preprocess": {"tp": 2}}})
+
+
+def test_the_published_config_schema_is_the_codes() -> None:
+    """docs/config.schema.json is generated from the models; a config change regenerates it
+    (`python -m strata.deployments.config > docs/config.schema.json`)."""
+    import json
+
+    from helpers import REPO
+    from strata.deployments.config import config_schema
+
+    assert json.loads((REPO / "docs" / "config.schema.json").read_text()) == config_schema()
+    engine = config_schema()["$defs"]["EngineConfig"]
+    assert engine["additionalProperties"] is False and "num_kv_blocks" in engine["properties"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"engine": {"prefil_chunk_tokens": 64}}, "unknown config key engine.prefil_chunk_tokens"),
+    ({"stages": {"decode": {"max_replicas": "2"}}}, "stages.decode.max_replicas: Input should be a valid integer"),
+    ({"engine": {"compile": 1}}, "engine.compile: Input should be a valid boolean"),
+])
+def test_a_misspelled_or_mistyped_key_is_one_line_naming_its_path(config: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ServeConfig.from_dict(config)
+    assert str(err.value) == message

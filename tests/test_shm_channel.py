@@ -13,7 +13,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from strata.pipeline.shm_channel import PeerDiedError, ShmChannel
+from strata.pipeline.parallel.shm_channel import PeerDiedError, ShmChannel
 
 SLOT = 64 * 1024
 
@@ -70,7 +70,7 @@ def test_objects_travel_and_a_too_big_one_is_refused_on_every_rank(tmp_path: Pat
 def test_a_dead_peer_is_an_error_within_a_second(tmp_path: Path) -> None:
     path = str(tmp_path / "channel")
     driver = ShmChannel.create(path, 2, SLOT)
-    code = ("import sys, time; from strata.pipeline.shm_channel import ShmChannel; "
+    code = ("import sys, time; from strata.pipeline.parallel.shm_channel import ShmChannel; "
             "c = ShmChannel(sys.argv[1], 1, 2, 4096 * 16); print('in', flush=True); time.sleep(120)")
     peer = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
     assert peer.stdout is not None and peer.stdout.readline().strip() == "in"
@@ -115,7 +115,7 @@ def test_ranks_running_different_operations_fail_instead_of_mixing_bytes(tmp_pat
     """The defect: the driver re-sent a command while a worker sat in an all-reduce of the failed step;
     pairing by sequence number alone summed the command's pickle into the worker's tensor
     ([1, 1, 1, 1, 1, 7.2e22, 1, 7.6e28]). Now both ranks see the mismatch and raise."""
-    from strata.pipeline.shm_channel import ChannelDesyncError
+    from strata.pipeline.parallel.shm_channel import ChannelDesyncError
 
     channels = _pair(tmp_path)
     out = _outcomes(channels, lambda r, c: c.broadcast_object(("step", [1, 2]), 10) if r == 0
@@ -129,8 +129,8 @@ def test_a_poisoned_step_is_abandoned_by_every_rank_and_the_group_stays_in_step(
         tmp_path: Path, poisoner: int, poison: str) -> None:
     """One rank gives the step up (the driver aborts, or a worker's forward failed) while the others sit in
     the step's next collective: they raise StepAborted there, and the next operation is exact again."""
-    from strata.pipeline import shm_channel
-    from strata.pipeline.shm_channel import StepAborted
+    from strata.pipeline.parallel import shm_channel
+    from strata.pipeline.parallel.shm_channel import StepAborted
 
     channels = _pair(tmp_path, size=3)
     kind = getattr(shm_channel, poison)
@@ -152,7 +152,7 @@ def test_a_poisoned_step_is_abandoned_by_every_rank_and_the_group_stays_in_step(
 def test_an_idle_rank_meets_an_abort_at_its_next_command_wait(tmp_path: Path) -> None:
     """A worker that had finished the step and waits for the next command sees the driver's abort there,
     and then takes the next command normally."""
-    from strata.pipeline.shm_channel import ABORT, StepAborted
+    from strata.pipeline.parallel.shm_channel import ABORT, StepAborted
 
     channels = _pair(tmp_path)
 
@@ -174,7 +174,7 @@ def test_a_peer_that_marks_itself_gone_fails_the_wait_at_once_while_its_process_
     tells the driver, within a fraction of a second instead of the 60 s collective timeout."""
     path = str(tmp_path / "channel")
     driver = ShmChannel.create(path, 2, SLOT)
-    code = ("import sys, time; from strata.pipeline.shm_channel import ShmChannel; "
+    code = ("import sys, time; from strata.pipeline.parallel.shm_channel import ShmChannel; "
             "c = ShmChannel(sys.argv[1], 1, 2, 4096 * 16); c.mark_gone(); print('gone', flush=True); time.sleep(120)")
     peer = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
     try:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from strata.kvstore import KVHandle
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.handoff import Handoff
-from strata.pipeline.request import ImageEmbedding, Request, TokenEvent, pack_events, unpack_events
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.sequence import Sequence
-from strata.stages.factory import build_decode_service, build_prefill_service
 from helpers import build, greedy
+from strata.kvstore import KVHandle
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.handoff import Handoff
+from strata.pipeline.contract.request import ImageEmbedding, Request, TokenEvent, pack_events, unpack_events
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.sequence import Sequence
+from strata.stages.factory import build_decode_service, build_prefill_service
 
 PROMPTS = ["Tell me about the tides and the moon. " * 6, "A short one.", "Why is the sea salty? " * 3]
 
@@ -109,9 +109,9 @@ def test_the_handoff_round_trip_keeps_decoding_state() -> None:
     seq.text, seq.emitted_text_len = "ab", 1
     torch.rand(3, generator=seq.generator)  # advance the generator
     first = TokenEvent("w", 42, "ab", None, 0)
-    back = Handoff.from_msgpack(Handoff.from_sequence(seq, first, b"kv").to_msgpack())
+    back = Handoff.from_msgpack(seq.to_handoff(first, b"kv").to_msgpack())
     assert back.first == first and back.kv_handle == b"kv"
-    again = back.to_sequence(16)
+    again = Sequence.from_handoff(back, 16)
     assert again.token_ids == seq.token_ids and again.num_prompt_tokens == 4 and again.output_token_ids == [42]
     assert again.params == seq.params and again.text == "ab" and again.emitted_text_len == 1
     assert np.array_equal(again.images[0].embeds, embeds) and again.image_spans == seq.image_spans
@@ -130,6 +130,69 @@ def test_requests_and_events_round_trip_through_msgpack() -> None:
     assert unpack_events(pack_events(events)) == events
     with pytest.raises(ValueError, match="expected a request message"):
         Request.from_msgpack(pack_events(events))
+
+
+def test_the_arrival_time_travels_so_decode_keeps_the_request_deadline() -> None:
+    """Prefill took 500 s of a 600 s deadline: decode's sequence is dated back to the request's arrival
+    (it used to restart the clock when it took the hand-off over)."""
+    import time
+
+    arrived = time.time() - 500
+    req = Request.from_msgpack(Request("r", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=arrived).to_msgpack())
+    assert req.arrival_time == arrived
+    seq = Sequence.from_request(req, 16)
+    seq.token_ids.append(7)
+    decode_side = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("r", 7), b"kv").to_msgpack()), 16)
+    assert decode_side.arrival_time == arrived
+    assert 499 < time.monotonic() - decode_side.arrival < 510
+
+
+def test_an_old_message_version_is_refused_with_a_clear_error() -> None:
+    """A replica of the previous release sends version 1 (no arrival time): refused by name, never
+    half-read with a restarted deadline."""
+    import msgpack
+
+    from strata.pipeline.contract.wire import WireError
+
+    old_request = msgpack.packb({"kind": "request", "v": 1, "id": "r", "prompt": [1, 2], "params": {}, "images": []})
+    with pytest.raises(WireError, match=r"expected a request message version 2, got \('request', 1\)"):
+        Request.from_msgpack(old_request)
+    old_handoff = msgpack.packb({"kind": "handoff", "v": 1, "id": "r", "tokens": [1, 2]})
+    with pytest.raises(WireError, match=r"expected a handoff message version 2, got \('handoff', 1\)"):
+        Handoff.from_msgpack(old_handoff)
+    newer = Request("r", [1], SamplingParams()).to_msgpack().replace(b"\xa1v\x02", b"\xa1v\x03")
+    with pytest.raises(WireError, match=r"version 2, got \('request', 3\)"):
+        Request.from_msgpack(newer)
+    with pytest.raises(WireError, match="not a msgpack message"):
+        Request.from_msgpack(b"\xc1garbage")
+
+
+def test_every_field_of_the_sequence_state_reaches_decode() -> None:
+    """The state is declared once (SequenceState); prefill's Sequence is copied into it by field name
+    and decode's out of it. Give each field a value of its own on the prefill side, send the hand-off
+    through the wire, and find each on the decode side: a field added to SequenceState is covered."""
+    import time
+
+    import numpy as np
+
+    from strata.pipeline.contract.handoff import SequenceState
+
+    seq = Sequence("req-7", [5, 6, 7, 8], SamplingParams(max_tokens=9, seed=11, stop=["z"]), 16,
+                   [ImageEmbedding(1, np.full((2, 4), 0.5, np.float32), b"i" * 16)])
+    seq.token_ids += [40, 41]
+    seq.text, seq.emitted_text_len, seq.num_cached_tokens, seq.num_preemptions = "hey", 2, 16, 3
+    seq.detokenizer.prefix_offset, seq.detokenizer.read_offset = 1, 2
+    seq.arrived_at(time.time() - 30)
+    sent = seq.state()
+    got = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("req-7", 41), b"kv").to_msgpack()), 16)
+    received = got.state()
+    for name in SequenceState.__struct_fields__:
+        a, b = getattr(sent, name), getattr(received, name)
+        if name == "images":
+            assert [(i.offset, i.content_hash) for i in a] == [(i.offset, i.content_hash) for i in b]
+            assert all(np.array_equal(x.embeds, y.embeds) for x, y in zip(a, b))
+        else:
+            assert a == b, name
 
 
 def test_separate_processes_need_a_shared_tier(llama_dir: Path) -> None:

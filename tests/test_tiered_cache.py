@@ -120,6 +120,7 @@ def test_prefix_match_references_promotes_and_leaves_the_oldest_spilled(tmp_path
     table = fresh.new_table()
     match = fresh.match_prefix(table, [h(i) for i in range(7)], keep_free=4)  # block 6 was never computed
     assert (match.num_blocks, match.num_spilled, match.by_tier) == (6, 2, {"host": 6})
+    assert match.num_tokens == 6 * LAYOUT.block_size
     assert table.num_spilled == 2 and len(table.block_ids) == 4  # 8 free - 4 kept free = 4 promoted
     assert table.num_tokens == 24 and table.hashes == [h(i) for i in range(6)]
     assert torch.equal(fresh.pool.kv[table.block_ids[0]], torch.full(LAYOUT.block_shape(), 3.0))
@@ -168,3 +169,18 @@ def test_a_released_handle_is_adopted_by_hash_on_another_pool(tmp_path: Path) ->
     assert other.match_prefix(other.new_table(), handle.block_hashes, keep_free=0).num_blocks == 3
     with pytest.raises(HandleError, match="another model"):
         TieredKVCache(BlockPool(LAYOUT, 8), c.lower, 2, b"G" * 16).adopt(handle)
+
+
+def test_block_arithmetic_is_the_kv_stores(tmp_path: Path) -> None:
+    """The verbs the scheduler, intake and model runner use instead of computing blocks themselves."""
+    from strata.kvstore import blocks_for_tokens, chunk_working_set_blocks
+
+    c = cache(tmp_path)
+    bs = LAYOUT.block_size
+    # the block holding a prompt's last token is never matched: that token's logits are sampled
+    assert [c.matchable_blocks(n) for n in (1, bs, bs + 1, 2 * bs, 2 * bs + 1)] == [0, 0, 1, 1, 2]
+    assert [blocks_for_tokens(n, bs) for n in (1, bs, bs + 1)] == [1, 1, 2]
+    assert c.chunk_working_set(2 * bs) == chunk_working_set_blocks(2 * bs, bs) == 3  # may straddle one more
+    table = fill(c, 3)
+    for position in range(3 * bs):
+        assert table.slot(position) == table.slots(position, position + 1)[0]

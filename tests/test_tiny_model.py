@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.pipeline.tiny_model import (
+from strata.tiny_model import (
     ARCHITECTURES,
     TinyModelSpec,
     build_tiny_model,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from strata.pipeline.model_loader import load_image_encoder, load_language_model
-from strata.pipeline.weights import WeightsError, canonical_name, weight_map
 from helpers import write_transformers5_checkpoint
+from strata.pipeline.models.model_loader import load_image_encoder, load_language_model
+from strata.pipeline.models.weights import WeightsError, canonical_name, weight_map
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

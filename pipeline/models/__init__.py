@@ -1,7 +1,4 @@
-"""Own implementations of the LLaVA family: CLIP vision tower, projector, Llama-family decoder."""
-
-from strata.pipeline.models.decoder import LanguageModel
-from strata.pipeline.models.projector import MultiModalProjector
-from strata.pipeline.models.vision import VisionTower
-
-__all__ = ["LanguageModel", "MultiModalProjector", "VisionTower"]
+"""Architectures and what they are made of: configs (``model_config``), components (decoder, MLPs,
+vision tower, projector, the tensor-parallel layers), checkpoint loading (``weights``,
+``model_loader``) and the model's identity for the KV cache (``model_identity``). Nothing is imported
+here eagerly, so reading a config (``strata plan``, ``strata ops``) never loads torch modules."""

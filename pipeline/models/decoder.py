@@ -19,11 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import (
-    AttentionBackend, AttentionMetadata, RotaryEmbedding, attend_spilled, linear, rms_norm, rotate_heads, signed_sin,
+    AttentionBackend,
+    AttentionMetadata,
+    RotaryEmbedding,
+    attend_spilled,
+    linear,
+    rms_norm,
+    rotate_heads,
+    signed_sin,
     write_kv,
 )
-from strata.pipeline.model_config import TextConfig
 from strata.pipeline.models.mlp import DenseMLP, SparseMoE, fuse_rows
+from strata.pipeline.models.model_config import TextConfig
 
 
 def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.pipeline.model_config import LlavaConfig
+from strata.pipeline.models.model_config import LlavaConfig
 from strata.pipeline.models.projector import MultiModalProjector
 from strata.pipeline.models.vision import VisionTower
 

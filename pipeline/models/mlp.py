@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import moe_experts, moe_route
-from strata.pipeline.model_config import TextConfig
+from strata.pipeline.models.model_config import TextConfig
 
 
 def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from strata.kernels import linear, moe_experts, moe_route, rms_norm
 from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
 from strata.pipeline.models.mlp import DenseMLP, MoEExperts
-from strata.pipeline.fault_points import fault_point
-from strata.pipeline.shard_plan import ShardPlan, shard_range
-from strata.pipeline.tp_group import TPGroup
+from strata.pipeline.parallel.fault_points import fault_point
+from strata.pipeline.parallel.shard_plan import ShardPlan, shard_range
+from strata.pipeline.parallel.tp_group import TPGroup
+
 
 class ParallelDecoderLayer(DecoderLayer):
     """One decoder layer over this rank's heads, MLP columns or experts; sums the partial outputs."""

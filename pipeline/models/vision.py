@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from strata.kernels import dense_attention, layer_norm
-from strata.pipeline.model_config import VisionConfig
 from strata.pipeline.models.activations import activation
+from strata.pipeline.models.model_config import VisionConfig
 
 
 class VisionEmbeddings(nn.Module):

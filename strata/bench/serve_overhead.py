@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import torch
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,8 +154,8 @@ def _load_prompts(model: Path, n: int, length: int) -> list[str]:
     send the same texts, so they see the same token ids."""
     import random
 
-    from strata.pipeline.model_config import load_llava_config
-    from strata.pipeline.tokenizer import PromptTokenizer
+    from strata.pipeline.frontend.tokenizer import PromptTokenizer
+    from strata.pipeline.models.model_config import load_llava_config
 
     tok = PromptTokenizer(model, load_llava_config(model))
     rng = random.Random(1234)
@@ -255,7 +255,7 @@ def _handoff(model: Path, lengths: list[int]) -> list[dict[str, float]]:
     the decoder adopting a prompt's KV (full blocks by hash, the shipped tail) vs prefilling it."""
     import tempfile
 
-    from strata.pipeline.sequence import Sequence
+    from strata.pipeline.core.sequence import Sequence
     from strata.stages.decoder import Decoder
     from strata.stages.factory import LanguageStage
     from strata.stages.prefiller import Prefiller
@@ -326,7 +326,7 @@ def _load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.pipeline.tiny_model import ensure_demo_model
+    from strata.tiny_model import ensure_demo_model
 
     model = args.model or ensure_demo_model()
     results: dict[str, Any] = {"levels": []}

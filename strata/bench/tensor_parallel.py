@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from strata.bench.offline import SIZES, bench_model_dir, random_prompts
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.stages.factory import build_engine
 
 

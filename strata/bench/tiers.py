@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from strata.bench.offline import SIZES, bench_model_dir, random_prompts
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.stages.factory import build_engine
 
 VOCAB = 512
@@ -56,7 +56,7 @@ def _ttft(engine: Any, prompt: list[int]) -> float:
 def _flops(model: Path, first: int, end: int) -> float:
     """Forward FLOPs of positions [first, end): 2 x params per token, plus QK and PV over every
     visible key (what a cached prefix cannot save: the suffix still attends to all of it)."""
-    from strata.pipeline.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_llava_config
 
     t = load_llava_config(model).text
     per_token = 2 * (t.num_layers * (2 * t.hidden_size * t.num_heads * t.head_dim

@@ -84,8 +84,8 @@ def _wrap(obj: Any, attr: str, on_output: Callable[[Any], None]) -> Callable[[],
 
 def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: str, chunk: int) -> tuple[dict, list[int]]:
     """Run Strata's engine on the input as a chunked prefill and record every point."""
-    from strata.pipeline.config import EngineConfig
-    from strata.pipeline.sampling_params import SamplingParams
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.contract.sampling_params import SamplingParams
     from strata.stages.factory import build_engine
 
     engine = build_engine(model_dir, EngineConfig(dtype=dtype, attention_backend=backend, prefill_chunk_tokens=chunk,
@@ -135,8 +135,8 @@ def reference_activations(model_dir: Path, data: AlignInput, num_vision_layers: 
     from PIL import Image
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from strata.pipeline.model_config import load_llava_config
-    from strata.pipeline.tokenizer import PromptTokenizer
+    from strata.pipeline.frontend.tokenizer import PromptTokenizer
+    from strata.pipeline.models.model_config import load_llava_config
 
     hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -205,7 +205,7 @@ def save_reference(path: Path, acts: dict[str, torch.Tensor], token_ids: list[in
                    model_dir: Path, dtype: str, device: str = "cpu") -> None:
     from safetensors.torch import save_file
 
-    from strata.pipeline.model_identity import weights_content_digest
+    from strata.pipeline.models.model_identity import weights_content_digest
 
     tensors = {f"act.{k}": v.contiguous() for k, v in acts.items()}
     tensors["input.token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
@@ -240,7 +240,7 @@ def _input(args: argparse.Namespace) -> AlignInput:
         else:
             import tempfile
 
-            from strata.pipeline.tiny_model import make_demo_image
+            from strata.tiny_model import make_demo_image
 
             with tempfile.TemporaryDirectory() as tmp:
                 image = make_demo_image(Path(tmp) / "demo.png", 64).read_bytes()
@@ -248,13 +248,13 @@ def _input(args: argparse.Namespace) -> AlignInput:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.pipeline.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_llava_config
 
     cfg = load_llava_config(args.model)
     if args.reference is not None:
         ref, ref_ids, data, meta = load_reference(args.reference)
         source = f"saved reference {args.reference.name} ({meta['reference']})"
-        from strata.pipeline.model_identity import weights_content_digest
+        from strata.pipeline.models.model_identity import weights_content_digest
 
         if meta.get("dtype", args.dtype) != args.dtype:
             raise ValueError(f"{args.reference} holds {meta['dtype']} activations; run with --dtype {meta['dtype']}")

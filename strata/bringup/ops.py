@@ -19,9 +19,9 @@ from typing import Any
 
 from strata.kernels import available_backends
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
-from strata.pipeline.model_config import TEXT_MODEL_TYPES, read_config_json
 from strata.pipeline.models.activations import ACTIVATIONS
-from strata.pipeline.weights import canonical_name
+from strata.pipeline.models.model_config import TEXT_MODEL_TYPES, read_config_json
+from strata.pipeline.models.weights import canonical_name
 
 VISION_TYPES = ("clip_vision_model",)
 SELECT_STRATEGIES = ("default", "full")

@@ -14,8 +14,8 @@ import torch
 
 from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
 from strata.kvstore import BlockTable, TieredKVCache
+from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
-from strata.pipeline.scheduler import ScheduledChunk
 
 
 @dataclass
@@ -94,7 +94,6 @@ class ModelRunner:
         """One pass over the chunks gathers everything the step needs (O(sequences) Python work, plus
         the tokens of prefill chunks)."""
         s = StepInputs()
-        bs = self.block_size
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.end
             table = seq.block_table
@@ -103,7 +102,7 @@ class ModelRunner:
             if end - start == 1:  # a decode: one token, one slot
                 s.token_ids.append(seq.token_ids[start])
                 s.positions.append(start)
-                s.slots.append(table.block_ids[start // bs - table.num_spilled] * bs + start % bs)
+                s.slots.append(table.slot(start))
             else:
                 s.token_ids.extend(seq.token_ids[start:end])
                 s.positions.extend(range(start, end))

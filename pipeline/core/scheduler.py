@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.kvstore import TieredKVCache
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.sequence import Sequence, SequenceStatus
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -142,17 +142,15 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching:
             return
-        bs = self.config.block_size
-        # Always leave the last token to compute: its logits are what the step samples from.
-        hashes = seq.full_block_hashes(self.fingerprint, (seq.num_tokens - 1) // bs)
+        hashes = seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens))
         if seq.lost_blocks:  # never again past a block this sequence found lost
             hashes = hashes[: next((i for i, h in enumerate(hashes) if h in seq.lost_blocks), len(hashes))]
         # Keep device room for the first chunk; matched blocks beyond that stay in their tier.
-        keep_free = -(-self.config.prefill_chunk_tokens // bs) + 1 + self.admission_watermark()
+        keep_free = self.kv.chunk_working_set(self.config.prefill_chunk_tokens) + self.admission_watermark()
         match = self.kv.match_prefix(seq.block_table, hashes, keep_free)
-        seq.num_computed_tokens = match.num_blocks * bs
+        seq.num_computed_tokens = match.num_tokens
         if not seq.output_token_ids:  # a recompute or hand-off keeps the first admission's figure
-            seq.num_cached_tokens = match.num_blocks * bs
+            seq.num_cached_tokens = match.num_tokens
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front."""

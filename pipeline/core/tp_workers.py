@@ -18,13 +18,13 @@ from typing import Any, Callable, Protocol
 import torch
 
 from strata.kernels import get_attention_backend
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.fault_points import set_fault_rank
-from strata.pipeline.model_config import load_llava_config
-from strata.pipeline.model_loader import load_parallel_language_model, resolve_dtype
-from strata.pipeline.model_runner import StepExecutor
-from strata.pipeline.tp_group import GroupAddress, TPGroup
-from strata.pipeline.tp_runner import serve_commands
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.core.model_runner import StepExecutor
+from strata.pipeline.core.tp_runner import serve_commands
+from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.parallel.fault_points import set_fault_rank
+from strata.pipeline.parallel.tp_group import GroupAddress, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,11 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
 
 
 class LocalWorkers:
-    """Ranks 1..size-1 as child processes of this one (``python -m strata.pipeline.tp_workers``: a
+    """Ranks 1..size-1 as child processes of this one (``python -m strata.pipeline.core.tp_workers``: a
     fresh interpreter, so nothing of this process - threads, a process group, ``__main__`` - leaks in)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        self.procs = [subprocess.Popen([sys.executable, "-m", "strata.pipeline.tp_workers", str(rank)],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "strata.pipeline.core.tp_workers", str(rank)],
                                        stdin=subprocess.PIPE, text=True) for rank in range(1, spec.size)]
         for p in self.procs:
             assert p.stdin is not None

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from strata.kvstore import KVLayout, model_fingerprint
-from strata.pipeline.file_digest import file_sha256
-from strata.pipeline.weights import shard_files
+from strata.pipeline.models.file_digest import file_sha256
+from strata.pipeline.models.weights import shard_files
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from strata.pipeline.file_digest import file_identity, hash_file, remember
+from strata.pipeline.models.file_digest import file_identity, hash_file, remember
 
 if TYPE_CHECKING:
-    from strata.pipeline.shard_plan import ShardPlan
+    from strata.pipeline.parallel.shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from strata.pipeline.model_config import LlavaConfig, load_llava_config
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
+from strata.pipeline.models.model_config import LlavaConfig, load_llava_config
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
-from strata.pipeline.shard_plan import ShardPlan
-from strata.pipeline.tp_group import TPGroup
-from strata.pipeline.weights import LoadStats, load_weights
+from strata.pipeline.models.weights import LoadStats, load_weights
+from strata.pipeline.parallel.shard_plan import ShardPlan
+from strata.pipeline.parallel.tp_group import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,8 +10,25 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
-from strata.pipeline.model_config import TextConfig
+
+class DecoderShape(Protocol):
+    """The dimensions of a decoder a plan splits (``models.model_config.TextConfig`` is one). A plan
+    knows shapes, not models, so the group below the models never imports them."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_experts: int
+    vocab_size: int
+    attention_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
 
 
 def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -32,7 +49,7 @@ class ShardingError(ValueError):
 class ShardPlan:
     """What rank ``rank`` of a ``size``-way group holds of a decoder with config ``cfg``."""
 
-    cfg: TextConfig
+    cfg: DecoderShape
     rank: int
     size: int
 
@@ -86,8 +103,9 @@ class ShardPlan:
         """Rows of every rank's embedding and LM head (the largest share; short shards are zero-padded)."""
         return -(-self.cfg.vocab_size // self.size)
 
-    def local_config(self) -> TextConfig:
-        """The config this rank's modules are built with (the router keeps every expert)."""
+    def local_config(self) -> Any:
+        """The config this rank's modules are built with (the router keeps every expert); the same
+        dataclass type as ``cfg`` (a ``TextConfig`` for the models)."""
         c, n = self.cfg, self.size
         return replace(c, num_heads=c.num_heads // n, num_kv_heads=max(1, c.num_kv_heads // n),
                        intermediate_size=c.intermediate_size if c.num_experts else c.intermediate_size // n,
@@ -149,7 +167,7 @@ class ShardPlan:
         return embed * (1 if c.tie_word_embeddings else 2) + c.num_layers * (attn + ffn + 2 * h) + h
 
 
-def largest_rank_params(cfg: TextConfig, size: int) -> int:
+def largest_rank_params(cfg: DecoderShape, size: int) -> int:
     """The most decoder parameters any rank of a ``size``-way group holds (what sizes its device)."""
     return max(ShardPlan(cfg, r, size).num_params() for r in range(size))
 

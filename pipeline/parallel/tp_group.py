@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from strata.pipeline.shm_channel import ABORT, FAILED, ShmChannel
+from strata.pipeline.parallel.shm_channel import ABORT, FAILED, ShmChannel
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective inside a step: a peer this late is dead or stuck
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # waiting for the next command: idle workers wait indefinitely

@@ -28,12 +28,11 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import select
 import time
 
 import numpy as np
 import torch
-
-from strata.kvstore.liveness import pid_alive
 
 LINE = 8  # int64s per rank's flag line (one cache line, so ranks never write the same line):
 SEQ, KIND_EVEN, KIND_ODD, GONE = 0, 1, 2, 3  # ... its sequence number, the kind of its last even and odd op, gone mark
@@ -87,6 +86,7 @@ class ShmChannel:
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
         self._slots = raw.view(2, size, slot_bytes)
         self._seq = 0
+        self._pidfds: dict[int, int] = {}
 
     @classmethod
     def create(cls, path: str, size: int, slot_bytes: int) -> "ShmChannel":
@@ -143,11 +143,33 @@ class ShmChannel:
                 gone = [r for r in range(self.size) if flags[r] < seq and self._gone[r]]
                 if gone:
                     raise PeerDiedError(f"tensor-parallel rank {gone[0]} stopped")
-                dead = [r for r in range(self.size) if flags[r] < seq and not pid_alive(int(self._pids[r]))]
+                dead = [r for r in range(self.size) if flags[r] < seq and self._exited(r)]
                 if dead:
                     raise PeerDiedError(f"tensor-parallel rank {dead[0]} exited")
                 if timeout_s is not None and now - start > timeout_s:
                     raise TimeoutError(f"tensor-parallel peers did not arrive within {timeout_s:.0f} s")
+
+    def _exited(self, rank: int) -> bool:
+        """Whether a peer's process ended, through a pidfd (readable once the process terminates, zombie
+        or not, and immune to pid reuse); ``kill(pid, 0)`` where pidfds are missing."""
+        pid = int(self._pids[rank])
+        if pid <= 0:
+            return False  # not mapped yet
+        fd = self._pidfds.get(rank)
+        if fd is None:
+            try:
+                fd = self._pidfds[rank] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return True
+            except (AttributeError, OSError):  # no pidfd here: existence is all kill(0) can tell
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return True
+                except PermissionError:
+                    pass
+                return False
+        return bool(select.select([fd], [], [], 0)[0])
 
     # ------------------------------------------------------------ failure
     def poison(self, kind: int, timeout_s: float) -> None:
@@ -213,6 +235,9 @@ class ShmChannel:
 
     def close(self) -> None:
         self.mark_gone()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
         self._lines = self._flags = self._gone = self._pids = self._slots = None  # type: ignore[assignment]
         try:
             self._mm.close()

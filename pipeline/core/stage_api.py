@@ -7,8 +7,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from strata.pipeline.request import TokenEvent
-from strata.pipeline.sequence import Sequence
+from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.sequence import Sequence
 
 
 class PreprocessedImageLike(Protocol):

@@ -29,12 +29,12 @@ import torch
 
 from strata.kernels import AttentionBackend, SpilledKV
 from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError, TieredKVCache
-from strata.pipeline.model_runner import ModelRunner, StepExecutor
+from strata.pipeline.core.model_runner import ModelRunner, StepExecutor
+from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
-from strata.pipeline.scheduler import ScheduledChunk
-from strata.pipeline.fault_points import fault_point
-from strata.pipeline.shm_channel import ChannelDesyncError, PeerDiedError, StepAborted
-from strata.pipeline.tp_group import TPGroup
+from strata.pipeline.parallel.fault_points import fault_point
+from strata.pipeline.parallel.shm_channel import ChannelDesyncError, PeerDiedError, StepAborted
+from strata.pipeline.parallel.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
 HEADS = -2  # the KV-head dimension of a block (layers, 2, block_size, heads, head_dim)

@@ -14,9 +14,16 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from strata.pipeline.model_config import LlavaConfig, ModelConfigError, TextConfig, VisionConfig, parse_llava_config, parse_text_config
-from strata.pipeline.model_shapes import BUILTIN_SHAPES
-from strata.pipeline.shard_plan import ShardingError, ShardPlan, largest_rank_params
+from strata.pipeline.models.model_config import (
+    LlavaConfig,
+    ModelConfigError,
+    TextConfig,
+    VisionConfig,
+    parse_llava_config,
+    parse_text_config,
+)
+from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan, largest_rank_params
+from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 
 from strata.kvstore import KVBlockLostError
-from strata.pipeline.model_runner import ModelRunner
-from strata.pipeline.request import TokenEvent
-from strata.pipeline.sampler import INVALID, Logprobs, Sampler, check_stop
-from strata.pipeline.scheduler import ScheduledChunk, Scheduler
-from strata.pipeline.sequence import Sequence, SequenceStatus
+from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.model_runner import ModelRunner
+from strata.pipeline.core.sampler import INVALID, Logprobs, Sampler, check_stop
+from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
+from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
 Detokenize = Callable[[list[int]], str]
 

@@ -6,15 +6,15 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.errors import RequestFailed
-from strata.pipeline.intake import Intake, attach_images
-from strata.pipeline.model_config import LlavaConfig
-from strata.pipeline.request import Request, TokenEvent
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.sequence import Sequence
-from strata.pipeline.stage_api import DecoderLike, EncoderLike, PrefillerLike, PreprocessorLike
-from strata.pipeline.tokenizer import PromptTokenizer
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.errors import RequestFailed
+from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.sequence import Sequence
+from strata.pipeline.core.stage_api import DecoderLike, EncoderLike, PrefillerLike, PreprocessorLike
+from strata.pipeline.frontend.intake import Intake, attach_images
+from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.models.model_config import LlavaConfig
 
 
 @dataclass

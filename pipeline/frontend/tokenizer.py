@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from strata.pipeline.model_config import LlavaConfig
+from strata.pipeline.models.model_config import LlavaConfig
 
 
 @dataclass

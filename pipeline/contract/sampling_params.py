@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 MAX_TOKENS = 1_000_000_000
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # logits / 1e-5 stay finite for any fp32 logit a model produces

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.pipeline.sampling_params import SamplingParams
+from strata.pipeline.contract.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,15 +8,16 @@ or through the encoder deployments).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import numpy as np
 
-from strata.pipeline.config import EngineConfig
-from strata.pipeline.request import ImageEmbedding, Request
-from strata.pipeline.sampling_params import SamplingParams
-from strata.pipeline.tokenizer import EncodedPrompt, PromptTokenizer
-
+from strata.kvstore import blocks_for_tokens, chunk_working_set_blocks
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.contract.request import ImageEmbedding, Request
+from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.frontend.tokenizer import EncodedPrompt, PromptTokenizer
 
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer packs more than this into one token; longer texts cannot fit
 
@@ -97,9 +98,9 @@ def check_length(config: EngineConfig, num_prompt: int, params: SamplingParams) 
         raise PromptTooLongError(
             f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {config.max_model_len}"
         )
-    blocks = -(-total // config.block_size)
+    blocks = blocks_for_tokens(total, config.block_size)
     if config.has_lower_tiers and config.enable_prefix_caching:
         # Older blocks can be spilled; the device only needs one chunk's working set.
-        blocks = -(-config.prefill_chunk_tokens // config.block_size) + 1
+        blocks = chunk_working_set_blocks(config.prefill_chunk_tokens, config.block_size)
     if blocks > config.num_kv_blocks:
         raise ValueError(f"request needs {blocks} KV blocks but the device pool holds {config.num_kv_blocks}")

@@ -1,0 +1,146 @@
+"""Typed engine configuration shared by every stage (and sent to every replica and worker).
+
+pydantic models with ``extra="forbid"``: a misspelled key is an error naming its path, values are
+strictly typed, and the JSON schema of every config comes for free (``docs/config.schema.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigModel(BaseModel):
+    """A config section: unknown keys are errors (a typo is never a silent default), values are typed
+    strictly (``true`` is not a number, ``"4"`` is not an int), and assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+def config_error(exc: ValidationError, root: str = "") -> ValueError:
+    """One line for a config a model refused: the first problem, with the path of the key it is about."""
+    errors = exc.errors()
+    first = errors[0]
+    path = ".".join(str(p) for p in (root, *first["loc"]) if p not in ("", "[key]"))  # a dict key: its own path
+    if first["type"] == "extra_forbidden":
+        message = f"unknown config key {path}"
+    else:
+        text = first["msg"].removeprefix("Value error, ")
+        message = f"{path}: {text}" if path else text
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more)"
+    return ValueError(message)
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class EngineConfig(ConfigModel):
+    """Knobs of the engine core. Defaults suit the tiny demo model on a CPU."""
+
+    dtype: DType = Field("float32", description="float32 (exact vs transformers) or bfloat16 (weights and KV); "
+                                                "float16 on CUDA")
+    device: str = "cpu"
+    attention_backend: str = Field("auto", description="auto, cpu (paged C++ kernel + flash), torch (reference), "
+                                                       "triton (CUDA)")
+    compile: bool = Field(False, description="torch.compile the dense parts of a step (CUDA graphs on CUDA)")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads of this process (0: torch's default)")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks of a language stage (heads, MLP, experts and "
+                                          "vocab split; KV heads too)")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_kv_blocks: int = Field(1024, ge=1, description="device-tier capacity in blocks")
+    host_kv_blocks: int = Field(0, ge=0, description="host tier (block files on tmpfs, shared by the node's "
+                                                      "processes); 0 = off")
+    host_kv_dir: str | None = Field(None, description="default: /dev/shm/strata-kv-<uid>")
+    disk_kv_blocks: int = Field(0, ge=0, description="disk tier (survives restarts); 0 = off")
+    disk_kv_dir: str | None = Field(None, description="default: ~/.cache/strata/kv")
+    kv_staging_blocks: int = Field(64, ge=1, description="device buffer through which spilled blocks are "
+                                                          "streamed to attention")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (decodes first, then "
+                                                                 "prefill chunks)")
+    prefill_chunk_tokens: int = Field(512, ge=1, description="largest prefill chunk of one sequence in one step")
+    max_num_seqs: int = Field(64, ge=1, description="running sequences per stage")
+    max_model_len: int = Field(4096, ge=1, description="prompt + output tokens of one request")
+    enable_prefix_caching: bool = True
+    encoder_cache_size: int = Field(64, ge=0, description="images kept encoded, by content hash")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="decoded pixels of one image, at most")
+    max_image_pixels_in_flight: int = Field(0, ge=0, description="decoded pixels one Preprocess replica holds at "
+                                                                  "once (0: two images at max_image_pixels)")
+    image_wait_timeout_s: float = Field(30.0, gt=0, description="the longest an image waits for room before its "
+                                                                "request is refused as busy (429)")
+    max_images_per_request: int = Field(8, ge=0)
+    request_timeout_s: float = Field(600.0, ge=0, description="a request still running after this long ends "
+                                                               "with an error (0: never)")
+
+    @field_validator("host_kv_dir", "disk_kv_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, Path) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EngineConfig":
+        if self.tp > 1 and self.compile:
+            raise ValueError("compile is not supported with tp > 1 (the sharded layer step runs eagerly)")
+        if self.max_image_pixels_in_flight and self.max_image_pixels_in_flight < self.max_image_pixels:
+            # an image at the cap could never get room: it would wait out its timeout every time
+            raise ValueError(f"max_image_pixels_in_flight must be 0 or >= max_image_pixels ({self.max_image_pixels}), "
+                             f"got {self.max_image_pixels_in_flight}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running sequence must be able to decode in one step
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        return self
+
+    def apply_threads(self) -> None:
+        """Give torch this process's thread budget (a serving replica's reserved CPUs)."""
+        if self.num_threads > 0:
+            import torch
+
+            torch.set_num_threads(self.num_threads)
+
+    @property
+    def image_pixels_in_flight(self) -> int:
+        """The decode budget of one Preprocess replica, in pixels (``max_image_pixels_in_flight`` resolved)."""
+        return self.max_image_pixels_in_flight or 2 * self.max_image_pixels
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether KV can leave the device (then a context may exceed the device tier)."""
+        return self.host_kv_blocks > 0 or self.disk_kv_blocks > 0
+
+    def resolved_host_kv_dir(self) -> Path:
+        if self.host_kv_dir:
+            return Path(self.host_kv_dir)
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"strata-kv-{os.getuid()}"
+
+    def resolved_disk_kv_dir(self) -> Path:
+        return Path(self.disk_kv_dir) if self.disk_kv_dir else Path.home() / ".cache" / "strata" / "kv"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], root: str = "engine") -> "EngineConfig":
+        """The config a JSON object describes; ValueError (one line, the key's path) for anything else."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise config_error(exc, root) from None
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A config file's JSON object; ValueError with a one-line reason for anything else."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path} must hold a JSON object")
+    return raw

@@ -1,0 +1,1 @@
+"""`strata plan`: memory and node arithmetic for a model shape, context and hardware (no torch)."""
