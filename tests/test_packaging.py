@@ -113,7 +113,7 @@ _WITHOUT_BENCH_EXTRA = """
 import sys
 class Missing:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("locust", "matplotlib", "openai", "psutil"):
+        if name.split(".")[0] in ("locust", "matplotlib", "openai"):  # (psutil comes with Ray itself)
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Missing())
 import strata.deployments.app, strata.deployments.ingress, strata.stages.factory

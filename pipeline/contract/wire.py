@@ -3,8 +3,8 @@
 
 Why msgspec: a message is declared once, with its types, and the codec follows from the declaration
 (a field added to a Struct reaches every stage with no hand-written encoder to update, and a value of
-the wrong type is refused at decode, not deep inside a stage); it is also several times faster than
-building dicts for ``msgpack``. Each message carries its kind and version (``kind``, ``v``): a
+the wrong type is refused at decode, not deep inside a stage); and it encodes Structs directly, with
+no intermediate dicts. Each message carries its kind and version (``kind``, ``v``): a
 message of another kind or version is refused with a :class:`WireError` that says what arrived,
 never half-read.
 

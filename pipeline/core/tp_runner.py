@@ -143,8 +143,9 @@ class TPModelRunner(ModelRunner):
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.prepare(chunks)
-        self.group.begin_step()
+        self.group.check_usable()
         self.group.broadcast_object(("step", inputs))
+        self.group.step_started()
         try:
             spilled = [self.spilled_source(c.seq.block_table) if n else None
                        for c, n in zip(chunks, inputs.num_spilled)]
@@ -199,6 +200,7 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
         if command == "stop":
             return
         if command == "step":
+            group.step_started()
             spilled: list[SpilledKV | None] = [
                 WorkerSpilled(group, kv, full_heads, first_head, n, segment_blocks) if n else None
                 for n in arg.num_spilled]

@@ -164,11 +164,14 @@ class TPGroup:
         return box[0]
 
     # ------------------------------------------------------------ failures
-    def begin_step(self) -> None:
-        """The driver is about to send a step command: refuse it on a broken group, and start counting
-        the step's gloo collectives afresh."""
+    def check_usable(self) -> None:
+        """Refuse a step on a broken group (the driver checks before it sends a command)."""
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel group is broken ({self.broken})")
+
+    def step_started(self) -> None:
+        """Every rank has the step's command: count the step's own gloo collectives from here (the
+        command itself may have gone over gloo; it is complete on every rank, so it does not matter)."""
         self._gloo_in_step = False
 
     def abandon_step(self, reason: str) -> bool:

@@ -203,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {elapsed:.0f} s: uploads start stalling", flush=True)
             if now_phase >= 2 and phase < 2 and ballast is not None and ballast.mounted:
                 tier_errors_before_full = _host_write_errors(server)
-                print(f"# {elapsed:.0f} s: host tier full ({ballast.fill() / 2**20:.0f} MiB of ballast)", flush=True)
+                filled = ballast.fill()
+                how = f"{filled / 2**20:.0f} MiB of ballast" if filled >= 2**20 else "traffic had filled it already"
+                print(f"# {elapsed:.0f} s: host tier full ({how})", flush=True)
             phase = now_phase
             if elapsed < min(next_sample, total_s - 0.05):
                 time.sleep(min(0.25, max(0.0, next_sample - elapsed)))
