@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from strata.deployments.openai_protocol import APIError
 
@@ -24,6 +25,9 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> Any:
         raw = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+    except ClientDisconnect:  # nobody reads the answer; counted as 499 like an abandoned stream, never a 500
+        raise APIError(499, "the client closed the connection before its body arrived",
+                       code="client_closed_request") from None
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

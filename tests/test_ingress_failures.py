@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import pytest
 from ray.serve.exceptions import BackPressureError
 
-from strata.deployments.openai_protocol import ChatCompletionRequest, parse_request
+from strata.deployments.openai_protocol import APIError, ChatCompletionRequest, parse_request
 from strata.deployments.request_flow import StageFlow
 from strata.deployments.responder import Responder
 from strata.pipeline.contract.handoff import Handoff, SequenceState
@@ -162,3 +162,39 @@ def test_a_finished_stream_is_complete_and_cancels_nothing() -> None:
     assert status == 200 and events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert not decode.stream.cancelled
+
+
+def _body_request(*messages: dict[str, Any]):
+    """A Starlette request whose body arrives as ``messages`` (ASGI receive events), then nothing."""
+    from starlette.requests import Request as StarletteRequest
+
+    queue = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        if queue:
+            return queue.pop(0)
+        await asyncio.sleep(3600)  # a stalled upload
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    return StarletteRequest(scope, receive)
+
+
+@pytest.mark.parametrize("messages, status, code", [
+    ([{"type": "http.request", "body": b'{"model": ', "more_body": True}], 408, "request_timeout"),
+    ([{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}], 499,
+     "client_closed_request"),
+    ([{"type": "http.request", "body": b'{"model": "m"}', "more_body": False}], 200, None),
+], ids=["stalled", "hung-up", "whole"])
+def test_a_body_that_stalls_or_is_abandoned_is_a_clear_4xx(messages, status: int, code: str | None) -> None:
+    from strata.deployments.http_input import read_json
+
+    async def go():
+        try:
+            return 200, await read_json(_body_request(*messages), 1 << 20, timeout_s=0.2)
+        except APIError as exc:
+            return exc.status, exc.code
+
+    got_status, got = asyncio.run(go())
+    assert got_status == status
+    assert got == ({"model": "m"} if status == 200 else code)
