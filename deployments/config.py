@@ -144,12 +144,12 @@ class ServeConfig(ConfigModel):
 def check_tensor_parallel(config: ServeConfig, model_dir: str | Path) -> None:
     """Refuse (ShardingError, a ValueError) a stage's tp the model cannot be split into, before any
     cluster starts."""
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
     from strata.pipeline.parallel.shard_plan import ShardPlan
 
     wanted = sorted({config.tp(stage) for stage in LANGUAGE_STAGES} - {1})
     if wanted:
-        text = load_llava_config(model_dir).text
+        text = load_model_config(model_dir).text
         for tp in wanted:
             ShardPlan(text, 0, tp)
 

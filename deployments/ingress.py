@@ -39,7 +39,7 @@ from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
 from strata.deployments.responder import Responder, client_error, error_response
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
-from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_config import load_model_config
 from strata.stages.stage_loop import LoopStopped
 
 log = logging.getLogger("strata.ingress")
@@ -55,7 +55,7 @@ class Ingress:
         self.config = ServeConfig.from_dict(config)
         model_dir = Path(self.config.model_dir or "")
         self.model_name = self.config.model_name or model_dir.name
-        self.tokenizer = PromptTokenizer(model_dir, load_llava_config(model_dir))
+        self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir))
         intake = Intake(self.tokenizer, self.config.engine)
         stage = self.config.stages["llm" if prefill is None else "ingress"]
         self.admission_limit = stage.max_ongoing_requests + stage.max_queued_requests
@@ -69,14 +69,16 @@ class Ingress:
         self._loaded = threading.Event()
         self._all_ready = False
         if prefill is None:
-            self.stage_handles = {"encode": encode}
+            self.stage_handles = {"encode": encode} if encode is not None else {}
             self.flow: RequestFlow = LocalFlow(intake, preprocess, encode, None)
             threading.Thread(target=self._load_engine, args=(model_dir,), name="engine-load", daemon=True).start()
         else:
-            self.stage_handles = {"prefill": prefill, "decode": decode, "encode": encode}
+            self.stage_handles = {"prefill": prefill, "decode": decode}
+            if encode is not None:
+                self.stage_handles["encode"] = encode
             self.flow = StageFlow(intake, preprocess, encode, prefill, decode)
             self._loaded.set()
-        self.readiness_handles = {"preprocess": preprocess, **self.stage_handles}
+        self.readiness_handles = {**({"preprocess": preprocess} if preprocess is not None else {}), **self.stage_handles}
 
     def _load_engine(self, model_dir: Path) -> None:
         from strata.deployments.tp_actors import RayWorkers, group_host

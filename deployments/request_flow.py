@@ -21,6 +21,7 @@ from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import Request, TokenEvent, unpack_events
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.intake import Intake, PromptTooLongError, attach_images
+from strata.pipeline.frontend.tokenizer import NO_IMAGES
 from strata.stages.preprocessor import ImageError
 
 log = logging.getLogger("strata.ingress")
@@ -39,27 +40,35 @@ class RequestFlow:
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
                       **prompt: Any) -> Request:
-        """Tokenize, check lengths, embed images: the request to run. User errors -> 400."""
+        """Tokenize, check lengths, embed images: the request to run. User errors -> 400. A fixed-size
+        model's prompt is checked before its images are touched; a native-resolution model's images
+        are preprocessed first, because their token counts are part of the prompt's length."""
+        tok = self.intake.tokenizer
+        if images and not tok.takes_images:
+            raise APIError(400, NO_IMAGES, param="messages")
+        processed = await self._preprocess(images) if images and not tok.num_image_tokens else None
+        counts = [p.num_tokens for p in processed] if processed is not None else None
         try:
             async with self._tokenizing:
                 request, offsets = await asyncio.to_thread(
-                    self.intake.make_request, request_id, params, len(images),
+                    self.intake.make_request, request_id, params, len(images), image_tokens=counts,
                     max_tokens_default=default_max_tokens, **prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from exc
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         if images:
-            await self._embed(request, images, offsets)
+            processed = processed if processed is not None else await self._preprocess(images)
+            feats = await self.encode.encode.remote(processed)
+            attach_images(request, offsets, feats, [p.content_hash for p in processed])
         return request
 
-    async def _embed(self, request: Request, images: list[bytes], offsets: list[int]) -> None:
+    async def _preprocess(self, images: list[bytes]) -> list[Any]:
         processed = await asyncio.gather(*(self.preprocess.process.remote(b) for b in images))
         for i, p in enumerate(processed):
             if isinstance(p, ImageError):
                 raise APIError(400, f"image {i}: {p}", param="messages")
-        feats = await self.encode.encode.remote(processed)
-        attach_images(request, offsets, feats, [p.content_hash for p in processed])
+        return list(processed)
 
     def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
         raise NotImplementedError

@@ -26,7 +26,9 @@ from strata.pipeline.contract.request import Request, pack_events
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
 from strata.stages.pixel_budget import PixelBudget
-from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor
+from strata.pipeline.models.model_config import load_model_config
+from strata.stages.native_preprocessor import image_preprocessor
+from strata.stages.preprocessor import ImageError, PreprocessedImage
 from strata.stages.stage_loop import LoopStopped
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -43,8 +45,9 @@ class Preprocess:
         config = EngineConfig.from_dict(engine)
         config.apply_threads()
         self.budget = PixelBudget(config.image_pixels_in_flight, config.image_wait_timeout_s)
-        self.preprocessor = Preprocessor.from_model_dir(model_dir, max_pixels=config.max_image_pixels,
-                                                        pixel_budget=self.budget)
+        native = load_model_config(model_dir).native_resolution
+        self.preprocessor = image_preprocessor(model_dir, native, max_pixels=config.max_image_pixels,
+                                               pixel_budget=self.budget)
         self.pending = 0
 
     async def ready(self) -> bool:

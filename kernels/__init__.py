@@ -10,10 +10,10 @@ from strata.kernels.attention_tiers import attend_spilled
 from strata.kernels.attention_torch import TorchAttentionBackend, dense_attention
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.backends import available_backends, get_attention_backend
-from strata.kernels.cache_ops import write_kv
+from strata.kernels.cache_ops import write_cache, write_kv
 from strata.kernels.linear import linear
 from strata.kernels.merge import merge_attention_states
-from strata.kernels.moe import moe_experts, moe_route
+from strata.kernels.moe import moe_experts, moe_route, moe_route_grouped
 from strata.kernels.norm import layer_norm, rms_norm
 from strata.kernels.rope import RotaryEmbedding, apply_rope, rotate_heads, signed_sin
 
@@ -33,8 +33,10 @@ __all__ = [
     "merge_attention_states",
     "moe_experts",
     "moe_route",
+    "moe_route_grouped",
     "rms_norm",
     "rotate_heads",
     "signed_sin",
+    "write_cache",
     "write_kv",
 ]

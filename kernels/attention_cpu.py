@@ -25,6 +25,12 @@ from strata.kernels.merge import merge_attention_states
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FLASH_MIN_QUERIES = 32  # chunks at least this long use the flash path; shorter ones the kernel
+# Query heads per KV head from which decodes and short chunks take a GEMM path: MLA's absorbed form is
+# an MQA of every head over one latent, and folding the heads into query rows turns a sequence's
+# attention into two GEMMs over its keys read once (the per-head kernel reads every key once per head;
+# measured in `strata bench mla`: 64 heads over a 576-value latent at 32K context in bf16, 169 ms a step
+# through the kernel, 49 ms this way, most of it the gather of the blocks).
+GEMM_MIN_GROUP = 16
 _NO_LSE = torch.empty(0)
 
 
@@ -32,6 +38,7 @@ _NO_LSE = torch.empty(0)
 class _Plan:
     kernel_seqs: torch.Tensor  # int64 indices of the sequences the paged kernel handles
     flash_seqs: list[tuple[int, int]]  # (sequence, first query row) of the chunks for the flash path
+    gemm_seqs: list[tuple[int, int]]  # (sequence, first query row) of the grouped short queries for GEMMs
 
 
 class CpuPagedAttentionBackend(AttentionBackend):
@@ -57,7 +64,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         return_lse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        plan = self._plan(meta, sliding_window is not None)
+        grouped = q.shape[1] // k_cache.shape[2] >= GEMM_MIN_GROUP
+        plan = self._plan(meta, sliding_window is not None, grouped)
         qf = q.float().contiguous()
         out = torch.empty(qf.shape, dtype=torch.float32, device=qf.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else _NO_LSE
@@ -68,20 +76,57 @@ class CpuPagedAttentionBackend(AttentionBackend):
             )
         for i, start in plan.flash_seqs:
             self._flash_chunk(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None)
+        for i, start in plan.gemm_seqs:
+            self._grouped_gemm(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None)
         return out.to(q.dtype), (lse if return_lse else None)
 
     @staticmethod
-    def _plan(meta: AttentionMetadata, windowed: bool) -> _Plan:
+    def _plan(meta: AttentionMetadata, windowed: bool, grouped: bool = False) -> _Plan:
         """Which sequences go where; computed once per step (and window setting) for every layer."""
-        key = ("cpu", windowed)
+        key = ("cpu", windowed, grouped)
         plan = meta.prepared.get(key)
         if plan is None:
-            flash, rest, start = [], [], 0
+            flash, gemm, rest, start = [], [], [], 0
             for i, n in enumerate(meta.query_lens):
-                (flash.append((i, start)) if n >= FLASH_MIN_QUERIES and not windowed else rest.append(i))
+                if windowed:
+                    rest.append(i)
+                elif n >= FLASH_MIN_QUERIES:
+                    flash.append((i, start))
+                elif grouped:
+                    gemm.append((i, start))
+                else:
+                    rest.append(i)
                 start += n
-            plan = meta.prepared[key] = _Plan(torch.tensor(rest, dtype=torch.int64), flash)
+            plan = meta.prepared[key] = _Plan(torch.tensor(rest, dtype=torch.int64), flash, gemm)
         return plan
+
+    @staticmethod
+    def _grouped_gemm(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      i: int, start: int, scale: float, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """A few query rows of many heads per KV head: gather the keys once (once for keys and values when
+        they are one tensor, as MLA's latent is), fold the heads into rows, two GEMMs and a softmax. A
+        half-precision cache is multiplied in its own dtype, as the flash path and transformers' SDPA do
+        (scores round to bf16 before the fp32 softmax: converting 32K latents to fp32 first costs 2.5x)."""
+        n, seq_len, base = meta.query_lens[i], meta.seq_lens_list[i], meta.kv_offset(i)
+        blocks = meta.block_tables[i, : -(-(seq_len - base) // meta.block_size)]
+        dtype = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        k = gather_blocks(k_cache, blocks[None])[0, : seq_len - base]  # [S, Hkv, D]
+        v = k if v_cache is k_cache else gather_blocks(v_cache, blocks[None])[0, : seq_len - base]
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        g = hq // hkv
+        qg = q[start : start + n].to(dtype).view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+        # one 2-D GEMM per KV head (torch's CPU bmm over a transposed key view is several times slower)
+        scores = torch.stack([qg[h] @ k[:, h].T for h in range(hkv)]).float().mul_(scale)  # [Hkv, g*n, S]
+        if n > 1:  # row j (position seq_len - n + j) sees keys up to its own position
+            rows = torch.arange(n, device=q.device).repeat(g)
+            cols = torch.arange(seq_len - base, device=q.device)
+            scores.masked_fill_(cols[None, :] > (seq_len - base - n + rows)[:, None], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, g*n]
+        probs = torch.exp(scores - row_lse.unsqueeze(-1)).to(dtype)
+        o = torch.stack([probs[h] @ v[:, h] for h in range(hkv)]).float()  # [Hkv, g*n, D]
+        out[start : start + n] = o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        if lse is not None:
+            lse[start : start + n] = row_lse.view(hkv, g, n).permute(2, 0, 1).reshape(n, hq)
 
     @staticmethod
     def _flash_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -1,4 +1,9 @@
-"""Mixture-of-experts routing and expert dispatch (Mixtral semantics)."""
+"""Mixture-of-experts routing and expert dispatch.
+
+Two routers: softmax top-k (Mixtral, Qwen3-MoE) and DeepSeek-V3's sigmoid scores with a bias-corrected,
+group-limited top-k (the bias only chooses; the weights are the uncorrected scores). Both return fp32
+weights and expert ids that :func:`moe_experts` dispatches.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,32 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def moe_route_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores; a group's score is the sum of its two best bias-corrected
+    scores; only the ``topk_group`` best groups are eligible; the top-k of the corrected scores there
+    choose the experts, weighted by their uncorrected scores (renormalised if asked) times ``scaling``."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    t, e = choice.shape
+    group_scores = choice.view(t, n_group, e // n_group).topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    mask = mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    ids = torch.topk(choice.masked_fill(~mask, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def moe_experts(

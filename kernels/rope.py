@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -24,6 +24,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts) frequencies and the cos/sin scale, as transformers computes them: dimensions
+    that rotate fast keep their frequency, slow ones are interpolated by ``factor``, a linear ramp between
+    (``beta_fast``/``beta_slow`` rotations over the original context); the attention factor comes from
+    ``mscale``/``mscale_all_dim`` when both are given (DeepSeek: they cancel), else from ``factor``."""
+    factor = float(params["factor"])
+    original = params["original_max_position_embeddings"]
+    attention = params.get("attention_factor")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None:
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)) if mscale and mscale_all \
+            else _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").to(torch.float32) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 class RotaryEmbedding:
@@ -43,8 +77,11 @@ class RotaryEmbedding:
             inv_freq = inv_freq / float(rope_parameters["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        scaling = 1.0
+        if rope_type == "yarn":
+            inv_freq, scaling = _yarn_inv_freq(head_dim, base, rope_parameters)
         self.inv_freq = inv_freq
-        self.attention_scaling = 1.0
+        self.attention_scaling = scaling
         self.rope_type = rope_type
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """On-disk format of one KV block, shared by the host (tmpfs) and disk tiers.
 
 A file is a fixed header followed by the block payload in the device layout
-``[num_layers, 2, block_size, kv_heads, head_dim]``, so one layer's K and V are one
+``[num_layers, kv_parts, block_size, kv_heads, head_dim]``, so one layer's K and V (or MLA latent) are one
 contiguous byte range: attention over tiers reads a single layer with one ``pread``.
 
 Header (little endian), then msgpack metadata, then payload::
@@ -47,8 +47,8 @@ class BlockFileInfo:
 
 
 def layer_nbytes(layout: KVLayout) -> int:
-    """Bytes of one layer's K and V in one block."""
-    return 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
+    """Bytes of one layer's K and V (or latent) in one block."""
+    return layout.kv_parts * layout.block_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
 
 
 def encode_block(block_hash: bytes, fingerprint: bytes, layout: KVLayout, payload: memoryview | bytes) -> bytes:

@@ -50,7 +50,7 @@ class BlockPool:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_heads, head_dim] view of layer's values."""
-        return self.kv[:, layer, 1]
+        return self.kv[:, layer, -1]
 
     # ------------------------------------------------------------ allocation
     def num_free(self) -> int:

@@ -38,31 +38,40 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Geometry of the paged KV cache; one block holds K and V of every layer."""
+    """Geometry of the paged KV cache; one block holds what attention caches for every layer.
+
+    ``kv_parts`` is 2 for K and V (MHA/GQA: ``num_kv_heads`` heads of ``head_dim`` each) and 1 for a
+    single tensor that serves as both (MLA: one "head" holding the compressed latent and the shared
+    RoPE key, ``kv_lora_rank + qk_rope_head_dim`` values). Tiers, block files and hashing only see the
+    geometry, so they hold either kind unchanged."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
     dtype: torch.dtype = torch.float32
+    kv_parts: int = 2
 
     def __post_init__(self) -> None:
+        if self.kv_parts not in (1, 2):
+            raise ValueError(f"kv_parts must be 1 (a latent) or 2 (K and V), got {self.kv_parts}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         dtype_name(self.dtype)  # validates
 
     def block_shape(self) -> tuple[int, ...]:
-        """(num_layers, 2, block_size, num_kv_heads, head_dim); index 0/1 on dim 1 is K/V."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """(num_layers, kv_parts, block_size, num_kv_heads, head_dim); on dim 1, index 0 is K and -1 is V
+        (the same tensor when ``kv_parts`` is 1)."""
+        return (self.num_layers, self.kv_parts, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self.dtype]
 
     def bytes_per_token(self) -> int:
-        """K and V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """What one token caches across all layers."""
+        return self.kv_parts * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * self.block_size
@@ -75,6 +84,7 @@ class KVLayout:
             "head_dim": self.head_dim,
             "block_size": self.block_size,
             "dtype": dtype_name(self.dtype),
+            "kv_parts": self.kv_parts,
         }
 
     @classmethod
@@ -85,4 +95,5 @@ class KVLayout:
             head_dim=int(d["head_dim"]),
             block_size=int(d["block_size"]),
             dtype=dtype_from_name(d["dtype"]),
+            kv_parts=int(d.get("kv_parts", 2)),
         )

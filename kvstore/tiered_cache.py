@@ -76,7 +76,7 @@ class TieredKVCache:
         self.fingerprint = fingerprint
         self.staging_blocks = staging_blocks
         lay = self.layout
-        shape = (staging_blocks, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (staging_blocks, lay.kv_parts, lay.block_size, lay.num_kv_heads, lay.head_dim)
         self._stage = StagingBuffers(shape, lay.dtype, pool.kv.device)
         self._host_block = torch.empty(lay.block_shape(), dtype=lay.dtype)  # promotion scratch
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
@@ -400,7 +400,7 @@ class TieredKVCache:
                 dev[i].copy_(self.pool.kv[block_id, layer])
 
         stage = self._stage.get((tuple(hashes), layer), n, read, patch)
-        return stage[:, 0], stage[:, 1]
+        return stage[:, 0], stage[:, -1]
 
     def prefetch_spilled(self, hashes: Sequence[bytes], layer: int) -> None:
         """Start staging a later segment (CUDA: file reads and the copy overlap the current compute)."""

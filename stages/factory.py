@@ -18,7 +18,7 @@ from strata.pipeline.core.scheduler import Scheduler
 from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
-from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_config import TextConfig, load_model_config
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -26,9 +26,14 @@ from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
-from strata.stages.preprocessor import Preprocessor
+from strata.stages.native_preprocessor import image_preprocessor
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
+
+
+def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """The block geometry the model caches: K and V per KV head, or MLA's one latent per token."""
+    return KVLayout(text.num_layers, text.kv_cache_heads, text.kv_cache_dim, block_size, dtype, text.kv_parts)
 
 
 def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, group: TPGroup | None = None,
@@ -61,11 +66,11 @@ class LanguageStage:
         config.apply_threads()
         self.model_dir = Path(model_dir)
         self.config = config
-        self.model_config = load_llava_config(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         cfg = self.model_config
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
-        layout = KVLayout(cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim, config.block_size, dtype)
+        layout = kv_layout(cfg.text, config.block_size, dtype)
         backend = get_attention_backend(config.attention_backend, config.device)
         self.tp: TPGroupHandle | None = None
         if config.tp > 1:
@@ -112,8 +117,11 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None, laun
     """
     config = config or EngineConfig()
     stage = LanguageStage(model_dir, config, launcher, group_host)
-    preprocessor = Preprocessor.from_model_dir(stage.model_dir, max_pixels=config.max_image_pixels)
-    encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
+    preprocessor, encoder = None, None
+    if stage.model_config.takes_images:  # a text-only model has no image stages: intake refuses images
+        preprocessor = image_preprocessor(stage.model_dir, stage.model_config.native_resolution,
+                                          max_pixels=config.max_image_pixels)
+        encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
     engine = Engine(
         config, stage.model_config, stage.tokenizer, preprocessor, encoder, Prefiller(stage.core()), Decoder(stage.core())
     )

@@ -61,8 +61,10 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class PreprocessedImage:
-    pixel_values: np.ndarray  # float32 [3, H, W] (numpy so it crosses Ray's object store zero-copy later)
+    pixel_values: np.ndarray  # float32 [3, H, W], or [patches, 3, p, p] at native resolution (numpy: zero-copy in Ray)
     content_hash: bytes  # blake2b(digest_size=16) of the raw image bytes
+    grid_thw: tuple[int, int, int] | None = None  # native resolution: (frames, patch rows, patch columns)
+    num_tokens: int = 0  # native resolution: the language-model tokens this image becomes (0: the model's fixed count)
 
 
 class Preprocessor:

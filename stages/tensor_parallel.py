@@ -13,7 +13,7 @@ from pathlib import Path
 
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
-from strata.pipeline.models.model_config import LlavaConfig
+from strata.pipeline.models.model_config import ModelConfig
 from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weights import LoadStats
@@ -39,7 +39,7 @@ class TPGroupHandle:
 MAX_SLOT_BYTES = 64 << 20
 
 
-def shm_slot_bytes(config: EngineConfig, cfg: LlavaConfig) -> int:
+def shm_slot_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
     """One rank's slot in the shared-memory channel: room for a full step's hidden states (fp32) or
     its logits shard; larger messages (rare) fall back to gloo."""
     t = cfg.text
@@ -48,7 +48,7 @@ def shm_slot_bytes(config: EngineConfig, cfg: LlavaConfig) -> int:
     return min(MAX_SLOT_BYTES, max(1 << 20, hidden, logits))
 
 
-def open_group(model_dir: Path, config: EngineConfig, cfg: LlavaConfig, launcher: Launcher | None = None,
+def open_group(model_dir: Path, config: EngineConfig, cfg: ModelConfig, launcher: Launcher | None = None,
                host: str = "127.0.0.1") -> TPGroupHandle:
     """Start and join ``config.tp`` ranks; raises (with the workers stopped) if they cannot form."""
     ShardPlan(cfg.text, 0, config.tp)  # a model that does not split fails here, before anything starts

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from strata.pipeline.contract.config import EngineConfig
-from strata.pipeline.models.model_config import LlavaConfig, load_llava_config
+from strata.pipeline.models.model_config import ModelConfig, load_model_config
 from strata.pipeline.models.model_loader import load_image_encoder, resolve_dtype
 from strata.stages.preprocessor import PreprocessedImage
 
@@ -18,10 +18,10 @@ class VisionEncoder:
     """Pixels -> language-model embeddings. The same image (same bytes) is never encoded twice
     while it is cached; the decoder weights are never loaded here."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, cfg: LlavaConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, cfg: ModelConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.config.apply_threads()
-        self.model_config = cfg or load_llava_config(model_dir)
+        self.model_config = cfg or load_model_config(model_dir)
         self.model, self.load_stats = load_image_encoder(
             model_dir, resolve_dtype(self.config.dtype), self.config.device, self.model_config
         )
@@ -35,7 +35,14 @@ class VisionEncoder:
         self.cache_hits += len(images) - len(missing)
         self.cache_misses += len(missing)
         fresh: dict[bytes, np.ndarray] = {}
-        if missing:
+        if missing and self.model.native_resolution:  # images of different sizes: packed, not padded
+            patches = torch.from_numpy(np.concatenate([img.pixel_values for img in missing])).to(self.config.device)
+            grids = [img.grid_thw for img in missing]
+            if any(g is None for g in grids):
+                raise ValueError("a native-resolution image arrived without its patch grid")
+            feats = self.model.encode_native(patches, grids)  # type: ignore[arg-type]
+            fresh = {img.content_hash: f.float().cpu().numpy() for img, f in zip(missing, feats)}
+        elif missing:
             pixels = torch.from_numpy(np.stack([img.pixel_values for img in missing])).to(self.config.device)
             feats = self.model(pixels).float().cpu().numpy()
             fresh = {img.content_hash: f for img, f in zip(missing, feats)}

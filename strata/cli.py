@@ -18,6 +18,7 @@ from strata.pipeline.contract.config import EngineConfig, read_json_object
 from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
+from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model
 
 log = logging.getLogger("strata")
 
@@ -39,7 +40,9 @@ def load_engine(model_dir: str | Path, config: EngineConfig | None = None) -> An
 
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint of a real architecture")
-    p.add_argument("--arch", choices=ARCHITECTURES, default="llava-llama")
+    p.add_argument("--arch", choices=ARCHITECTURES + TEXT_ARCHITECTURES + ("kimi_k25",), default="llava-llama",
+                   help="a LLaVA over a decoder, a text-only LLM of a registered family, or Kimi-K2.5 (shape "
+                        "flags apply to LLaVA only; the others use their family's tiny config)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=TinyModelSpec.hidden)
@@ -53,6 +56,14 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    if args.arch in TEXT_ARCHITECTURES:
+        print(build_tiny_text_model(args.arch, args.out, seed=args.seed))
+        return 0
+    if args.arch == "kimi_k25":
+        from strata.tiny_kimi import build_tiny_kimi_k25
+
+        print(build_tiny_kimi_k25(args.out, seed=args.seed))
+        return 0
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise CLIError("--hidden must be divisible by --heads, and --heads by --kv-heads")
     if args.image_size % args.patch_size:

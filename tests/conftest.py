@@ -19,6 +19,17 @@ if "STRATA_DIGEST_CACHE" not in os.environ:  # weight digests of the session's t
 
 from strata.kernels import available_backends  # noqa: E402
 from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
+from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model  # noqa: E402
+
+# Text-only checkpoints: every registered family, plus variants that change what real checkpoints change.
+TEXT_VARIANTS = {
+    # MLA without a q LoRA, non-interleaved default RoPE, one routing group, no renormalisation, no dense layer
+    "deepseek_v3-plain": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "norm_topk_prob": False,
+                                          "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+                                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Qwen3-MoE renormalising its top-k, sparse every second layer
+    "qwen3_moe-renorm": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": []}),
+}
 
 
 SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server"}
@@ -50,6 +61,16 @@ def attention_backend(request: pytest.FixtureRequest):
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {arch: build_tiny_model(TinyModelSpec(arch=arch), root / arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny text-only checkpoints made by transformers' own model classes (``strata.tiny_text_models``)."""
+    root = tmp_path_factory.mktemp("text-models")
+    models = {arch: build_tiny_text_model(arch, root / arch) for arch in TEXT_ARCHITECTURES}
+    for name, (arch, overrides) in TEXT_VARIANTS.items():
+        models[name] = build_tiny_text_model(arch, root / name, overrides=overrides)
+    return models
 
 
 @pytest.fixture(scope="session")

@@ -68,8 +68,7 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 def prefill_logits(engine: Any, prompt: str, images: list[bytes]) -> torch.Tensor:
     """Last-position logits of one prompt computed by our model runner in a single chunk."""
-    request, offsets = engine.intake.make_request("probe", greedy(1), len(images), prompt=prompt)
-    engine._embed_images(request, images, offsets)
+    request = engine.prepare("probe", greedy(1), list(images), prompt=prompt)
     kv = engine.prefiller.kv
     seq = Sequence.from_request(request, kv.layout.block_size)
     assert kv.reserve(seq.block_table, seq.num_tokens)

@@ -63,13 +63,19 @@ HAND_WRITTEN = {
          "rms_norm_eps": 1e-6, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
          "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "patch_size": 14}},
         {"architecture", "decoder", "rope", "vision_tower", "projector"}),
-    "deepseek-v3": (
-        {"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "deepseek-v2": (  # MLA and group-limited routing, but a family the registry does not hold
+        {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000, "hidden_act": "silu",
          "rms_norm_eps": 1e-6, "kv_lora_rank": 16, "q_lora_rank": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
-         "n_shared_experts": 1, "n_group": 2, "topk_method": "noaux_tc",
+         "n_shared_experts": 1, "n_group": 2, "topk_method": "group_limited_greedy",
          "rope_scaling": {"type": "yarn", "factor": 40}},
-        {"architecture", "decoder", "attention", "rope", "mlp"}),
+        {"architecture", "decoder", "attention", "mlp"}),
+    "llama-with-a-latent": (  # a registered family asked for a component it is not declared with
+        {**LLAVA_TEXT, "architectures": ["LlamaForCausalLM"], "kv_lora_rank": 16, "qk_rope_head_dim": 8},
+        {"attention"}),
+    "text-model-with-a-vision-config": (
+        {**LLAVA_TEXT, "architectures": ["LlamaForCausalLM"], "vision_config": VISION},
+        {"vision_tower"}),
     "siglip-tower": (
         {"model_type": "llava", "text_config": LLAVA_TEXT, "vision_config": {**VISION, "model_type": "siglip_vision_model"}},
         {"vision_tower"}),

@@ -31,9 +31,9 @@ def test_incremental_equals_full_decode(llama_dir) -> None:
 def test_the_fast_decode_equals_the_tokenizers_decode(llama_dir) -> None:
     """PromptTokenizer.decode skips the Python wrapper; the text must not change."""
     from strata.pipeline.frontend.tokenizer import PromptTokenizer
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
 
-    tok = PromptTokenizer(llama_dir, load_llava_config(llama_dir))
+    tok = PromptTokenizer(llama_dir, load_model_config(llama_dir))
     assert tok._backend is not None  # the fast path is what this test covers
     rng = random.Random(1)
     vocab = len(tok.tokenizer)

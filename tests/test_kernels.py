@@ -20,6 +20,7 @@ from strata.kernels import (
     rms_norm,
     rotate_heads,
     signed_sin,
+    write_cache,
     write_kv,
 )
 from strata.kernels.attention_torch import attend_with_positions
@@ -74,6 +75,46 @@ def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None
         assert torch.isfinite(lse).all()
         ref_out, ref_lse = get_attention_backend("torch").forward(q, k_cache, v_cache, meta, scale, window, return_lse=True)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("latent_dim", [40, 576], ids=["tiny-latent", "deepseek-latent"])
+def test_mla_latent_as_keys_and_values(backend: str, latent_dim: int, dtype: torch.dtype) -> None:
+    """MLA's absorbed attention: one latent tensor is both the keys and (its first columns carry) the
+    values; every backend takes the same tensor twice. Decodes and a short prompt (16 heads on one KV
+    head: the CPU backend's GEMM path) and a long chunk after context (the flash path), against dense
+    SDPA on the latent."""
+    gen = torch.Generator().manual_seed(latent_dim)
+    hq, num_blocks = 16, 40
+    seq_lens, query_lens = [1, 30, 70, 100], [1, 30, 1, 40]
+    latent = torch.zeros(num_blocks, BS, 1, latent_dim)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense, slots = [], [], []
+    for n, ql in zip(seq_lens, query_lens):
+        blocks = [perm.pop() for _ in range(-(-n // BS))]
+        values = torch.randn(n, 1, latent_dim, generator=gen)
+        all_slots = torch.tensor([blocks[i // BS] * BS + i % BS for i in range(n)])
+        write_cache(latent, values, all_slots)
+        tables.append(blocks)
+        dense.append(values.to(dtype).float())
+        slots.extend(all_slots[n - ql:].tolist())
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS)
+    q = torch.randn(sum(query_lens), hq, latent_dim, generator=gen).to(dtype)
+    cache = latent.to(dtype)
+    scale = 0.07
+    out, lse = get_attention_backend(backend).forward(q, cache, cache, meta, scale, None, return_lse=True)
+    start = 0
+    for kv, n, ql in zip(dense, seq_lens, query_lens):
+        ref = _dense_reference(q[start : start + ql].float() * (scale / latent_dim**-0.5), kv, kv,
+                               torch.arange(n - ql, n), None)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[start : start + ql].float(), ref, rtol=tol, atol=tol)
+        start += ql
+    _, ref_lse = get_attention_backend("torch").forward(q, cache, cache, meta, scale, None, return_lse=True)
+    # the tier path merges by it; a bf16 cache's scores round to bf16 before the softmax (as in its GEMMs)
+    lse_tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(lse, ref_lse, rtol=lse_tol, atol=lse_tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -180,7 +221,53 @@ def test_rope_matches_transformers(params: dict) -> None:
 
 def test_unsupported_rope_type_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported rope_type"):
-        RotaryEmbedding(16, {"rope_type": "yarn", "rope_theta": 1e4})
+        RotaryEmbedding(16, {"rope_type": "longrope", "rope_theta": 1e4})
+
+
+@pytest.mark.parametrize("mscale", [None, 1.0, 0.707])
+def test_yarn_rope_matches_transformers(mscale) -> None:
+    """YaRN frequencies and cos/sin scale, DeepSeek-V3's way (mscale / mscale_all_dim) and the plain way."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    params = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+              "beta_slow": 1, "rope_theta": 10000.0}
+    if mscale is not None:
+        params.update(mscale=mscale, mscale_all_dim=1.0)
+    reference = DeepseekV3RotaryEmbedding(DeepseekV3Config(rope_parameters=dict(params), qk_rope_head_dim=64,
+                                                           max_position_embeddings=163840))
+    positions = torch.arange(0, 160000, 1013)
+    ref_cos, ref_sin = reference(torch.zeros(1), positions[None])
+    ours = RotaryEmbedding(64, params)
+    cos, sin = ours.cos_sin(positions, torch.float32)
+    assert ours.attention_scaling == pytest.approx(reference.attention_scaling)
+    assert ours.attention_scaling != 1.0 or mscale == 1.0
+    torch.testing.assert_close(cos, ref_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, ref_sin[0], rtol=0, atol=0)
+
+
+def test_grouped_routing_matches_deepseek_router() -> None:
+    """Sigmoid scores, bias-corrected group-limited top-k, renormalised and scaled: DeepSeek-V3's router."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from strata.kernels import moe_route_grouped
+
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen))
+    x = torch.randn(50, 32, generator=gen)
+    _, ref_w, ref_ids = router(x)
+    w, ids = moe_route_grouped(x @ router.weight.T, router.e_score_correction_bias, 4, 4, 2, True, 2.5)
+    order, ref_order = ids.sort(-1).indices, ref_ids.sort(-1).indices
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+    groups = (ids // 4)
+    assert all(len(set(row.tolist())) <= 2 for row in groups)  # only topk_group groups are eligible
 
 
 def test_moe_matches_mixtral_block() -> None:

@@ -22,11 +22,14 @@ from strata.kernels import AttentionMetadata, get_attention_backend, merge_atten
 from strata.kernels.attention_triton import TritonAttentionBackend
 device = sys.argv[2]
 results = []
-for hq, hkv, d, window, dtype in [(4, 2, 16, None, "float32"), (6, 1, 24, 7, "float32"), (8, 8, 32, None, "bfloat16")]:
+# the last two cases are MLA's latent layout: one tensor passed as both keys and values (one "KV head")
+for hq, hkv, d, window, dtype, latent in [(4, 2, 16, None, "float32", False), (6, 1, 24, 7, "float32", False),
+                                          (8, 8, 32, None, "bfloat16", False), (8, 1, 40, None, "float32", True),
+                                          (4, 1, 72, None, "bfloat16", True)]:
     gen = torch.Generator().manual_seed(hq + d)
     # decodes, a whole prompt, chunks after context; the last two have spilled blocks before their table
     seq_lens, query_lens, spilled = [1, 17, 33, 50, 70], [1, 17, 1, 19, 30], [0, 0, 1, 0, 2]
-    k_cache = torch.zeros(40, BS, hkv, d); v_cache = torch.zeros(40, BS, hkv, d)
+    k_cache = torch.zeros(40, BS, hkv, d); v_cache = k_cache if latent else torch.zeros(40, BS, hkv, d)
     free = torch.randperm(40, generator=gen).tolist(); tables = []; slots = []
     for n, ql, sp in zip(seq_lens, query_lens, spilled):
         off = sp * BS
@@ -38,11 +41,13 @@ for hq, hkv, d, window, dtype in [(4, 2, 16, None, "float32"), (6, 1, 24, 7, "fl
     dt = getattr(torch, dtype)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS, device, kv_offsets=[s * BS for s in spilled])
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
-    args = (q.to(device, dt), k_cache.to(device, dt), v_cache.to(device, dt), meta, d ** -0.5, window)
+    kc = k_cache.to(device, dt); vc = kc if latent else v_cache.to(device, dt)
+    args = (q.to(device, dt), kc, vc, meta, d ** -0.5, window)
     out, lse = TritonAttentionBackend().forward(*args, return_lse=True)
     cpu_meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS, "cpu", kv_offsets=[s * BS for s in spilled])
-    ref, ref_lse = get_attention_backend("torch").forward(q.to(dt), k_cache.to(dt), v_cache.to(dt), cpu_meta, d ** -0.5, window, return_lse=True)
-    results.append({"case": [hq, hkv, d, window, dtype], "out": (out.float().cpu() - ref.float()).abs().max().item(),
+    kr = k_cache.to(dt); vr = kr if latent else v_cache.to(dt)
+    ref, ref_lse = get_attention_backend("torch").forward(q.to(dt), kr, vr, cpu_meta, d ** -0.5, window, return_lse=True)
+    results.append({"case": [hq, hkv, d, window, dtype, latent], "out": (out.float().cpu() - ref.float()).abs().max().item(),
                     "lse": (lse.cpu() - ref_lse).abs().max().item()})
 print(json.dumps(results))
 """

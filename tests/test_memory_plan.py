@@ -238,7 +238,7 @@ def test_cli_plan_does_not_fit_then_fits_with_host_memory(llama3: Path, capsys: 
 
 def test_cli_plan_llava(llava15: Path, capsys: pytest.CaptureFixture) -> None:
     rc, out, _ = run_plan(capsys, "--model", str(llava15), "--context", "4K", "--concurrency", "8")
-    assert rc == 0 and "7,063,427,072" in out and "LLaVA" in out
+    assert rc == 0 and "7,063,427,072" in out and "vision + text, up to 576 tokens an image" in out
 
 
 @pytest.mark.parametrize(
@@ -282,19 +282,31 @@ def test_rank_shards_add_up_to_the_decoder(arch: str, tiny_models: dict[str, Pat
     assert sum(halves) == text_params(tc) + replicated
 
 
-def test_the_1t_moe_shape_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFixture) -> None:
-    plan = plan_memory("moe-1t", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=8)
-    assert 1.0e12 < plan.num_params < 1.1e12
-    assert plan.weights_bytes == pytest.approx(2 * plan.num_params / 8, rel=0.01)  # bf16, one eighth per rank
-    assert not plan.fits and (plan.nodes_needed, plan.tp_needed) == (4, 32)  # tp=16 still needs ~121 GiB a rank
-    assert plan.rank_bytes_per_block == plan.bytes_per_block // 8  # 8 KV heads: one per rank
-    wide = plan_memory("moe-1t", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=32, nodes=4)
-    assert wide.fits and wide.rank_bytes_per_block == plan.bytes_per_block // 8  # each KV head on 4 ranks
-    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", "--tp", "16", "--nodes", "2",
+def test_kimi_k2_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFixture) -> None:
+    """The real Kimi-K2 shape: MLA caches one 512 + 64 latent per layer (70,272 bytes a token in bf16, not
+    the 249,856 of a GQA model with 8 KV heads of 128), replicated on every rank; experts split whole."""
+    plan = plan_memory("kimi-k2", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=8)
+    assert 1.0e12 < plan.num_params < 1.05e12
+    assert plan.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70_272
+    assert plan.weights_bytes == pytest.approx(2 * plan.num_params / 8, rel=0.02)  # bf16, about one eighth per rank
+    assert (plan.num_experts, plan.experts_per_rank) == (384, 48)
+    assert not plan.fits and (plan.nodes_needed, plan.tp_needed) == (4, 32)
+    assert plan.rank_bytes_per_block == plan.bytes_per_block  # the latent is replicated, not split by heads
+    assert plan_memory("moe-1t", 128_000, 1, 80 * GiB, tp=8).num_params == plan.num_params  # the old name
+    rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", "--tp", "16", "--nodes", "2",
                             "--device-mem", "141GiB", "--host-mem", "1TiB")
     assert rc == 0 and "group:  tp=16 over 2 node(s), 8 rank(s) per node" in out and "verdict: fits" in out
-    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", "--tp", "8", "--host-mem", "1TiB")
+    assert "KV per token (MLA latent 512+64 per layer)" in out and "68.62 KiB" in out
+    rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", "--tp", "8", "--host-mem", "1TiB")
     assert rc == 1 and "needs:  4 node(s) of 8 rank(s): tp=32" in out
+    million = plan_memory("kimi-k2", 1_000_000, 1, 141 * GiB, host_mem_bytes=2048 * GiB, tp=8)
+    assert million.kv_bytes_needed == 62_500 * 16 * 70_272 and million.nodes_needed == 2
+
+
+def test_deepseek_v3_counts_its_published_671b_parameters() -> None:
+    plan = plan_memory("deepseek-v3", 4096, 1, 80 * GiB, tp=8)
+    assert 670e9 < plan.num_params < 672e9  # without the multi-token-prediction layer serving skips
+    assert plan.kv_bytes_per_token == 70_272 and plan.experts_per_rank == 32
 
 
 @pytest.mark.parametrize("args, message", [
@@ -302,5 +314,5 @@ def test_the_1t_moe_shape_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.C
     (["--tp", "12"], "tp=12 does not divide the model's 64 attention heads"),
 ], ids=["tp-not-multiple-of-nodes", "tp-does-not-split-heads"])
 def test_cli_plan_bad_groups_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
-    rc, out, err = run_plan(capsys, "--model", "moe-1t", "--context", "128K", *args)
+    rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", *args)
     assert rc == 2 and out == "" and message in err and err.count("\n") == 1

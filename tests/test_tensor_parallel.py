@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from helpers import build, greedy, prefill_logits, write_transformers5_checkpoint
 from serve_process import listening_sockets
-from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_language_model
 from strata.pipeline.models.weights import canonical_name, weight_map
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
@@ -136,7 +136,7 @@ def _replicated_bytes(model_dir: Path) -> int:
 
 
 def test_the_shard_plan_splits_heads_columns_experts_and_vocab(tiny_models) -> None:
-    cfg = load_llava_config(tiny_models["llava-mixtral"]).text
+    cfg = load_model_config(tiny_models["llava-mixtral"]).text
     d = cfg.head_dim
     one, two = ShardPlan(cfg, 0, 2), ShardPlan(cfg, 1, 2)
     assert one.slice_for("layers.0.self_attn.q_proj.weight") == (0, 0, cfg.num_heads // 2 * d)
@@ -154,7 +154,7 @@ def test_the_shard_plan_splits_heads_columns_experts_and_vocab(tiny_models) -> N
 def test_a_model_that_does_not_split_is_refused_before_anything_starts(llama_dir: Path) -> None:
     with pytest.raises(ShardingError, match="tp=3 does not divide the model's 4 attention heads"):
         build(llama_dir, tp=3)
-    cfg = load_llava_config(llama_dir).text
+    cfg = load_model_config(llama_dir).text
     with pytest.raises(ShardingError, match="tp=4 neither divides nor is a multiple of the model's 3 KV heads"):
         ShardPlan(replace(cfg, num_kv_heads=3), 0, 4)
     with pytest.raises(ValueError, match="greater than or equal to 1"):

@@ -32,7 +32,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 constexpr int kLanes = 16;
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = 1024;  // MLA reads a 576-value latent (512 + 64) as its one head
 constexpr int kRowTile = 16;  // query rows per work item (prefill chunks)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -273,6 +273,7 @@ TileFn<KV> tile_for(const Geometry& g) {
       case 64: return attend_tile_vec<KV, 64>;
       case 128: return attend_tile_vec<KV, 128>;
       case 256: return attend_tile_vec<KV, 256>;
+      case 576: return attend_tile_vec<KV, 576>;  // DeepSeek-V3 / Kimi-K2 MLA latent
       default: break;
     }
   }

@@ -13,8 +13,8 @@ from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.sequence import Sequence
 from strata.pipeline.core.stage_api import DecoderLike, EncoderLike, PrefillerLike, PreprocessorLike
 from strata.pipeline.frontend.intake import Intake, attach_images
-from strata.pipeline.frontend.tokenizer import PromptTokenizer
-from strata.pipeline.models.model_config import LlavaConfig
+from strata.pipeline.frontend.tokenizer import NO_IMAGES, PromptTokenizer
+from strata.pipeline.models.model_config import ModelConfig
 
 
 @dataclass
@@ -34,10 +34,10 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        model_config: LlavaConfig,
+        model_config: ModelConfig,
         tokenizer: PromptTokenizer,
-        preprocessor: PreprocessorLike,
-        encoder: EncoderLike,
+        preprocessor: PreprocessorLike | None,
+        encoder: EncoderLike | None,
         prefiller: PrefillerLike,
         decoder: DecoderLike,
     ) -> None:
@@ -81,12 +81,23 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request, offsets = self.intake.make_request(
-            request_id, params or SamplingParams(), len(images),
-            prompt=prompt, messages=messages, raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids,
-        )
-        self._embed_images(request, list(images), offsets)
+        request = self.prepare(request_id, params or SamplingParams(), list(images), prompt=prompt, messages=messages,
+                               raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids)
         return self.add(request)
+
+    def prepare(self, request_id: str, params: SamplingParams, images: list[bytes], **prompt: Any) -> Request:
+        """Intake with images embedded: preprocess each image (a native-resolution image's token count
+        is known only then), tokenize with every placeholder expanded to its image's span, encode.
+        ``prompt``: exactly one of Intake's prompt forms."""
+        if images and self.preprocessor is None:
+            raise ValueError(NO_IMAGES)
+        processed = [self.preprocessor.process(b) for b in images] if images else []  # type: ignore[union-attr]
+        counts = [p.num_tokens for p in processed] if self.model_config.native_resolution else None
+        request, offsets = self.intake.make_request(request_id, params, len(images), image_tokens=counts, **prompt)
+        if processed:
+            assert self.encoder is not None
+            attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed])
+        return request
 
     def add(self, request: Request) -> str:
         """Queue a request that went through intake already (images embedded): what a server hands over."""
@@ -96,11 +107,6 @@ class Engine:
         self._requests[request.request_id] = seq
         self.prefiller.add(seq)
         return request.request_id
-
-    def _embed_images(self, request: Request, images: list[bytes], offsets: list[int]) -> None:
-        if images:
-            processed = [self.preprocessor.process(b) for b in images]
-            attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed])
 
     def abort(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)

@@ -37,7 +37,7 @@ from strata.pipeline.parallel.shm_channel import ChannelDesyncError, PeerDiedErr
 from strata.pipeline.parallel.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
-HEADS = -2  # the KV-head dimension of a block (layers, 2, block_size, heads, head_dim)
+HEADS = -2  # the KV-head dimension of a block (layers, kv_parts, block_size, heads, head_dim)
 
 
 class ShardedDeviceBlocks(DeviceBlocks):
@@ -72,14 +72,14 @@ class _ShardedSpilled:
                  segment_blocks: int) -> None:
         self.group = group
         self.first_head = first_head  # this rank's first KV head
-        self.local_kv = local_kv  # [blocks, layers, 2, block_size, local heads, head_dim]
+        self.local_kv = local_kv  # [blocks, layers, kv_parts, block_size, local heads, head_dim]
         self.full_heads = full_heads
         self.num_blocks = num_blocks
         self.segment_blocks = segment_blocks
 
     def _segment_shape(self, count: int) -> tuple[int, ...]:
-        _, _, _, bs, _, d = self.local_kv.shape
-        return (count, 2, bs, self.full_heads, d)
+        _, _, parts, bs, _, d = self.local_kv.shape
+        return (count, parts, bs, self.full_heads, d)
 
     def _assemble(self, layer: int, n: int, on_device: dict[int, int], from_tier: torch.Tensor):
         heads = self.local_kv.shape[HEADS]
@@ -89,7 +89,7 @@ class _ShardedSpilled:
             out[i] = _my_heads(from_tier[j], self.first_head, heads)
         for i, block_id in on_device.items():
             out[i] = self.local_kv[block_id, layer]
-        return out[:, 0], out[:, 1]
+        return out[:, 0], out[:, -1]
 
 
 class DriverSpilled(_ShardedSpilled):

@@ -21,7 +21,7 @@ from strata.kernels import get_attention_backend
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
-from strata.pipeline.models.model_config import load_llava_config
+from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
 from strata.pipeline.parallel.fault_points import set_fault_rank
 from strata.pipeline.parallel.tp_group import GroupAddress, TPGroup
@@ -65,16 +65,16 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     set_fault_rank(rank)
     group = TPGroup.join(spec.address, rank, spec.size, config.device)
     try:
-        cfg = load_llava_config(spec.model_dir)
+        cfg = load_model_config(spec.model_dir)
         dtype = resolve_dtype(config.dtype)
         model, stats = load_parallel_language_model(spec.model_dir, group, dtype, config.device, cfg)
         group.gather_object(stats)
         t, (first_head, stop_head) = cfg.text, model.plan.kv_heads
-        kv = torch.zeros(config.num_kv_blocks, t.num_layers, 2, config.block_size, stop_head - first_head,
-                         t.head_dim, dtype=dtype, device=config.device)
+        kv = torch.zeros(config.num_kv_blocks, t.num_layers, t.kv_parts, config.block_size, stop_head - first_head,
+                         t.kv_cache_dim, dtype=dtype, device=config.device)
         executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device),
                                 config.block_size, config.device)
-        serve_commands(group, executor, t.num_kv_heads, first_head, config.kv_staging_blocks)
+        serve_commands(group, executor, t.kv_cache_heads, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
         group.leave_on_error()  # the driver fails at once, even though this process (an actor) lives on

@@ -17,7 +17,7 @@ from strata.kvstore import blocks_for_tokens, chunk_working_set_blocks
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import ImageEmbedding, Request
 from strata.pipeline.contract.sampling_params import SamplingParams
-from strata.pipeline.frontend.tokenizer import EncodedPrompt, PromptTokenizer
+from strata.pipeline.frontend.tokenizer import NO_IMAGES, EncodedPrompt, PromptTokenizer
 
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer packs more than this into one token; longer texts cannot fit
 
@@ -37,6 +37,7 @@ class Intake:
         params: SamplingParams,
         num_images: int = 0,
         *,
+        image_tokens: Seq[int] | None = None,
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         raw_prompt: str | None = None,
@@ -52,22 +53,24 @@ class Intake:
         if max_tokens_default:
             params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
-        encoded = self._encode(params, num_images, prompt, messages, raw_prompt, prompt_token_ids)
+        encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids)
         check_length(self.config, len(encoded.token_ids), params)
         if max_tokens_default:
             params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
         return Request(request_id, encoded.token_ids, params), encoded.image_offsets
 
-    def _encode(self, params: SamplingParams, num_images: int, prompt: str | None,
+    def _encode(self, params: SamplingParams, num_images: int, image_tokens: Seq[int] | None, prompt: str | None,
                 messages: list[dict[str, Any]] | None, raw_prompt: str | None,
                 prompt_token_ids: list[int] | None) -> EncodedPrompt:
         if sum(x is not None for x in (prompt, messages, raw_prompt, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, raw_prompt or prompt_token_ids")
+        if num_images and not self.tokenizer.takes_images:
+            raise ValueError(NO_IMAGES)
         if num_images > self.config.max_images_per_request:
             raise ValueError(f"at most {self.config.max_images_per_request} images per request, got {num_images}")
         tok = self.tokenizer
         if prompt_token_ids is not None:
-            return tok.expand_ids(list(prompt_token_ids), num_images)
+            return tok.expand_ids(list(prompt_token_ids), num_images, image_tokens)
         if prompt is not None:
             if not prompt.strip() and not num_images:
                 raise ValueError("prompt is empty")
@@ -81,7 +84,7 @@ class Intake:
         if len(text) > limit:  # refused before tokenizing: a huge prompt costs nothing
             raise PromptTooLongError(f"prompt has {len(text)} characters; the limit is {limit} "
                                      f"({MAX_CHARS_PER_TOKEN} per token of max_model_len {self.config.max_model_len})")
-        return tok.encode(text, num_images)
+        return tok.encode(text, num_images, image_tokens)
 
 
 def attach_images(request: Request, offsets: list[int], features: Seq[np.ndarray], hashes: Seq[bytes]) -> Request:

@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Mixtral) over the paged KV cache.
+"""The decoder of every registered text family, assembled from components, over the paged KV cache.
 
-Tokens of all sequences in a step are flattened to [T, hidden]; attention reads and
-writes the block pool through :class:`kernels.AttentionMetadata`.
+A layer is input norm, an attention component (GQA with optional q/k norm here; MLA in
+``models.attention_mla``), post-attention norm and a feed-forward component (dense SwiGLU, or a sparse
+MoE from ``models.moe`` on the layers the config makes sparse). Tokens of all sequences in a step are
+flattened to [T, hidden]; attention reads and writes the block pool through
+:class:`kernels.AttentionMetadata`.
 
 The modules keep the checkpoint's parameter names (``q_proj``, ``gate_proj``, ...) so weights load
 by name; after loading, :meth:`LanguageModel.fuse_projections` concatenates q/k/v and gate/up into
@@ -29,8 +32,11 @@ from strata.kernels import (
     signed_sin,
     write_kv,
 )
-from strata.pipeline.models.mlp import DenseMLP, SparseMoE, fuse_rows
+from strata.pipeline.models.architectures import TEXT_FAMILIES
+from strata.pipeline.models.attention_mla import MLAAttention
+from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
+from strata.pipeline.models.moe import SparseMoE
 
 
 def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
@@ -39,6 +45,17 @@ def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
     t = x.shape[0]
     qkv = linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b).view(t, hq + 2 * hkv, d)
     qk = rotate_heads(qkv[:, : hq + hkv], cos, sin_signed)
+    return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+
+
+def qkv_norm_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                  q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                  hq: int, hkv: int, d: int):
+    """:func:`qkv_rope` with a per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    t = x.shape[0]
+    qkv = linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b).view(t, hq + 2 * hkv, d)
+    qk = torch.cat([rms_norm(qkv[:, :hq], q_norm_w, eps), rms_norm(qkv[:, hq : hq + hkv], k_norm_w, eps)], dim=1)
+    qk = rotate_heads(qk, cos, sin_signed)
     return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
 
 
@@ -63,6 +80,7 @@ class DenseSteps:
 
     def __init__(self) -> None:
         self.qkv_rope = qkv_rope
+        self.qkv_norm_rope = qkv_norm_rope
         self.out_proj_norm = out_proj_norm
         self.out_proj_mlp = out_proj_mlp
 
@@ -78,7 +96,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Projections and paged attention of one layer (the projections run in :class:`DecoderLayer`)."""
+    """GQA/MHA/MQA of one layer: one fused q/k/v GEMM with RoPE (and q/k norm), paged attention."""
 
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
@@ -92,11 +110,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qkv_weight: torch.Tensor | None = None  # set by fuse
         self.qkv_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+
+    def run(self, x: torch.Tensor, ln: RMSNorm, cos: torch.Tensor, sin_signed: torch.Tensor, kv: torch.Tensor,
+            meta: AttentionMetadata, backend: AttentionBackend, steps: DenseSteps) -> torch.Tensor:
+        """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
+        if self.qkv_weight is None:
+            self.fuse()
+        if hasattr(self, "q_norm"):
+            q, k, v = steps.qkv_norm_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, self.q_norm.weight,
+                                          self.k_norm.weight, cos, sin_signed, self.num_heads, self.num_kv_heads,
+                                          self.head_dim)
+        else:
+            q, k, v = steps.qkv_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, cos, sin_signed,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.attend(q, k, v, kv, meta, backend)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
                backend: AttentionBackend) -> torch.Tensor:
@@ -114,18 +149,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn: Attention | MLAAttention = MLAAttention(cfg, layer_idx) if cfg.mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(cfg) if cfg.num_experts else DenseMLP(cfg)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = SparseMoE(cfg, TEXT_FAMILIES[cfg.model_type].always_renormalize)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def attention(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
-        """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
-        a, ln1 = self.self_attn, self.input_layernorm
-        if a.qkv_weight is None:
-            a.fuse()
-        q, k, v = steps.qkv_rope(x, ln1.weight, ln1.eps, a.qkv_weight, a.qkv_bias, cos, sin_signed,
-                                 a.num_heads, a.num_kv_heads, a.head_dim)
-        return a.attend(q, k, v, kv, meta, backend)
+        """Input norm and this layer's attention component: [T, heads, D], before the output projection."""
+        return self.self_attn.run(x, self.input_layernorm, cos, sin_signed, kv, meta, backend, steps)
 
     def forward(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
         ln2, mlp = self.post_attention_layernorm, self.mlp
@@ -141,7 +174,7 @@ class DecoderLayer(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head of a Llama-family model."""
+    """Embeddings, decoder layers, final norm and LM head."""
 
     layer_class: type[DecoderLayer] = DecoderLayer  # the tensor-parallel model swaps in its own
 
@@ -152,13 +185,15 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters)
         self.steps = DenseSteps()
 
     def fuse_projections(self) -> None:
         """After loading: one q/k/v matrix and one gate/up matrix per layer (weights become views)."""
         for layer in self.layers:
             layer.self_attn.fuse()
+            if isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_experts is not None:
+                layer.mlp.shared_experts.fuse()
             if isinstance(layer.mlp, DenseMLP):
                 layer.mlp.fuse()
 

@@ -8,7 +8,7 @@ import torch
 
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
-from strata.pipeline.models.model_config import LlavaConfig, load_llava_config
+from strata.pipeline.models.model_config import ModelConfig, load_model_config
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weights import LoadStats, load_weights
 from strata.pipeline.parallel.shard_plan import ShardPlan
@@ -24,38 +24,42 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_language_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: LlavaConfig | None = None
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: ModelConfig | None = None
 ) -> tuple[LanguageModel, LoadStats]:
     """The prefill/decode stages' model: the decoder only, never the vision tower."""
-    cfg = cfg or load_llava_config(model_dir)
+    cfg = cfg or load_model_config(model_dir)
     with torch.device("meta"):
         model = LanguageModel(cfg.text)
-    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device)
+    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch)
     model.fuse_projections()
     return model.eval(), stats
 
 
 def load_parallel_language_model(
     model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    cfg: LlavaConfig | None = None,
+    cfg: ModelConfig | None = None,
 ) -> tuple[ParallelLanguageModel, LoadStats]:
     """This rank's shard of the decoder, reading only its slices of the checkpoint. Rank 0 checks
     the SHA-256 manifest (which reads whole shard files); the other ranks trust it."""
-    cfg = cfg or load_llava_config(model_dir)
+    cfg = cfg or load_model_config(model_dir)
     plan = ShardPlan(cfg.text, group.rank, group.size)
     with torch.device("meta"):
         model = ParallelLanguageModel(plan, group)
-    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, verify=group.is_driver, shard=plan)
+    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, verify=group.is_driver, shard=plan,
+                         arch=cfg.arch)
     model.fuse_projections()
     return model.eval(), stats
 
 
 def load_image_encoder(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: LlavaConfig | None = None
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: ModelConfig | None = None
 ) -> tuple[ImageEncoderModel, LoadStats]:
     """The encoder stage's model: vision tower + projector, never the decoder."""
-    cfg = cfg or load_llava_config(model_dir)
+    cfg = cfg or load_model_config(model_dir)
+    if not cfg.takes_images:
+        raise ValueError(f"{cfg.arch.name} is a text-only model: it has no vision encoder")
     with torch.device("meta"):
         model = ImageEncoderModel(cfg)
-    stats = load_weights(model_dir, {"vision": model.vision_tower, "projector": model.projector}, dtype=dtype, device=device)
+    stats = load_weights(model_dir, {"vision": model.vision_tower, "projector": model.projector}, dtype=dtype,
+                         device=device, arch=cfg.arch)
     return model.eval(), stats

@@ -1,13 +1,15 @@
-"""The decoder split over a tensor-parallel group, Megatron style, with Mixtral experts split whole.
+"""The decoder split over a tensor-parallel group, Megatron style, with routed experts split whole.
 
 One rank holds:
 
 * attention: heads ``[h0, h1)`` of q and KV heads ``[k0, k1)`` of k/v (column-parallel, so its KV
   cache holds only those KV heads) and the matching input columns of ``o_proj`` (row-parallel).
   With more ranks than KV heads (tp = 32 on 8 KV heads, say) each KV head is held by tp / heads
-  ranks, the ones whose q heads read it (as vLLM does);
+  ranks, the ones whose q heads read it (as vLLM does). MLA: heads ``[h0, h1)`` of ``q_b_proj``,
+  ``kv_b_proj`` and ``o_proj``; the latent projection whole, so every rank caches the whole latent;
 * dense MLP: rows ``[i0, i1)`` of gate/up (column-parallel) and those columns of down (row-parallel);
-* MoE: the router whole (every rank routes every token identically) and experts ``[e0, e1)`` whole;
+* MoE: the router whole (every rank routes every token identically), experts ``[e0, e1)`` whole and
+  a column slice of the shared experts, so routed and shared partial outputs share one all-reduce;
 * embedding and LM head: vocab rows ``[v0, v1)``, padded to one length so the logits gather evenly.
 
 A layer's two row-parallel outputs (attention's projection, the MLP) are summed over the group
@@ -18,14 +20,14 @@ checkpoint tensor a rank reads, so the loader reads nothing else.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import linear, moe_experts, moe_route, rms_norm
+from strata.kernels import linear, rms_norm
 from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
-from strata.pipeline.models.mlp import DenseMLP, MoEExperts
+from strata.pipeline.models.mlp import DenseMLP
+from strata.pipeline.models.moe import MoEExperts
 from strata.pipeline.parallel.fault_points import fault_point
 from strata.pipeline.parallel.shard_plan import ShardPlan, shard_range
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -49,9 +51,7 @@ class ParallelDecoderLayer(DecoderLayer):
             gate, up = linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
             out = linear(F.silu(gate) * up, mlp.down_proj.weight)
             return x + self._reduce(out, mlp.down_proj.bias)
-        weights, ids = moe_route(F.linear(h, mlp.gate.weight), mlp.top_k)
-        out = moe_experts(h, mlp.experts.gate_up_proj, mlp.experts.down_proj, weights, ids, self.first_expert)
-        return x + self._reduce(out, None)
+        return x + self._reduce(mlp.forward(h, self.first_expert), None)
 
     def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         self.group.all_reduce(partial)
@@ -71,10 +71,10 @@ class ParallelLanguageModel(LanguageModel):
         self.vocab_start, self.vocab_stop = plan.vocab
         for layer in self.layers:
             layer.group = group
-            if plan.cfg.num_experts:
+            if plan.cfg.is_moe_layer(layer.self_attn.layer_idx):
                 lo, hi = plan.experts
                 layer.first_expert = lo
-                layer.mlp.experts = MoEExperts(replace(local, num_experts=hi - lo))
+                layer.mlp.experts = MoEExperts(hi - lo, local.hidden_size, local.moe.intermediate_size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its range (zeros elsewhere), summed."""

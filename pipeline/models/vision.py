@@ -7,7 +7,7 @@ from torch import nn
 
 from strata.kernels import dense_attention, layer_norm
 from strata.pipeline.models.activations import activation
-from strata.pipeline.models.model_config import VisionConfig
+from strata.pipeline.models.model_config import MoonViTConfig, VisionConfig
 
 
 class VisionEmbeddings(nn.Module):
@@ -47,7 +47,9 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """fc1, activation, fc2 (CLIP; MoonViT's layers use it too)."""
+
+    def __init__(self, cfg: VisionConfig | MoonViTConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)

@@ -1,8 +1,10 @@
-"""Streaming weight loader for LLaVA checkpoints as they lie on disk.
+"""Streaming weight loader for checkpoints as they lie on disk.
 
-Reads shard by shard, tensor by tensor (``safetensors.safe_open``), maps classic llava-hf
-names and transformers-5 names onto our modules, verifies the SHA-256 manifest, and reads
-only the tensors of the parts a stage asks for.
+Reads shard by shard, tensor by tensor (``safetensors.safe_open``), maps the checkpoint's names onto
+our modules by its architecture's rules (``models.architectures``: classic llava-hf names,
+transformers-5 names, causal-LM names), verifies the SHA-256 manifest, and reads only the tensors of
+the parts a stage asks for. Per-expert tensors (Mixtral's ``w1/w2/w3``, DeepSeek's and Qwen3-MoE's
+``gate/up/down_proj``) are stacked into the experts' 3-D layout as they arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from strata.pipeline.models.architectures import ARCHITECTURES, ModelArchitecture
 from strata.pipeline.models.file_digest import file_identity, hash_file, remember
 
 if TYPE_CHECKING:
@@ -29,7 +32,9 @@ log = logging.getLogger(__name__)
 
 PARTS = ("vision", "projector", "text")
 MANIFEST = "SHA256SUMS"
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
+_EXPERT_KIND = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+LLAVA = ARCHITECTURES["LlavaForConditionalGeneration"]
 
 
 class WeightsError(RuntimeError):
@@ -44,26 +49,9 @@ class LoadStats:
     skipped_tensors: int = 0
 
 
-def canonical_name(name: str) -> tuple[str, str] | None:
-    """Map a checkpoint tensor name to (part, name inside that part's module); None if not ours.
-
-    Accepts classic names (``language_model.model.layers…``, ``vision_tower.vision_model…``,
-    ``…block_sparse_moe.experts.N.w1``) and transformers-5 names (``model.language_model…``,
-    ``model.vision_tower…``, ``lm_head``, ``…mlp.experts.gate_up_proj``).
-    """
-    if name.startswith("model.") and not name.startswith("model.layers"):
-        name = name[len("model.") :]
-    if name == "lm_head.weight" or name == "language_model.lm_head.weight":
-        return "text", "lm_head.weight"
-    for prefix in ("language_model.model.", "language_model."):
-        if name.startswith(prefix):
-            return "text", name[len(prefix) :].replace(".block_sparse_moe.", ".mlp.")
-    for prefix in ("vision_tower.vision_model.", "vision_tower."):
-        if name.startswith(prefix):
-            return "vision", name[len(prefix) :]
-    if name.startswith("multi_modal_projector."):
-        return "projector", name[len("multi_modal_projector.") :]
-    return None
+def canonical_name(name: str, arch: ModelArchitecture = LLAVA) -> tuple[str, str] | None:
+    """Map a checkpoint tensor name to (part, name inside that part's module); None if not ours."""
+    return arch.map_name(name)
 
 
 def read_manifest(model_dir: Path) -> dict[str, str]:
@@ -128,12 +116,14 @@ def shard_files(model_dir: Path) -> list[str]:
     return sorted(set(weight_map(model_dir).values()))
 
 
-def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     current = getattr(parent, leaf)
     if tuple(current.shape) != tuple(tensor.shape):
         raise WeightsError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(current.shape)}")
+    # a router scores in fp32 whatever the model's dtype, as the reference does
+    tensor = tensor.to(torch.float32 if getattr(parent, "keep_fp32", False) else dtype)
     setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
 
 
@@ -147,6 +137,7 @@ class _ExpertMerger:
 
     def add(self, layer: int, expert: int, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         expert -= self.first_expert
+        kind = _EXPERT_KIND[kind]
         self.parts[(layer, kind)][expert] = tensor
         done: list[tuple[str, torch.Tensor]] = []
         w1, w3 = self.parts.get((layer, "w1"), {}), self.parts.get((layer, "w3"), {})
@@ -175,6 +166,7 @@ def load_weights(
     verify: bool = True,
     progress: bool | None = None,
     shard: "ShardPlan | None" = None,
+    arch: ModelArchitecture = LLAVA,
 ) -> LoadStats:
     """Stream the tensors of the parts in ``modules`` (keys from :data:`PARTS`) into those modules.
 
@@ -192,8 +184,8 @@ def load_weights(
     stats = LoadStats()
     owned = {part: _param_names(m) for part, m in modules.items()}
     for ckpt_name, shard_file in mapping.items():
-        target = canonical_name(ckpt_name)
-        if target is None or target[0] not in modules or _owner_name(target[1]) not in owned[target[0]]:
+        target = arch.map_name(ckpt_name)
+        if target is None or target[0] not in modules or _owner_name(target[1], modules[target[0]]) not in owned[target[0]]:
             stats.skipped_tensors += 1
             continue
         expert = shard.expert_of(target[1]) if shard is not None and target[0] == "text" else None
@@ -207,6 +199,8 @@ def load_weights(
         merger = _ExpertMerger(shard.experts[1] - shard.experts[0], shard.experts[0])
     else:
         merger = _ExpertMerger(getattr(getattr(text, "cfg", None), "num_experts", 0))
+    # A model built for fewer layers than the checkpoint has (DeepSeek's multi-token-prediction layer
+    # sits past num_hidden_layers) skips the extra layers' tensors: they are not parameters of ours.
     total = sum((model_dir / s).stat().st_size for s in wanted if (model_dir / s).is_file())
     with _progress(total, progress if progress is not None else total > (256 << 20)) as bar:
         for shard_file in sorted(wanted):
@@ -225,7 +219,7 @@ def load_weights(
                         stats.bytes_read += tensor.numel() * tensor.element_size()
                         if plan is not None:
                             tensor = _pad_rows(tensor, plan.padded_rows(name))
-                        _place(modules[part], part, name, tensor.to(device=device, dtype=dtype), merger)
+                        _place(modules[part], part, name, tensor.to(device=device), merger, dtype)
             except WeightsError:
                 raise
             except Exception as exc:  # safetensors raises its own types for truncated or garbled files
@@ -256,22 +250,33 @@ def _param_names(module: nn.Module) -> set[str]:
     return {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
 
-def _owner_name(name: str) -> str:
-    """The model parameter a checkpoint tensor fills (classic per-expert tensors fill a stacked one)."""
+def _owner_name(name: str, module: nn.Module | None = None) -> str:
+    """The model parameter a checkpoint tensor fills (classic per-expert tensors fill a stacked one; a
+    fused tensor the module splits itself fills the parameter its ``owner_of`` names)."""
+    owner_of = getattr(module, "owner_of", None)
+    if owner_of is not None and (owner := owner_of(name)) is not None:
+        return owner
     m = _EXPERT.match(name)
     if not m:
         return name
-    kind = "down_proj" if m.group(3) == "w2" else "gate_up_proj"
+    kind = "down_proj" if _EXPERT_KIND[m.group(3)] == "w2" else "gate_up_proj"
     return f"layers.{m.group(1)}.mlp.experts.{kind}"
 
 
-def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger: _ExpertMerger) -> None:
+def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger: _ExpertMerger,
+           dtype: torch.dtype) -> None:
+    split = getattr(module, "split_fused", None)
+    pieces = split(name, tensor) if split is not None else None
+    if pieces is not None:  # one checkpoint tensor holding several of ours (MoonViT's wqkv)
+        for piece_name, piece in pieces:
+            _assign(module, piece_name, piece, dtype)
+        return
     m = _EXPERT.match(name) if part == "text" else None
     if m is None:
-        _assign(module, name, tensor)
+        _assign(module, name, tensor, dtype)
         return
     for merged_name, merged in merger.add(int(m.group(1)), int(m.group(2)), m.group(3), tensor):
-        _assign(module, merged_name, merged)
+        _assign(module, merged_name, merged, dtype)
 
 
 def _finish(modules: dict[str, nn.Module], dtype: torch.dtype, device: torch.device | str) -> None:

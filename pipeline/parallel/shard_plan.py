@@ -1,9 +1,12 @@
 """Which part of a decoder each rank of a tensor-parallel group holds: arithmetic on the config only
 (no torch), shared by the sharded model, the weight loader and the memory planner.
 
-Rank ``r`` of ``n`` holds q heads, KV heads, MLP columns, experts and vocab rows ``shard_range(...)``
-of each; with more ranks than KV heads, each KV head is held by the ``n / heads`` ranks whose q
-heads read it. A model that does not split ``n`` ways is refused with the dimension that does not.
+Rank ``r`` of ``n`` holds q heads, KV heads, MLP columns, routed experts, shared-expert columns and
+vocab rows ``shard_range(...)`` of each; with more ranks than KV heads, each KV head is held by the
+``n / heads`` ranks whose q heads read it. MLA splits its heads the same way (rows of ``q_b_proj`` and
+``kv_b_proj``, columns of ``o_proj``) and replicates the latent: every rank holds the whole compressed
+KV, as vLLM does, because the latent is shared by all heads and is small. A model that does not split
+``n`` ways is refused with the dimension that does not.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class DecoderShape(Protocol):
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
+    qk_norm: bool
+    mla: Any  # MLAConfig | None: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split
+    moe_layers: tuple[bool, ...]
+
+    @property
+    def kv_cache_heads(self) -> int: ...
 
 
 def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -36,9 +46,9 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
     return total * index // parts, total * (index + 1) // parts
 
 
-_LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+_LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(\w+)\.(weight|bias)$")
 _STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
 class ShardingError(ValueError):
@@ -58,13 +68,16 @@ class ShardPlan:
         if n < 1 or not 0 <= self.rank < n:
             raise ShardingError(f"rank {self.rank} is not in a group of {n}")
         checks = [("attention heads", c.num_heads)]
-        if not c.num_experts:
+        if not all(c.moe_layers) or not c.num_experts:
             checks.append(("MLP intermediate size", c.intermediate_size))
+        if c.moe is not None and c.moe.n_shared_experts:
+            checks.append(("shared-expert intermediate size", c.moe.intermediate_size * c.moe.n_shared_experts))
         for what, value in checks:
             if value % n:
                 raise ShardingError(f"tp={n} does not divide the model's {value} {what}")
-        if c.num_kv_heads % n and n % c.num_kv_heads:
-            raise ShardingError(f"tp={n} neither divides nor is a multiple of the model's {c.num_kv_heads} KV heads")
+        hkv = c.kv_cache_heads
+        if hkv % n and n % hkv:
+            raise ShardingError(f"tp={n} neither divides nor is a multiple of the model's {hkv} KV heads")
         if c.num_experts and c.num_experts < n:
             raise ShardingError(f"tp={n} exceeds the model's {c.num_experts} experts")
 
@@ -75,7 +88,8 @@ class ShardPlan:
 
     @property
     def kv_heads(self) -> tuple[int, int]:
-        hkv, n = self.cfg.num_kv_heads, self.size
+        """The cached heads this rank holds (MLA caches one latent "head": every rank holds it)."""
+        hkv, n = self.cfg.kv_cache_heads, self.size
         if hkv >= n:
             return shard_range(hkv, n, self.rank)
         first = self.rank * hkv // n  # the KV head this rank's q heads read
@@ -83,8 +97,8 @@ class ShardPlan:
 
     @property
     def kv_replicas(self) -> int:
-        """Ranks holding each KV head (1 unless tp exceeds the KV heads)."""
-        return max(1, self.size // self.cfg.num_kv_heads)
+        """Ranks holding each KV head (1 unless tp exceeds the KV heads; every rank for MLA's latent)."""
+        return max(1, self.size // self.cfg.kv_cache_heads)
 
     @property
     def intermediate(self) -> tuple[int, int]:
@@ -107,15 +121,16 @@ class ShardPlan:
         """The config this rank's modules are built with (the router keeps every expert); the same
         dataclass type as ``cfg`` (a ``TextConfig`` for the models)."""
         c, n = self.cfg, self.size
-        return replace(c, num_heads=c.num_heads // n, num_kv_heads=max(1, c.num_kv_heads // n),
-                       intermediate_size=c.intermediate_size if c.num_experts else c.intermediate_size // n,
-                       vocab_size=self.padded_vocab)
+        moe = replace(c.moe, shared_split=n) if c.moe is not None else None
+        kv_heads = c.num_heads // n if c.mla is not None else max(1, c.num_kv_heads // n)
+        return replace(c, num_heads=c.num_heads // n, num_kv_heads=kv_heads, intermediate_size=c.intermediate_size // n,
+                       vocab_size=self.padded_vocab, moe=moe)
 
     # ------------------------------------------------------------ checkpoint slices
     def slice_for(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the checkpoint tensor ``name`` (our module's name) this rank reads;
-        None when it reads the tensor whole (norms, router, row-parallel biases)."""
-        d = self.cfg.head_dim
+        None when it reads the tensor whole (norms, router, row-parallel biases, MLA's latent projections)."""
+        c, d = self.cfg, self.cfg.head_dim
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return (0, *self.vocab)
         m = _STACKED_EXPERTS.match(name)
@@ -124,7 +139,22 @@ class ShardPlan:
         m = _LAYER.match(name)
         if m is None:
             return None
-        proj, kind = m.group(2), m.group(3)
+        block, proj, kind = m.group(1), m.group(2), m.group(3)
+        if block == "mlp.shared_experts":
+            shared = shard_range(c.moe.intermediate_size * c.moe.n_shared_experts, self.size, self.rank)
+            if proj in ("gate_proj", "up_proj"):
+                return (0, *shared)
+            return (1, *shared) if proj == "down_proj" and kind == "weight" else None
+        if c.mla is not None and block == "self_attn":
+            m_ = c.mla
+            per_head = {"q_proj": m_.qk_nope_head_dim + m_.qk_rope_head_dim, "q_b_proj": m_.qk_nope_head_dim +
+                        m_.qk_rope_head_dim, "kv_b_proj": m_.qk_nope_head_dim + m_.v_head_dim}
+            lo, hi = self.heads
+            if proj in per_head:
+                return (0, lo * per_head[proj], hi * per_head[proj])
+            if proj == "o_proj" and kind == "weight":
+                return (1, lo * m_.v_head_dim, hi * m_.v_head_dim)
+            return None  # q_a_proj, kv_a_proj_with_mqa and their norms: every rank computes the latent
         rows = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
         if proj in rows:
             lo, hi = rows[proj]
@@ -153,18 +183,35 @@ class ShardPlan:
 
     def num_params(self) -> int:
         """Decoder parameters this rank holds (a vocab shard counts its padding rows)."""
-        c, h, d = self.cfg, self.cfg.hidden_size, self.cfg.head_dim
-        q = (self.heads[1] - self.heads[0]) * d
-        kv = (self.kv_heads[1] - self.kv_heads[0]) * d
-        attn = 2 * h * q + 2 * h * kv + (q + 2 * kv) * c.attention_bias + h * c.o_bias
-        if c.num_experts:
-            i = c.intermediate_size
-            ffn = (self.experts[1] - self.experts[0]) * (3 * h * i + (2 * i + h) * c.mlp_bias) + c.num_experts * h
-        else:
-            i = self.intermediate[1] - self.intermediate[0]
-            ffn = 3 * h * i + (2 * i + h) * c.mlp_bias
+        c, h = self.cfg, self.cfg.hidden_size
+        heads = self.heads[1] - self.heads[0]
+        per_layer = self._attention_params(heads) + 2 * h
+        dense_i = self.intermediate[1] - self.intermediate[0]
+        dense = 3 * h * dense_i + (2 * dense_i + h) * c.mlp_bias
+        moe_layers = sum(c.moe_layers) if c.num_experts else 0
+        sparse = 0
+        if moe_layers:
+            e, ie = self.experts[1] - self.experts[0], c.moe.intermediate_size
+            sparse = e * (3 * h * ie + (2 * ie + h) * c.mlp_bias) + c.num_experts * h
+            sparse += c.num_experts * (c.moe.router == "sigmoid-grouped")  # the choice-correction bias
+            shared = c.moe.intermediate_size * c.moe.n_shared_experts
+            sparse += 3 * h * (shared // self.size)
         embed = self.padded_vocab * h
-        return embed * (1 if c.tie_word_embeddings else 2) + c.num_layers * (attn + ffn + 2 * h) + h
+        body = c.num_layers * per_layer + (c.num_layers - moe_layers) * dense + moe_layers * sparse
+        return embed * (1 if c.tie_word_embeddings else 2) + body + h
+
+    def _attention_params(self, heads: int) -> int:
+        c, h = self.cfg, self.cfg.hidden_size
+        if c.mla is not None:
+            m = c.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
+            kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * heads * (
+                m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv + heads * m.v_head_dim * h
+        d = c.head_dim
+        q, kv = heads * d, (self.kv_heads[1] - self.kv_heads[0]) * d
+        return 2 * h * q + 2 * h * kv + (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm
 
 
 def largest_rank_params(cfg: DecoderShape, size: int) -> int:

@@ -155,9 +155,9 @@ def _load_prompts(model: Path, n: int, length: int) -> list[str]:
     import random
 
     from strata.pipeline.frontend.tokenizer import PromptTokenizer
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
 
-    tok = PromptTokenizer(model, load_llava_config(model))
+    tok = PromptTokenizer(model, load_model_config(model))
     rng = random.Random(1234)
     texts = []
     for i in range(n):

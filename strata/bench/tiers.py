@@ -56,9 +56,9 @@ def _ttft(engine: Any, prompt: list[int]) -> float:
 def _flops(model: Path, first: int, end: int) -> float:
     """Forward FLOPs of positions [first, end): 2 x params per token, plus QK and PV over every
     visible key (what a cached prefix cannot save: the suffix still attends to all of it)."""
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
 
-    t = load_llava_config(model).text
+    t = load_model_config(model).text
     per_token = 2 * (t.num_layers * (2 * t.hidden_size * t.num_heads * t.head_dim
                                      + 2 * t.hidden_size * t.num_kv_heads * t.head_dim
                                      + 3 * t.hidden_size * t.intermediate_size) + t.hidden_size * t.vocab_size)

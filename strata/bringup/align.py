@@ -97,14 +97,13 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
     handles = []
     encoder = getattr(engine.encoder, "model", None)
     if encoder is not None:
-        for i, layer in enumerate(encoder.vision_tower.encoder.layers):
-            handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"vision.{i}", out[0])))
-        handles.append(encoder.projector.register_forward_hook(lambda _m, _i, out: rec.add("projector", out[0])))
+        tower = encoder.vision_tower
+        for i, layer in enumerate(tower.layers if hasattr(tower, "layers") else tower.encoder.layers):
+            handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"vision.{i}", _rows(out))))
+        handles.append(encoder.projector.register_forward_hook(lambda _m, _i, out: rec.add("projector", _rows(out))))
     try:
         images = [data.image] if data.image is not None else []
-        request, offsets = engine.intake.make_request("align", SamplingParams(max_tokens=1, temperature=0.0),
-                                                      len(images), prompt=data.prompt)
-        engine._embed_images(request, images, offsets)
+        request = engine.prepare("align", SamplingParams(max_tokens=1, temperature=0.0), images, prompt=data.prompt)
         engine.add(request)
         with torch.inference_mode():
             while engine.has_unfinished():
@@ -120,6 +119,17 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
     return acts, list(request.prompt_token_ids)
 
 
+def _rows(out: Any) -> torch.Tensor:
+    """A point's activations as [tokens, features]: drops a batch of one ([1, T, D], CLIP and decoders)
+    or a singleton middle axis ([N, 1, D], Kimi's projector); packed [N, D] (MoonViT) stays."""
+    t = out[0] if isinstance(out, tuple) else out
+    if t.dim() == 3 and t.shape[0] == 1:
+        return t[0]
+    if t.dim() == 3 and t.shape[1] == 1:
+        return t[:, 0]
+    return t
+
+
 def _find(model: torch.nn.Module, suffixes: tuple[str, ...]) -> torch.nn.Module | None:
     for name, module in model.named_modules():
         if name.endswith(suffixes):
@@ -133,36 +143,44 @@ def reference_activations(model_dir: Path, data: AlignInput, num_vision_layers: 
     import io
 
     from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
     from strata.pipeline.frontend.tokenizer import PromptTokenizer
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
 
-    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
-    text = PromptTokenizer(model_dir, load_llava_config(model_dir)).render_user_prompt(
-        data.prompt, int(data.image is not None))
-    images = [Image.open(io.BytesIO(data.image)).convert("RGB")] if data.image is not None else None
-    inputs = processor(text=text, images=images, return_tensors="pt")
+    cfg = load_model_config(model_dir)
+    text = PromptTokenizer(model_dir, cfg).render_user_prompt(data.prompt, int(data.image is not None))
+    if cfg.takes_images:
+        model_class = getattr(transformers, cfg.arch.name)  # the registry's class names are transformers'
+        hf = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        images = [Image.open(io.BytesIO(data.image)).convert("RGB")] if data.image is not None else None
+        inputs = AutoProcessor.from_pretrained(model_dir)(text=text, images=images, return_tensors="pt")
+    else:
+        if data.image is not None:
+            raise ValueError(f"{cfg.arch.name} is a text-only model: run align with --no-image")
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        inputs = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt")
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(getattr(torch, dtype))
     rec = Recorder()
     handles = []
-    decoder_layers = _find(hf, ("language_model.layers", "language_model.model.layers"))
-    vision_layers = _find(hf, ("vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers"))
-    norm = _find(hf, ("language_model.norm", "language_model.model.norm"))
-    projector = _find(hf, ("multi_modal_projector",))
+    decoder_layers = _find(hf, ("language_model.layers", "language_model.model.layers", "model.layers"))
+    vision_layers = _find(hf, ("vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers",
+                               "vision_tower.layers"))
+    norm = _find(hf, ("language_model.norm", "language_model.model.norm", "model.norm"))
+    projector = _find(hf, ("multi_modal_projector", "mm_projector"))
     if decoder_layers is None or norm is None:
-        raise ValueError("the transformers model has no decoder layers where a LLaVA model keeps them")
+        raise ValueError("the transformers model has no decoder layers where LLaVA and causal LMs keep them")
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731  (layers return a tuple in older versions)
     for i, layer in enumerate(decoder_layers):
         handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"decoder.{i}", first(out)[0])))
     handles.append(norm.register_forward_hook(lambda _m, _i, out: rec.add("final_norm", first(out)[0])))
     if vision_layers is not None:
         for i, layer in enumerate(list(vision_layers)[:num_vision_layers]):
-            handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"vision.{i}", first(out)[0])))
+            handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"vision.{i}", _rows(out))))
     if projector is not None:
-        handles.append(projector.register_forward_hook(lambda _m, _i, out: rec.add("projector", out[0])))
+        handles.append(projector.register_forward_hook(lambda _m, _i, out: rec.add("projector", _rows(out))))
     try:
         with torch.inference_mode():
             logits = hf(**inputs).logits[0].float()
@@ -232,9 +250,11 @@ def load_reference(path: Path) -> tuple[dict[str, torch.Tensor], list[int], Alig
 
 
 # ------------------------------------------------------------------ command
-def _input(args: argparse.Namespace) -> AlignInput:
+def _input(args: argparse.Namespace, takes_images: bool = True) -> AlignInput:
     image = None
-    if not args.no_image:
+    if args.image is not None and not takes_images:
+        raise ValueError("this model takes no images: drop --image")
+    if not args.no_image and takes_images:
         if args.image is not None:
             image = args.image.read_bytes()
         else:
@@ -248,9 +268,9 @@ def _input(args: argparse.Namespace) -> AlignInput:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.pipeline.models.model_config import load_llava_config
+    from strata.pipeline.models.model_config import load_model_config
 
-    cfg = load_llava_config(args.model)
+    cfg = load_model_config(args.model)
     if args.reference is not None:
         ref, ref_ids, data, meta = load_reference(args.reference)
         source = f"saved reference {args.reference.name} ({meta['reference']})"
@@ -261,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         if meta.get("weights") != weights_content_digest(args.model):
             print("# note: the reference was captured from different weights than these (a copy or a new platform's load?)")
     else:
-        data = _input(args)
+        data = _input(args, cfg.takes_images)
         ref, ref_ids = reference_activations(args.model, data, cfg.vision_layers_needed, args.dtype)
         source = f"transformers ({args.dtype}, this machine)"
         if args.save_reference is not None:

@@ -20,13 +20,20 @@ from typing import Any
 from strata.kernels import available_backends
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
 from strata.pipeline.models.activations import ACTIVATIONS
-from strata.pipeline.models.model_config import TEXT_MODEL_TYPES, read_config_json
-from strata.pipeline.models.weights import canonical_name
+from strata.pipeline.models.architectures import (
+    CAUSAL_LM_NAMES,
+    TEXT_FAMILIES,
+    ModelArchitecture,
+    TextFamily,
+    UnknownArchitecture,
+    resolve_architecture,
+)
+from strata.pipeline.models.model_config import read_config_json
 
 VISION_TYPES = ("clip_vision_model",)
 SELECT_STRATEGIES = ("default", "full")
-TOP_LEVEL_TYPES = ("llava",)
 MISSING = None
+EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 
 
 @dataclass
@@ -55,37 +62,83 @@ def _attention_impl() -> str:
     return impl
 
 
-def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    return raw.get("text_config") or raw  # llava nests it; many others keep text fields at the top
+def _architecture(raw: dict[str, Any]) -> ModelArchitecture | None:
+    try:
+        return resolve_architecture(raw)
+    except UnknownArchitecture:
+        return None
 
 
-def text_components(raw: dict[str, Any]) -> list[Component]:
-    tc = _text_config(raw)
-    out = []
-    model_type = tc.get("model_type", "?")
-    out.append(Component("decoder", f"{model_type} decoder",
-                         "pipeline.models.decoder" if model_type in TEXT_MODEL_TYPES else MISSING))
+def _text_config(raw: dict[str, Any], arch: ModelArchitecture | None) -> dict[str, Any]:
+    if arch is not None and arch.text_config_key:
+        return raw.get(arch.text_config_key) or {}
+    return raw.get("text_config") or raw  # VLMs nest it; text LLMs keep text fields at the top
+
+
+def _family(tc: dict[str, Any], arch: ModelArchitecture | None) -> TextFamily | None:
+    if tc.get("model_type") in TEXT_FAMILIES:
+        return TEXT_FAMILIES[tc["model_type"]]
+    return TEXT_FAMILIES.get(arch.text_family) if arch is not None and arch.text_family else None
+
+
+def _attention(tc: dict[str, Any], family: TextFamily | None, model_type: str) -> Component:
     heads = tc.get("num_attention_heads")
+    if tc.get("kv_lora_rank"):
+        latent = tc["kv_lora_rank"] + (tc.get("qk_rope_head_dim") or 0)
+        need = f"MLA ({heads} heads over one {latent}-value latent per token: compressed KV + shared RoPE key)"
+        ok = family is not None and family.attention == "mla"
+        return Component("attention", need, f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}"
+                         if ok else MISSING)
     kv_heads = tc.get("num_key_value_heads") or heads
-    if tc.get("kv_lora_rank") or tc.get("q_lora_rank"):
-        out.append(Component("attention", "MLA (multi-head latent attention: low-rank compressed KV)", MISSING))
+    kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+    window = tc.get("sliding_window")
+    use_window = window is not None and (family is None or family.windows != "layer_types"
+                                         or tc.get("use_sliding_window", False))
+    types = sorted(set(tc.get("layer_types") or []))
+    detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
+    if family is not None and family.qk_norm:
+        detail += ", q/k RMSNorm"
+    if use_window:
+        detail += f", sliding window {window}"
+    if types:
+        detail += f", per-layer types {'/'.join(types)}"
+    known_types = set(types) <= {"full_attention", "sliding_attention"}
+    ok = known_types and (family is None or family.attention == "gqa")
+    return Component("attention", detail, _attention_impl() if ok else MISSING)
+
+
+def _mlp(tc: dict[str, Any], family: TextFamily | None) -> Component:
+    experts = next((tc[k] for k in EXPERT_KEYS if tc.get(k)), None)
+    if not experts:
+        return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
+    top_k = tc.get("num_experts_per_tok")
+    grouped = bool(tc.get("n_group") or tc.get("topk_method") or tc.get("n_shared_experts"))
+    if grouped:
+        desc = (f"MoE: top-{top_k} of {experts} experts, sigmoid scores with bias-corrected group-limited choice "
+                f"({tc.get('n_group', 1)} groups, best {tc.get('topk_group', 1)}), {tc.get('n_shared_experts', 0)} "
+                f"shared, scaling {tc.get('routed_scaling_factor', 1.0)}, first {tc.get('first_k_dense_replace', 0)} "
+                f"layers dense")
+        ok = family is not None and family.router == "sigmoid-grouped"
     else:
-        kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
-        window = tc.get("sliding_window")
-        use_window = window is not None and (model_type != "qwen2" or tc.get("use_sliding_window", False))
-        types = sorted(set(tc.get("layer_types") or []))
-        detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
-        if use_window:
-            detail += f", sliding window {window}"
-        if types:
-            detail += f", per-layer types {'/'.join(types)}"
-        known_types = set(types) <= {"full_attention", "sliding_attention"}
-        out.append(Component("attention", detail, _attention_impl() if known_types else MISSING))
+        renorm = family is not None and family.always_renormalize or tc.get("norm_topk_prob", False)
+        desc = f"MoE: top-{top_k} of {experts} experts, softmax{' then renormalise' if renorm else ''}"
+        ok = family is not None and family.router == "softmax"
+    return Component("mlp", desc, "pipeline.models.moe (kernels.moe routing + experts)" if ok else MISSING)
+
+
+def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> list[Component]:
+    tc = _text_config(raw, arch)
+    family = _family(tc, arch)
+    model_type = tc.get("model_type", "?")
+    out = [Component("decoder", f"{family.model_type if family else model_type} decoder",
+                     "pipeline.models.decoder (registry)" if family is not None else MISSING),
+           _attention(tc, family, model_type)]
     rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     ok_rope = rope_type in SUPPORTED_ROPE_TYPES and rope.get("partial_rotary_factor", 1.0) == 1.0 \
         and "mrope_section" not in rope
     rope_desc = f"RoPE {rope_type}" + (" with M-RoPE sections" if "mrope_section" in rope else "") + \
+        (" (interleaved pairs)" if tc.get("rope_interleave") and tc.get("kv_lora_rank") else "") + \
         f", theta {rope.get('rope_theta', tc.get('rope_theta', 10000.0))}"
     out.append(Component("rope", rope_desc, "kernels.rope" if ok_rope else MISSING))
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
@@ -94,28 +147,20 @@ def text_components(raw: dict[str, Any]) -> list[Component]:
         out.append(Component("norm", f"RMSNorm, eps {tc.get('rms_norm_eps', 1e-6)}", "kernels.norm (rms_norm)"))
     act = tc.get("hidden_act", "silu")
     out.append(Component("activation", f"{act} (gated MLP)", "kernels / torch" if act == "silu" else MISSING))
-    experts = tc.get("num_local_experts") or tc.get("n_routed_experts") or tc.get("num_experts")
-    if experts:
-        top_k = tc.get("num_experts_per_tok")
-        extra = []
-        if tc.get("n_shared_experts"):
-            extra.append(f"{tc['n_shared_experts']} shared experts")
-        if tc.get("topk_method") or tc.get("n_group"):
-            extra.append(f"group-limited routing ({tc.get('topk_method', 'grouped')})")
-        desc = f"MoE: top-{top_k} of {experts} experts, softmax then renormalise" + (f"; {', '.join(extra)}" if extra else "")
-        ok = model_type == "mixtral" and not extra
-        out.append(Component("mlp", desc, "kernels.moe (moe_route, moe_experts)" if ok else MISSING))
-    else:
-        out.append(Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)"))
+    out.append(_mlp(tc, family))
     tied = bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
     out.append(Component("lm_head", "tied to the embeddings" if tied else "its own matrix", "pipeline.models.decoder"))
     return out
 
 
-def vision_components(raw: dict[str, Any]) -> list[Component]:
+def vision_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> list[Component]:
     vc = raw.get("vision_config")
     if not vc:
         return []
+    if arch is not None and not arch.takes_images:
+        return [Component("vision_tower", f"{vc.get('model_type', '?')} (config has a vision_config)", MISSING)]
+    if arch is not None and arch.vision == "moonvit":
+        return _moonvit_components(raw, vc)
     vtype = vc.get("model_type", "clip_vision_model")
     layer = raw.get("vision_feature_layer", -2)
     strategy = raw.get("vision_feature_select_strategy", "default")
@@ -125,39 +170,80 @@ def vision_components(raw: dict[str, Any]) -> list[Component]:
            Component("vision_features", f"feature layer {layer}, select '{strategy}'",
                      "pipeline.models.image_encoder" if strategy in SELECT_STRATEGIES else MISSING)]
     act = raw.get("projector_hidden_act", "gelu")
-    is_llava = raw.get("model_type") in TOP_LEVEL_TYPES
+    is_llava = arch is not None and arch.projector == "mlp2"
     out.append(Component("projector", f"2-layer MLP, {act}" if is_llava else f"{raw.get('model_type')} merger/projector",
                          "pipeline.models.projector" if is_llava and act in ACTIVATIONS else MISSING))
     return out
 
 
-def dtype_component(raw: dict[str, Any]) -> Component:
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or _text_config(raw).get("dtype") or "float32"
+def _moonvit_components(raw: dict[str, Any], vc: dict[str, Any]) -> list[Component]:
+    merge = vc.get("merge_kernel_size") or [2, 2]
+    rope = (vc.get("rope_parameters") or {}).get("rope_type", "axial")
+    act = vc.get("hidden_act", "gelu_pytorch_tanh")
+    ok = list(merge) == [2, 2] and rope == "axial" and act in ACTIVATIONS
+    return [Component("vision_tower", f"MoonViT, {vc.get('num_hidden_layers', '?')} layers, native resolution, patch "
+                      f"{vc.get('patch_size', 14)}, 2-D {rope} RoPE, {act}",
+                      "pipeline.models.vision_moonvit" if ok else MISSING),
+            Component("vision_features", f"{merge[0]}x{merge[1]} patch merge, a variable number of tokens per image",
+                      "pipeline.models.vision_moonvit" if list(merge) == [2, 2] else MISSING),
+            Component("projector", "patch merger: LayerNorm, 2-layer GELU MLP", "pipeline.models.projector"),
+            Component("image_processor", "native resolution (navit resize, pad to the merge grid, patchify)",
+                      "the checkpoint's transformers image processor (stages.native_preprocessor); video refused")]
+
+
+def dtype_component(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> Component:
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or _text_config(raw, arch).get("dtype") or "float32"
     ok = dtype in ("float32", "bfloat16", "float16")
     return Component("dtype", f"weights stored as {dtype}",
                      "loaded as float32 or bfloat16 (--dtype)" if ok else MISSING)
 
 
-def required_tensors(raw: dict[str, Any]) -> dict[str, list[str]]:
-    """Component -> regexes of the canonical tensor names it needs (``weights.canonical_name``)."""
-    tc = _text_config(raw)
+def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> dict[str, list[str]]:
+    """Component -> regexes of the names (inside each part, after the architecture's name rules) it needs."""
+    tc = _text_config(raw, arch)
+    family = _family(tc, arch)
     layer = r"layers\.\d+\."
     text = [r"embed_tokens\.weight", r"norm\.weight", layer + r"input_layernorm\.weight",
-            layer + r"post_attention_layernorm\.weight"] + [layer + rf"self_attn\.{p}_proj\.weight" for p in "qkvo"]
-    if tc.get("num_local_experts"):
-        text += [layer + r"mlp\.gate\.weight", layer + r"mlp\.experts\."]
+            layer + r"post_attention_layernorm\.weight", layer + r"self_attn\.o_proj\.weight"]
+    if family is not None and family.attention == "mla":
+        text += [layer + r"self_attn\.kv_a_proj_with_mqa\.weight", layer + r"self_attn\.kv_b_proj\.weight",
+                 layer + r"self_attn\.kv_a_layernorm\.weight",
+                 layer + (r"self_attn\.q_b_proj\.weight" if tc.get("q_lora_rank") else r"self_attn\.q_proj\.weight")]
     else:
+        text += [layer + rf"self_attn\.{p}_proj\.weight" for p in "qkv"]
+        if family is not None and family.qk_norm:
+            text += [layer + r"self_attn\.q_norm\.weight", layer + r"self_attn\.k_norm\.weight"]
+    if any(tc.get(k) for k in EXPERT_KEYS):
+        text += [layer + r"mlp\.gate\.weight", layer + r"mlp\.experts\."]
+        if family is not None and family.router == "sigmoid-grouped":
+            text.append(layer + r"mlp\.gate\.e_score_correction_bias")
+            if tc.get("n_shared_experts"):
+                text.append(layer + r"mlp\.shared_experts\.down_proj\.weight")
+    if not any(tc.get(k) for k in EXPERT_KEYS) or tc.get("first_k_dense_replace") or tc.get("mlp_only_layers"):
         text += [layer + rf"mlp\.{p}_proj\.weight" for p in ("gate", "up", "down")]
     if not tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)):
         text.append(r"lm_head\.weight")
-    vision = [r"embeddings\.patch_embedding\.weight", r"embeddings\.position_embedding\.weight", r"pre_layrnorm\.weight",
-              r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight", r"encoder\.layers\.\d+\.mlp\.fc1\.weight"]
-    return {"text": text, "vision": vision if raw.get("vision_config") else [],
-            "projector": [r"linear_1\.weight", r"linear_2\.weight"] if raw.get("vision_config") else []}
+    has_vision = bool(raw.get("vision_config")) and (arch is None or arch.takes_images)
+    if arch is not None and arch.vision == "moonvit":
+        vision = [r"patch_embed\.proj\.weight", r"patch_embed\.pos_emb\.position_embeddings",
+                  r"layers\.\d+\.attn\.(q_proj|wqkv)\.weight", r"layers\.\d+\.mlp\.fc1\.weight",
+                  r"final_layernorm\.weight"]
+        projector = [r"pre_norm\.weight", r"in_proj\.weight", r"out_proj\.weight"]
+    else:
+        vision = [r"embeddings\.patch_embedding\.weight", r"embeddings\.position_embedding\.weight",
+                  r"pre_layrnorm\.weight", r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight",
+                  r"encoder\.layers\.\d+\.mlp\.fc1\.weight"]
+        projector = [r"linear_1\.weight", r"linear_2\.weight"]
+    return {"text": text, "vision": vision if has_vision else [], "projector": projector if has_vision else []}
 
 
-def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None:
-    """Unclaimed tensors and missing ones, from the index (or the shard headers); None without weights."""
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
+
+
+def check_weights(model_dir: Path, raw: dict[str, Any], arch: ModelArchitecture | None = None) -> dict[str, Any] | None:
+    """Unclaimed tensors, missing ones, and unused ones (layers past ``num_hidden_layers``: DeepSeek's
+    multi-token-prediction layer, which serving does not run), from the index or the shard headers;
+    None without weights."""
     index = model_dir / "model.safetensors.index.json"
     names: list[str] = []
     if index.is_file():
@@ -170,26 +256,38 @@ def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None
                 names.extend(f.keys())
     if not names:
         return None
+    layers = int(_text_config(raw, arch).get("num_hidden_layers") or 0)
+    rules = arch or ModelArchitecture("unknown", "?", CAUSAL_LM_NAMES)
     by_part: dict[str, set[str]] = {"text": set(), "vision": set(), "projector": set()}
-    unclaimed = []
+    unclaimed, unused = [], []
     for name in names:
-        mapped = canonical_name(name)
+        mapped = rules.map_name(name)
         if mapped is None:
             unclaimed.append(name)
+            continue
+        layer = _LAYER_INDEX.match(mapped[1]) if mapped[0] == "text" else None
+        if layer is not None and layers and int(layer.group(1)) >= layers:
+            unused.append(name)
         else:
             by_part[mapped[0]].add(mapped[1])
     missing = {part: [p for p in patterns if not any(re.match(p, n) for n in by_part[part])]
-               for part, patterns in required_tensors(raw).items()}
-    return {"tensors": len(names), "unclaimed": sorted(unclaimed), "missing": {k: v for k, v in missing.items() if v}}
+               for part, patterns in required_tensors(raw, arch).items()}
+    return {"tensors": len(names), "unclaimed": sorted(unclaimed), "unused": len(unused),
+            "missing": {k: v for k, v in missing.items() if v}}
 
 
 def inventory(model_dir: Path) -> dict[str, Any]:
     raw = read_config_json(model_dir)
     top = raw.get("model_type", "?")
-    components = [Component("architecture", f"{top}", "pipeline (LLaVA family)" if top in TOP_LEVEL_TYPES else MISSING)]
-    components += text_components(raw) + vision_components(raw) + [dtype_component(raw)]
-    weights = check_weights(model_dir, raw)
-    return {"model_type": top, "components": [c.__dict__ for c in components], "weights": weights}
+    arch = _architecture(raw)
+    names = raw.get("architectures") or [top]
+    shown = ", ".join(map(str, names)) if isinstance(names, list) else str(names)
+    impl = (f"registry: {arch.name}" + (" (text only)" if not arch.takes_images else "")) if arch else MISSING
+    components = [Component("architecture", shown, impl)]
+    components += text_components(raw, arch) + vision_components(raw, arch) + [dtype_component(raw, arch)]
+    weights = check_weights(model_dir, raw, arch)
+    return {"model_type": top, "architecture": arch.name if arch else None,
+            "components": [c.__dict__ for c in components], "weights": weights}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"# weights: {weights['tensors']} tensors; {len(weights['unclaimed'])} claimed by no component"
               + (f" (e.g. {', '.join(weights['unclaimed'][:3])})" if weights["unclaimed"] else ""))
+        if weights["unused"]:
+            print(f"# weights: {weights['unused']} tensors of layers past num_hidden_layers (multi-token "
+                  "prediction) are not loaded: serving does not run them")
         for part, patterns in weights["missing"].items():
             print(f"# weights: the {part} component lacks tensors matching {', '.join(patterns)}")
             missing.append(f"{part} weights")

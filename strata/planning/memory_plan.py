@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from strata.pipeline.models.model_config import (
-    LlavaConfig,
+    ModelConfig,
     ModelConfigError,
+    MoonViTConfig,
     TextConfig,
     VisionConfig,
-    parse_llava_config,
-    parse_text_config,
+    parse_model_config,
 )
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan, largest_rank_params
 from strata.planning.model_shapes import BUILTIN_SHAPES
@@ -29,7 +29,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B)?\s*$", re.IGNORECASE)
 _COUNT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KM]?)\s*$", re.IGNORECASE)
-ModelShape = TextConfig | LlavaConfig
+ModelShape = ModelConfig
 
 
 def parse_size(text: str) -> int:
@@ -65,10 +65,10 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
-    """Parse ``config.json`` (a path to it, or its directory): a LLaVA config, or a text-only decoder
-    config; or a named shape from :data:`BUILTIN_SHAPES` (``moe-1t``)."""
+    """Parse ``config.json`` (a path to it, or its directory) of any registered architecture, or a named
+    shape from :data:`BUILTIN_SHAPES` (``kimi-k2``, ``deepseek-v3``)."""
     if str(path) in BUILTIN_SHAPES:
-        return Path(f"builtin:{path}"), parse_text_config(BUILTIN_SHAPES[str(path)])
+        return Path(f"builtin:{path}"), parse_model_config(BUILTIN_SHAPES[str(path)])
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
@@ -80,9 +80,7 @@ def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{config_path} is not a JSON object")
     try:
-        if raw.get("model_type") != "llava" and "text_config" not in raw:
-            return config_path, parse_text_config(raw)
-        return config_path, parse_llava_config(raw)
+        return config_path, parse_model_config(raw)
     except KeyError as exc:
         raise ModelConfigError(f"{config_path} is missing required field {exc}") from exc
     except ModelConfigError:
@@ -92,41 +90,59 @@ def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
 
 
 def text_params(tc: TextConfig) -> int:
-    """Decoder parameters: embeddings, attention, MLP or MoE experts + router, RMSNorms, lm_head unless tied."""
-    h, hd = tc.hidden_size, tc.head_dim
-    q, kv = tc.num_heads * hd, tc.num_kv_heads * hd
-    attn = h * q + 2 * h * kv + q * h
-    attn += (q + 2 * kv) * tc.attention_bias + h * tc.o_bias
-    mlp = 3 * h * tc.intermediate_size + (2 * tc.intermediate_size + h) * tc.mlp_bias
-    ffn = tc.num_experts * mlp + h * tc.num_experts if tc.num_experts else mlp
-    per_layer = attn + ffn + 2 * h
-    embed = tc.vocab_size * h
-    return embed + tc.num_layers * per_layer + h + (0 if tc.tie_word_embeddings else embed)
+    """Decoder parameters: embeddings, attention (GQA or MLA), dense MLPs, routed + shared experts and
+    routers, norms, lm_head unless tied; the shard plan's count for a group of one."""
+    return ShardPlan(tc, 0, 1).num_params()
 
 
-def vision_params(vc: VisionConfig) -> int:
-    """CLIP tower as stored in the checkpoint (all layers, even those past the feature layer)."""
+MOONVIT_MAX_SIDE = 512  # Kimi-K2.5's processor default: an image's longer side is resized to at most this
+
+
+def image_tokens(shape: ModelShape, max_side: int = MOONVIT_MAX_SIDE) -> int:
+    """Language-model tokens of one image: the fixed count (LLaVA), or at native resolution the count of
+    the largest image the processor lets through (a square of ``max_side`` px, padded to the 2x2 merge
+    grid of patches: one token per four patches)."""
+    vc = shape.vision
+    if isinstance(vc, MoonViTConfig):
+        per_side = -(-max_side // (vc.patch_size * 2))  # merged cells per side, after padding
+        return per_side * per_side
+    return shape.num_image_tokens
+
+
+def vision_params(vc: VisionConfig | MoonViTConfig) -> int:
+    """The tower as stored in the checkpoint (all layers, even those past the feature layer)."""
+    if isinstance(vc, MoonViTConfig):
+        h, i = vc.hidden_size, vc.intermediate_size
+        embed = 3 * vc.patch_size**2 * h + h + vc.pos_emb_height * vc.pos_emb_width * h
+        per_layer = 2 * 2 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
+        return embed + vc.num_layers * per_layer + 2 * h
     h, i = vc.hidden_size, vc.intermediate_size
     embeddings = h * vc.num_channels * vc.patch_size**2 + (vc.num_patches + 1) * h + h
     per_layer = 4 * (h * h + h) + 2 * 2 * h + (h * i + i) + (i * h + h)
     return embeddings + 2 * h + vc.num_layers * per_layer + 2 * h
 
 
-def projector_params(cfg: LlavaConfig) -> int:
-    """Two linears: concatenated vision features -> text hidden -> text hidden."""
+def projector_params(cfg: ModelConfig) -> int:
+    """Two linears: concatenated vision features -> text hidden -> text hidden (LLaVA); Kimi's patch
+    merger: a LayerNorm, then 4 x vision hidden -> itself -> text hidden."""
+    if isinstance(cfg.vision, MoonViTConfig):
+        v, d = cfg.vision.hidden_size, cfg.text.hidden_size
+        g = v * cfg.vision.merge_group
+        return 2 * v + g * g + g + g * d + d
     d_in, d = cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size
     return d_in * d + d * d + 2 * d * cfg.projector_bias
 
 
 def count_params(shape: ModelShape) -> int:
-    if isinstance(shape, LlavaConfig):
+    if shape.vision is not None:
         return text_params(shape.text) + vision_params(shape.vision) + projector_params(shape)
-    return text_params(shape)
+    return text_params(shape.text)
 
 
 def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-    return 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * elem_bytes
+    """What one token caches over every layer: K and V, 2 x layers x kv_heads x head_dim x dtype bytes;
+    MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes."""
+    return tc.kv_parts * tc.num_layers * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
 
 
 def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, staging_tokens: int, concurrency: int) -> int:
@@ -141,13 +157,16 @@ def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, stag
     scores ``heads x (patches + 1)^2 x 4``; the larger of the two phases is taken. Allocator
     fragmentation and framework workspaces are not modelled: keep some slack.
     """
-    tc = shape.text if isinstance(shape, LlavaConfig) else shape
-    k = max(1, tc.experts_per_tok)
-    prefill = chunk_tokens * (4 * tc.hidden_size + 3 * tc.intermediate_size * k) * elem_bytes
+    tc = shape.text
+    ffn = tc.intermediate_size
+    if tc.moe is not None:
+        ffn = max(ffn, tc.moe.intermediate_size * (tc.moe.experts_per_tok + tc.moe.n_shared_experts))
+    prefill = chunk_tokens * (4 * tc.hidden_size + 3 * ffn) * elem_bytes
     prefill += chunk_tokens * tc.num_heads * staging_tokens * 4 + concurrency * tc.vocab_size * 4
-    if not isinstance(shape, LlavaConfig):
+    if shape.vision is None:
         return prefill
-    vc, n = shape.vision, shape.vision.num_patches + 1
+    vc = shape.vision
+    n = image_tokens(shape) * vc.merge_group if isinstance(vc, MoonViTConfig) else vc.num_patches + 1
     encode = n * (4 * vc.hidden_size + vc.intermediate_size) * elem_bytes + vc.num_heads * n * n * 4
     return max(prefill, encode)
 
@@ -188,6 +207,10 @@ class MemoryPlan:
     rank_bytes_per_block: int = 0  # one rank's KV heads of a block (bytes_per_block when tp is 1)
     nodes_needed: int | None = None  # when it does not fit: fewest nodes (same ranks per node) that fit
     tp_needed: int | None = None
+    image_tokens: int = 0  # tokens of one image (at native resolution: the largest the processor allows)
+    kv_kind: str = ""  # what a token caches, in words ("K+V of 8 heads x 128", "MLA latent 512+64")
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_rank: int = 0  # routed experts one rank holds (experts split whole: expert parallelism)
 
     @property
     def ranks_per_node(self) -> int:
@@ -271,7 +294,7 @@ def _plan(
         raise ValueError(f"tp ({tp}) must be a multiple of nodes ({nodes}), both >= 1")
     elem = dtype_bytes(dtype)
     config_path, shape = load_model_shape(config)
-    tc = shape.text if isinstance(shape, LlavaConfig) else shape
+    tc = shape.text
     num_params = count_params(shape)
     per_token = kv_bytes_per_token(tc, elem)
     per_block = per_token * block_size
@@ -280,11 +303,11 @@ def _plan(
         rank0 = ShardPlan(tc, 0, tp)  # raises ShardingError for a tp the model does not split into
         weights = largest_rank_params(tc, tp) * elem
         encoder = (num_params - text_params(tc)) * elem
-        worker_shape = replace(rank0.local_config(), vocab_size=tc.vocab_size)
-        rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.num_kv_heads
+        worker_shape = replace(shape, text=replace(rank0.local_config(), vocab_size=tc.vocab_size), vision=None)
+        rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.kv_cache_heads
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
     p: dict[str, Any] = dict(
-        config_path=str(config_path), model_type=tc.model_type, multimodal=isinstance(shape, LlavaConfig),
+        config_path=str(config_path), model_type=tc.model_type, multimodal=shape.vision is not None,
         num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
         block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
         weights_bytes=weights, kv_bytes_per_token=per_token, bytes_per_block=per_block,
@@ -298,8 +321,18 @@ def _plan(
     free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"]
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
+    if tc.mla is not None:
+        kv_kind = f"MLA latent {tc.mla.kv_lora_rank}+{tc.mla.qk_rope_head_dim} per layer"
+    else:
+        kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"
+    experts_per_rank = 0
+    if tc.num_experts:
+        lo, hi = ShardPlan(tc, 0, tp).experts
+        experts_per_rank = hi - lo
     return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder,
-                      rank_bytes_per_block=rank_block)
+                      rank_bytes_per_block=rank_block, kv_kind=kv_kind, num_experts=tc.num_experts,
+                      image_tokens=image_tokens(shape) if shape.vision is not None else 0,
+                      experts_per_rank=experts_per_rank)
 
 
 def format_bytes(n: int) -> str:
@@ -315,14 +348,14 @@ def format_bytes(n: int) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     """Aligned text table: one row per memory consumer or tier, then the verdict."""
     bs = plan.block_size
-    kind = "LLaVA" if plan.multimodal else "text-only"
+    kind = f"vision + text, up to {plan.image_tokens:,} tokens an image" if plan.multimodal else "text-only"
     ctx = f"{plan.concurrency} x {plan.context_tokens:,}"
     group = plan.tp > 1
     weights = (f"weights per rank (largest of {plan.tp} shards)" if group else f"weights ({plan.num_params:,} params)")
     rows: list[tuple[str, str, str, str]] = [
         ("item", "bytes", "blocks", "tokens"),
         (weights, format_bytes(plan.weights_bytes), "", ""),
-        ("KV per token", format_bytes(plan.kv_bytes_per_token), "", "1"),
+        (f"KV per token ({plan.kv_kind})", format_bytes(plan.kv_bytes_per_token), "", "1"),
         ("KV per block", format_bytes(plan.bytes_per_block), "1", f"{bs:,}"),
         (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
         (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
@@ -336,6 +369,9 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     if group:
         rows.insert(4, ("KV per block per rank", format_bytes(plan.rank_bytes_per_block), "1", f"{bs:,}"))
+    if plan.num_experts:
+        rows.insert(2, (f"routed experts per rank ({plan.num_experts} per MoE layer, split whole)",
+                        f"{plan.experts_per_rank:,}", "", ""))
     if group and plan.multimodal:
         rows.insert(2, ("vision encoder + projector (own replica)", format_bytes(plan.encoder_weights_bytes), "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

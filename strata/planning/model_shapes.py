@@ -1,30 +1,67 @@
 """Named model shapes the planner knows without a checkpoint: the sizes Strata is built to serve.
 
-``moe-1t`` is the trillion-parameter MoE backbone this project targets, in the Mixtral family our
-decoder runs: Kimi-K2's published dimensions (61 layers, hidden 7168, 64 heads, 384 experts of
-intermediate 2048 with 8 routed per token, a 160K vocabulary), with grouped-query attention on
-8 KV heads in place of K2's latent attention. About 1.04 T parameters.
+``kimi-k2`` is the trillion-parameter MoE backbone this project targets, as Moonshot publishes its
+``config.json``: a DeepSeek-V3 architecture with 61 layers (the first dense), hidden 7168, 64 MLA heads
+over a 512 + 64 latent, 384 routed experts of intermediate 2048 with 8 per token and one shared
+expert, a 160K vocabulary and yarn RoPE (factor 32 over 4K) to 128K. About 1.03 T parameters, and
+61 x 576 x 2 B = 70,272 bytes of KV per token in bf16. ``deepseek-v3`` is its 671 B sibling.
+``moe-1t`` is kept as another name for ``kimi-k2`` (it used to be a GQA stand-in).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+_DEEPSEEK_V3_COMMON: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+}
+
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
-    "moe-1t": {
-        "model_type": "mixtral",
+    "kimi-k2": {
+        **_DEEPSEEK_V3_COMMON,
         "vocab_size": 163840,
-        "hidden_size": 7168,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "num_local_experts": 384,
-        "num_experts_per_tok": 8,
+        "n_routed_experts": 384,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.827,
         "max_position_embeddings": 131072,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "rope_theta": 50000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
+    },
+    "deepseek-v3": {
+        **_DEEPSEEK_V3_COMMON,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "vocab_size": 129280,
+        "n_routed_experts": 256,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rope_theta": 10000.0,
     },
 }
+BUILTIN_SHAPES["moe-1t"] = BUILTIN_SHAPES["kimi-k2"]

@@ -1,0 +1,205 @@
+"""The model registry: every architecture Strata serves, declared as a choice of components.
+
+A decoder family (:class:`TextFamily`, keyed by ``model_type``) says which attention (GQA, MLA),
+which optional q/k norm and biases, which sliding-window rule, which MoE router (softmax top-k as in
+Mixtral and Qwen3-MoE, or DeepSeek-V3's sigmoid scores with bias-corrected group-limited top-k and
+shared experts) and where its config keeps the counts. Positions come from the config's
+``rope_parameters`` (default / linear / llama3 / yarn with mscale; see ``kernels.rope``).
+
+A model (:class:`ModelArchitecture`, keyed by the Hugging Face class in ``config.json``'s
+``architectures``) is a decoder family plus an optional vision tower and projector, and the rules
+that map checkpoint tensor names onto the parts (``text``, ``vision``, ``projector``).
+
+``model_config`` parses configs with it, the loader maps names with it, ``strata ops`` reports it and
+the shard plan and planner read the parsed config it produces: a new architecture is one entry here
+plus whatever component it needs that does not exist yet. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TextFamily:
+    """How one decoder family's config maps onto components."""
+
+    model_type: str
+    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA: separate K and V per KV head) | "mla" (one compressed latent)
+    qkv_bias: bool = False  # q/k/v always carry a bias (Qwen2); otherwise ``attention_bias`` decides
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3)
+    router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped"
+    experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
+    always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
+
+    def describe(self) -> dict[str, str]:
+        """Component -> what this family uses, in words (``strata ops``)."""
+        attn = "MLA (compressed latent KV, weight-absorbed decode)" if self.attention == "mla" else "GQA/MHA"
+        if self.qk_norm:
+            attn += " with q/k RMSNorm"
+        mlp = {None: "dense SwiGLU", "softmax": "MoE, softmax top-k",
+               "sigmoid-grouped": "MoE, sigmoid + bias-corrected group-limited top-k, shared experts"}[self.router]
+        return {"attention": attn, "mlp": mlp}
+
+
+TEXT_FAMILIES: dict[str, TextFamily] = {}
+
+
+def register_text_family(family: TextFamily) -> TextFamily:
+    TEXT_FAMILIES[family.model_type] = family
+    return family
+
+
+for _family in (
+    TextFamily("llama"),
+    TextFamily("mistral", windows="all"),
+    TextFamily("qwen2", qkv_bias=True, windows="layer_types"),
+    TextFamily("qwen3", qk_norm=True, windows="layer_types"),
+    TextFamily("mixtral", windows="all", router="softmax", always_renormalize=True),
+    TextFamily("qwen3_moe", qk_norm=True, windows="layer_types", router="softmax",
+               experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
+    TextFamily("deepseek_v3", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
+    TextFamily("kimi_k2", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
+):
+    register_text_family(_family)
+
+
+# (checkpoint-name prefix, part, prefix of the name inside that part's module); first match wins.
+NameRule = tuple[str, str, str]
+
+CAUSAL_LM_NAMES: tuple[NameRule, ...] = (
+    ("model.layers.", "text", "layers."),
+    ("model.embed_tokens.", "text", "embed_tokens."),
+    ("model.norm.", "text", "norm."),
+    ("lm_head.", "text", "lm_head."),
+)
+
+# Classic llava-hf names (language_model.model.…, vision_tower.vision_model.…) and transformers-5 ones
+# (model.language_model.…, model.vision_tower.…, lm_head).
+LLAVA_NAMES: tuple[NameRule, ...] = (
+    ("language_model.model.", "text", ""),
+    ("language_model.lm_head.", "text", "lm_head."),
+    ("model.language_model.", "text", ""),
+    ("language_model.", "text", ""),
+    ("lm_head.", "text", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision", ""),
+    ("vision_tower.vision_model.", "vision", ""),
+    ("model.vision_tower.", "vision", ""),
+    ("vision_tower.", "vision", ""),
+    ("model.multi_modal_projector.", "projector", ""),
+    ("multi_modal_projector.", "projector", ""),
+)
+
+
+# Kimi-K2.5 as Moonshot releases it (which is also what transformers 5's save_pretrained writes, its
+# conversion mapping run backwards): blocks for layers, norm0/norm1, fc0/fc1, wo, a fused wqkv whose q
+# and k rows pair RoPE dims (x0, x1), ... (MoonViT splits and reorders it: ``owner_of``/``split_fused``),
+# mm_projector.proj.0/2. Regex rules, tried before the prefix rules below.
+KIMI_K25_RENAMES: tuple[NameRule, ...] = (
+    (r"^language_model\.model\.(?:layers|blocks)\.", "text", "layers."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm0\.", "vision", r"layers.\1.norm1."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm1\.", "vision", r"layers.\1.norm2."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc0\.", "vision", r"layers.\1.mlp.fc1."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc1\.", "vision", r"layers.\1.mlp.fc2."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.wo\.", "vision", r"layers.\1.attn.proj."),
+    (r"^vision_tower\.encoder\.blocks\.(\d+)\.wqkv\.", "vision", r"layers.\1.attn.wqkv."),
+    (r"^vision_tower\.encoder\.(final_layernorm|patch_embed)\.", "vision", r"\1."),
+    (r"^vision_tower\.patch_embed\.pos_emb\.weight$", "vision", "patch_embed.pos_emb.position_embeddings"),
+    (r"^(?:model\.)?mm_projector\.proj\.0\.", "projector", "in_proj."),
+    (r"^(?:model\.)?mm_projector\.proj\.2\.", "projector", "out_proj."),
+)
+
+# Kimi-K2.5 as transformers 5 holds it in memory (model.language_model / model.vision_tower / model.mm_projector).
+KIMI_K25_NAMES: tuple[NameRule, ...] = (
+    ("model.language_model.", "text", ""),
+    ("language_model.model.", "text", ""),
+    ("language_model.lm_head.", "text", "lm_head."),
+    ("lm_head.", "text", "lm_head."),
+    ("model.vision_tower.", "vision", ""),
+    ("vision_tower.", "vision", ""),
+    ("model.mm_projector.", "projector", ""),
+    ("mm_projector.", "projector", ""),
+)
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """One servable model class: a decoder, optionally behind a vision tower and projector."""
+
+    name: str  # the Hugging Face class, as config.json's ``architectures`` lists it
+    model_type: str  # the top-level ``model_type`` it is found by when ``architectures`` is absent
+    names: tuple[NameRule, ...]
+    text_config_key: str | None = None  # "text_config" when the decoder's fields are nested
+    vision: str | None = None  # vision tower component ("clip", "moonvit"), None: text only
+    projector: str | None = None  # "mlp2": LLaVA's two linears; "patch-merger": Kimi's 2x2 group MLP
+    text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
+    renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def text_config(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The decoder's fields of a config.json of this architecture."""
+        if self.text_config_key is None:
+            return raw
+        nested = raw.get(self.text_config_key)
+        if not isinstance(nested, dict):
+            raise KeyError(self.text_config_key)
+        return nested
+
+    def map_name(self, name: str) -> tuple[str, str] | None:
+        """(part, name inside that part's module) for a checkpoint tensor; None if no part claims it."""
+        for pattern, part, replacement in self.renames:
+            mapped, count = re.subn(pattern, replacement, name, count=1)
+            if count:
+                return part, mapped
+        for prefix, part, inner in self.names:
+            if name.startswith(prefix):
+                return part, inner + name[len(prefix):].replace(".block_sparse_moe.", ".mlp.")
+        return None
+
+
+ARCHITECTURES: dict[str, ModelArchitecture] = {}
+
+
+def register_architecture(arch: ModelArchitecture) -> ModelArchitecture:
+    ARCHITECTURES[arch.name] = arch
+    return arch
+
+
+register_architecture(ModelArchitecture("LlavaForConditionalGeneration", "llava", LLAVA_NAMES,
+                                        text_config_key="text_config", vision="clip", projector="mlp2"))
+register_architecture(ModelArchitecture("Kimi_K25ForConditionalGeneration", "kimi_k25", KIMI_K25_NAMES,
+                                        text_config_key="text_config", vision="moonvit", projector="patch-merger",
+                                        renames=KIMI_K25_RENAMES))
+for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
+                    ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
+                    ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3")):
+    register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
+
+
+class UnknownArchitecture(ValueError):
+    """config.json names an architecture the registry does not hold; the message lists those it does."""
+
+
+def resolve_architecture(raw: dict[str, Any]) -> ModelArchitecture:
+    """The registered architecture of a config.json: by its ``architectures`` class, else by ``model_type``.
+    A checkpoint whose class is unknown but whose ``model_type`` is a registered text family (a Kimi-K2
+    config says ``DeepseekV3ForCausalLM`` or ``KimiK2ForCausalLM``) is served as that family's causal LM."""
+    names = raw.get("architectures") or []
+    for name in names if isinstance(names, list) else []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = raw.get("model_type")
+    for arch in ARCHITECTURES.values():
+        if arch.model_type == model_type:
+            return arch
+    if model_type in TEXT_FAMILIES and raw.get("text_config") is None:
+        return ModelArchitecture(f"{model_type} causal LM", model_type, CAUSAL_LM_NAMES, text_family=model_type)
+    known = ", ".join(sorted(ARCHITECTURES))
+    shown = ", ".join(map(str, names)) if isinstance(names, list) and names else f"model_type {model_type!r}"
+    raise UnknownArchitecture(f"unsupported architecture {shown}; Strata serves {known}")

@@ -1,0 +1,71 @@
+"""Sparse mixture-of-experts feed-forward blocks: routed experts, a router, optional shared experts.
+
+One module for every family in the registry: the router kind (softmax top-k; sigmoid with
+bias-corrected group-limited top-k) and the shared experts come from :class:`MoEConfig`. Expert weights
+are stacked 3-D tensors (the transformers-5 layout); the loader stacks per-expert checkpoints into it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.kernels import moe_experts, moe_route, moe_route_grouped
+from strata.pipeline.models.mlp import DenseMLP
+from strata.pipeline.models.model_config import MoEConfig, TextConfig
+
+
+class MoEExperts(nn.Module):
+    """Expert weights stacked as 3-D tensors: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class Router(nn.Module):
+    """Scores every expert for every token. DeepSeek's router scores in fp32 whatever the model dtype
+    (``keep_fp32``: the loader leaves its tensors in fp32) and carries the bias that corrects choices."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        if moe.router == "sigmoid-grouped":
+            self.keep_fp32 = True
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+
+    def route(self, x: torch.Tensor, renormalize: bool, logits_dtype_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 weights [T, k], expert ids [T, k]). ``logits_dtype_weights``: round the weights to the
+        logits' dtype first, as Qwen3-MoE's reference does (Mixtral's keeps them fp32)."""
+        m = self.moe
+        if m.router == "sigmoid-grouped":
+            logits = F.linear(x.float(), self.weight)
+            return moe_route_grouped(logits, self.e_score_correction_bias, m.experts_per_tok, m.n_group,
+                                     m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+        weights, ids = moe_route(F.linear(x, self.weight), m.experts_per_tok, renormalize)
+        return (weights.to(x.dtype).float() if logits_dtype_weights else weights), ids
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: TextConfig, always_renormalize: bool = False) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.top_k = moe.experts_per_tok
+        self.renormalize = always_renormalize or moe.norm_topk_prob
+        self.logits_dtype_weights = not always_renormalize
+        self.gate = Router(moe, cfg.hidden_size)
+        self.experts = MoEExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_experts = DenseMLP(cfg.hidden_size, moe.shared_intermediate_size, False) \
+            if moe.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+        """Routed experts (only ``first_expert ..`` of them when this rank holds a run) plus shared experts."""
+        weights, ids = self.gate.route(x, self.renormalize, self.logits_dtype_weights)
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, first_expert)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.forward(x)
+        return out

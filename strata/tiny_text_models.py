@@ -1,0 +1,99 @@
+"""Tiny text-only checkpoints of every registered decoder family, made by transformers' own classes.
+
+Each is ``AutoModelForCausalLM.from_config`` on a small config of that family, saved with
+``save_pretrained`` (sharded safetensors, config, generation config) next to a locally trained
+tokenizer with a plain chat template. The configs vary what real checkpoints vary: tied embeddings
+and llama3 RoPE (Llama, as SmolLM2), a sliding window (Mistral), q/k/v biases (Qwen2), a head dim
+apart from hidden/heads with q/k norm (Qwen3), softmax MoE with and without renormalisation and
+dense layers between sparse ones (Mixtral, Qwen3-MoE), and for DeepSeek-V3 MLA with or without a
+q LoRA, interleaved yarn RoPE with mscale, sigmoid group-limited routing, shared experts and a
+first dense layer. ``overrides`` change any config field (tests build variants with them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from strata.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
+
+TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+
+# "<s>user: Hi\nassistant: Hello</s>\n...assistant:" (content is a string, as text models' templates read it)
+TEXT_CHAT_TEMPLATE = (
+    "{{- '<s>' -}}"
+    "{%- for message in messages -%}"
+    "{{- message['role'] + ': ' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}{{- '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
+)
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096, initializer_range=INIT_RANGE,
+               rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, tie_word_embeddings=False)
+
+_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 100000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512}),
+    "mistral": dict(sliding_window=48),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=32),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3),
+    "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 4.0,
+                                         "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+
+
+def make_text_config(arch: str, vocab: int, overrides: dict[str, Any] | None = None):
+    """The transformers config of a tiny ``arch`` (a registered text family)."""
+    from transformers import AutoConfig
+
+    if arch not in _FAMILY:
+        raise ValueError(f"unknown text architecture {arch!r}; expected one of {', '.join(TEXT_ARCHITECTURES)}")
+    fields = {**_COMMON, **_FAMILY[arch], **(overrides or {})}
+    return AutoConfig.for_model(arch, vocab_size=vocab, bos_token_id=SPECIAL_TOKENS.index(BOS),
+                                eos_token_id=SPECIAL_TOKENS.index(EOS), pad_token_id=SPECIAL_TOKENS.index(PAD), **fields)
+
+
+def _perturb(model, seed: int) -> None:
+    """Nonzero biases (routing biases included) and non-one norms, so code that drops them fails tests."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("bias") and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_RANGE)
+            elif "norm" in name and name.endswith(".weight"):
+                tensor.copy_(torch.empty(tensor.shape).uniform_(0.5, 1.5, generator=gen))
+
+
+def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None,
+                          max_shard_size: str = "200KB") -> Path:
+    """Write a complete offline-loadable text-only checkpoint of ``arch`` into ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(512, 4096)
+    tok.chat_template = TEXT_CHAT_TEMPLATE
+    config = make_text_config(arch, len(tok), overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _perturb(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id, do_sample=False)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    tok.save_pretrained(out_dir)
+    write_sha256sums(out_dir)
+    return out_dir

@@ -1,0 +1,75 @@
+"""Text-only LLMs through the real `strata serve`: a DeepSeek-V3 (MLA, grouped MoE) served
+disaggregated, its decode a tensor-parallel group of two; the official openai client gets the
+in-process engine's answers, streamed or not, and an image is a 400 that says the model takes none.
+No Preprocess or Encode deployment is started for it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from helpers import MODEL_NAME, build, greedy
+
+pytestmark = pytest.mark.slow  # a server of its own
+
+PROMPTS = ["What is the capital of France?", "Tell me about the tides and the moon. " * 4]
+PNG_1PX = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGA"
+           "hKmMIQAAAABJRU5ErkJggg==")
+
+
+@pytest.fixture(scope="module")
+def deepseek_server(text_models, tmp_path_factory: pytest.TempPathFactory):
+    from serve_process import ServeProcess
+
+    workdir = tmp_path_factory.mktemp("serve-deepseek")
+    config = {"mode": "disaggregated", "engine": {"max_model_len": 1024, "host_kv_blocks": 1024,
+                                                  "host_kv_dir": str(workdir / "host")},
+              "stages": {"decode": {"tp": 2}}}
+    server = ServeProcess(text_models["deepseek_v3"], workdir, config)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(deepseek_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=deepseek_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_and_stream_equal_the_in_process_engine(client: openai.OpenAI, text_models) -> None:
+    engine = build(text_models["deepseek_v3"])
+    expected = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for prompt, exp in zip(PROMPTS, expected):
+        messages = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == exp.text
+        assert reply.usage.prompt_tokens == exp.num_prompt_tokens and reply.usage.completion_tokens == 12
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True}, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
+
+
+def test_text_parts_are_joined_for_a_text_template(client: openai.OpenAI, text_models) -> None:
+    engine = build(text_models["deepseek_v3"])
+    expected = engine.generate([{"prompt": "first line\nsecond line", "params": greedy(8)}])[0]
+    parts = [{"type": "text", "text": "first line"}, {"type": "text", "text": "second line"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": parts}],
+                                           max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_an_image_is_a_400_that_says_the_model_takes_none(client: openai.OpenAI) -> None:
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": PNG_1PX}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert "takes no images" in info.value.body["message"]
+
+
+def test_no_image_stages_are_deployed(deepseek_server) -> None:
+    apps = httpx.get(deepseek_server.dashboard_url + "/api/serve/applications/", timeout=30).json()["applications"]
+    deployments = apps["strata"]["deployments"]
+    assert set(deployments) == {"Ingress", "Prefill", "Decode"}
+    assert all(d["status"] in ("HEALTHY", "UPSCALING", "DOWNSCALING") for d in deployments.values()), deployments
