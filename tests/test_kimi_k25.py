@@ -200,3 +200,16 @@ def test_the_planner_counts_the_tower_the_merger_and_image_tokens(kimi_dir: Path
     assert plan.num_params == sum(p.numel() for p in model.parameters()) + routing_biases  # stored, so counted
     assert plan.multimodal and plan.image_tokens == 19 * 19  # a 512 px square: 38 x 38 patches, 2x2 merged
     assert plan.kv_bytes_per_token == 3 * (32 + 8) * 2  # MLA latent, bf16
+
+
+@pytest.mark.parametrize("top, text, tied", [(True, False, True), (False, True, False), (None, False, True)])
+def test_the_composite_configs_tie_setting_decides_the_lm_head(top, text, tied, kimi_dir: Path) -> None:
+    """As transformers does for Kimi-K2.5: the top-level tie_word_embeddings (default true) wins."""
+    from strata.pipeline.models.model_config import parse_model_config
+
+    raw = json.loads((kimi_dir / "config.json").read_text())
+    raw["text_config"]["tie_word_embeddings"] = text
+    raw.pop("tie_word_embeddings", None)
+    if top is not None:
+        raw["tie_word_embeddings"] = top
+    assert parse_model_config(raw).text.tie_word_embeddings is tied

@@ -86,16 +86,19 @@ class Engine:
         return self.add(request)
 
     def prepare(self, request_id: str, params: SamplingParams, images: list[bytes], **prompt: Any) -> Request:
-        """Intake with images embedded: preprocess each image (a native-resolution image's token count
-        is known only then), tokenize with every placeholder expanded to its image's span, encode.
-        ``prompt``: exactly one of Intake's prompt forms."""
+        """Intake with images embedded: tokenize with every placeholder expanded to its image's span,
+        preprocess and encode the images. A fixed-size model's prompt is checked before its images are
+        touched; a native-resolution model's images are preprocessed first, because their token counts
+        are part of the prompt. ``prompt``: exactly one of Intake's prompt forms."""
         if images and self.preprocessor is None:
             raise ValueError(NO_IMAGES)
-        processed = [self.preprocessor.process(b) for b in images] if images else []  # type: ignore[union-attr]
-        counts = [p.num_tokens for p in processed] if self.model_config.native_resolution else None
+        native = bool(images) and self.model_config.native_resolution
+        processed = [self.preprocessor.process(b) for b in images] if native else []  # type: ignore[union-attr]
+        counts = [p.num_tokens for p in processed] if native else None
         request, offsets = self.intake.make_request(request_id, params, len(images), image_tokens=counts, **prompt)
-        if processed:
-            assert self.encoder is not None
+        if images:
+            assert self.preprocessor is not None and self.encoder is not None
+            processed = processed or [self.preprocessor.process(b) for b in images]
             attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed])
         return request
 

@@ -9,6 +9,7 @@ CLIP tower, and :class:`ModelConfig` around them (``vision`` is None for a text-
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,7 @@ class TextConfig:
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
-    import math
-
+    """YaRN's attention temperature, the same formula as ``kernels.rope`` (this module stays torch-free)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -372,8 +372,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     if not arch.takes_images:
         return ModelConfig(arch=arch, text=text, eos_token_ids=eos_ids, raw=raw)
     if arch.vision == "moonvit":
-        if raw.get("tie_word_embeddings", False) and not text.tie_word_embeddings:
-            text = replace(text, tie_word_embeddings=True)  # the composite model's setting ties the LM head
+        # the composite model's own setting decides whether the LM head is the embedding (transformers
+        # ties by it whatever the text config says; Kimi_K25Config defaults to tying)
+        text = replace(text, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
         return ModelConfig(arch=arch, text=text, vision=parse_moonvit_config(raw.get("vision_config") or {}, raw),
                            image_token_id=int(raw.get("image_token_id", raw.get("media_placeholder_token_id", 163605))),
                            eos_token_ids=eos_ids, raw=raw)
