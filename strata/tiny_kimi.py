@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from strata.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
-from strata.tiny_text_models import _perturb, make_text_config
+from strata.tiny_text_models import make_text_config, perturb_params
 
 VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=4,
               num_hidden_layers=2, hidden_size=32, intermediate_size=64, hidden_act="gelu_pytorch_tanh",
@@ -31,7 +31,7 @@ def build_tiny_kimi_k25(out_dir: str | Path, seed: int = 0, max_side: int = 224)
                             image_token_id=tok.convert_tokens_to_ids(IMAGE), tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config).to(torch.float32).eval()
-    _perturb(model, seed)
+    perturb_params(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
                                                pad_token_id=text["pad_token_id"], do_sample=False)
     model.save_pretrained(out_dir, max_shard_size="200KB")

@@ -64,7 +64,7 @@ def make_text_config(arch: str, vocab: int, overrides: dict[str, Any] | None = N
                                 eos_token_id=SPECIAL_TOKENS.index(EOS), pad_token_id=SPECIAL_TOKENS.index(PAD), **fields)
 
 
-def _perturb(model, seed: int) -> None:
+def perturb_params(model, seed: int) -> None:
     """Nonzero biases (routing biases included) and non-one norms, so code that drops them fails tests."""
     import torch
 
@@ -90,7 +90,7 @@ def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrid
     config = make_text_config(arch, len(tok), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _perturb(model, seed)
+    perturb_params(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id, do_sample=False)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)

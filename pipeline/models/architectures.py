@@ -35,15 +35,6 @@ class TextFamily:
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
 
-    def describe(self) -> dict[str, str]:
-        """Component -> what this family uses, in words (``strata ops``)."""
-        attn = "MLA (compressed latent KV, weight-absorbed decode)" if self.attention == "mla" else "GQA/MHA"
-        if self.qk_norm:
-            attn += " with q/k RMSNorm"
-        mlp = {None: "dense SwiGLU", "softmax": "MoE, softmax top-k",
-               "sigmoid-grouped": "MoE, sigmoid + bias-corrected group-limited top-k, shared experts"}[self.router]
-        return {"attention": attn, "mlp": mlp}
-
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
 
