@@ -213,3 +213,20 @@ def test_the_composite_configs_tie_setting_decides_the_lm_head(top, text, tied, 
     if top is not None:
         raw["tie_word_embeddings"] = top
     assert parse_model_config(raw).text.tie_word_embeddings is tied
+
+
+def test_bad_images_are_refused_before_any_pixel_is_processed(kimi_dir: Path) -> None:
+    """The native-resolution preprocessor keeps the guards every image passes: corrupt or empty bytes
+    and an image over the pixel cap are an ImageError (a 400 when served), never a crash."""
+    from strata.stages.preprocessor import ImageError
+
+    pre = NativeResolutionPreprocessor(kimi_dir, max_pixels=100 * 100)
+    for bad, message in ((b"", "empty"), (b"\x89PNG\r\n\x1a\n garbage", "decode|format"),
+                         (_image(SIZES["large-224"]), "pixels")):
+        with pytest.raises(ImageError, match=message):
+            pre.process(bad)
+    assert pre.process(_image(SIZES["square-64"])).num_tokens == 9  # and it still serves good ones
+    engine = build(kimi_dir)
+    with pytest.raises(ImageError):
+        engine.add_request(PROMPT, images=[b"not an image"])
+    assert not engine.has_unfinished()
