@@ -40,6 +40,7 @@ from strata.deployments.responder import Responder, client_error, error_response
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.model_config import load_model_config
+from strata.stages.engine_process import EngineProcessError
 from strata.stages.stage_loop import LoopStopped
 
 log = logging.getLogger("strata.ingress")
@@ -81,14 +82,21 @@ class Ingress:
         self.readiness_handles = {**({"preprocess": preprocess} if preprocess is not None else {}), **self.stage_handles}
 
     def _load_engine(self, model_dir: Path) -> None:
+        """The engine core in a child process (``engine_process``, tp 1), or stepped on a thread of this one
+        (a tensor-parallel group's workers are Ray actors this replica owns)."""
         from strata.deployments.tp_actors import RayWorkers, group_host
+        from strata.stages.engine_process import EngineProcess
         from strata.stages.engine_service import EngineService
         from strata.stages.factory import build_engine
 
+        interval = self.config.stream_interval_ms / 1000
         try:
-            engine = build_engine(model_dir, self.config.engine.model_copy(update={"tp": self.config.tp("llm")}), RayWorkers,
-                                  group_host())
-            self.service = EngineService(engine, self.config.stream_interval_ms / 1000)
+            engine_config = self.config.engine.model_copy(update={"tp": self.config.tp("llm")})
+            if self.config.engine_process and engine_config.tp == 1:
+                self.service = EngineProcess(str(model_dir), engine_config.to_dict(), interval,
+                                             self.config.startup_timeout_s)
+            else:
+                self.service = EngineService(build_engine(model_dir, engine_config, RayWorkers, group_host()), interval)
             self.flow.service = self.service  # type: ignore[attr-defined]
         except Exception as exc:  # reported by /health and to every request; never a hang
             log.exception("loading the model failed")
@@ -107,9 +115,9 @@ class Ingress:
             raise APIError(503, "the model failed to load on this replica", type_="server_error")
 
     def check_health(self) -> None:
-        """Serve replaces an LLM replica whose tensor-parallel worker died (its group cannot step any more)."""
-        if self.service is not None and not self.service.engine.healthy():
-            raise RuntimeError("a tensor-parallel worker of this replica died")
+        """Serve replaces an LLM replica whose engine process or tensor-parallel worker died."""
+        if self.service is not None and not self.service.healthy():
+            raise RuntimeError("the engine of this replica stopped")
 
     def __del__(self) -> None:
         if getattr(self, "service", None) is not None:  # the aggregated LLM: stop its loop (and tp workers)
@@ -151,7 +159,10 @@ class Ingress:
             except Exception as exc:
                 out[name] = {"unavailable": type(exc).__name__}
         if self.service is not None:  # aggregated: prefill and decode are this replica's engine
-            engine = await self.service.stats()
+            try:
+                engine = await self.service.stats()
+            except (LoopStopped, EngineProcessError) as exc:  # being replaced: reported, not a failed page
+                engine = {"unavailable": type(exc).__name__}
             out["prefill"] = out["decode"] = engine
         out["ingress"] = {"ongoing_requests": self.responder.ongoing, "mode": self.config.mode}
         return out
@@ -161,7 +172,7 @@ class Ingress:
         if self.service is not None:
             try:
                 stats = await self.service.stats()
-            except LoopStopped:  # shutting down
+            except (LoopStopped, EngineProcessError):  # shutting down, or the engine is gone (being replaced)
                 return signals
             metrics.queue_depth().set(float(stats["running"]), tags={"stage": "llm"})
             metrics.record_kv("llm", stats, self._deltas)

@@ -2,7 +2,7 @@
 
     prompt --Intake--> Request ; images --Preprocess--> pixels --Encode--> embeddings
     aggregated:     the LLM replica's own engine (prefill + decode, one pool) -> token-event batches
-    disaggregated:  Prefill(Request) -> Handoff ; Decode(Handoff) -> token-event batches
+    disaggregated:  Prefill(Request) -> first event + Handoff bytes ; Decode(those bytes) -> token-event batches
 
 Everything that crosses a deployment boundary is one msgpack message of the request contract
 (``pipeline.request``, ``pipeline.handoff``). Cancelling the consumer cancels the in-flight work,
@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator
 
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError
-from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import Request, TokenEvent, unpack_events
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.intake import Intake, PromptTooLongError, attach_images
@@ -104,12 +103,13 @@ class StageFlow(RequestFlow):
     async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
         """Token events in the batches they arrive in; the first batch is prefill's event, which
         carries ``num_cached_tokens`` (prefix-cache hit)."""
-        handoff = Handoff.from_msgpack(await self.prefill.prefill.remote(request.to_msgpack()))
-        yield [handoff.first]
-        if handoff.first.finished:
+        first_frame, handoff = await self.prefill.prefill.remote(request.to_msgpack())
+        first = unpack_events(first_frame)
+        yield first
+        if first[-1].finished:
             return
         log.debug("request %s: prefilled, streaming from decode", request.request_id)
-        stream = self.decode.generate.remote(handoff.to_msgpack())
+        stream = self.decode.generate.remote(handoff)  # the bytes prefill made, never decoded here
         done = False
         try:
             async for frame in stream:

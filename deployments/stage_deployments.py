@@ -77,7 +77,9 @@ class Encode:
     """Pixel values -> image embeddings, with the encoder cache keyed by content hash."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
-        self.encoder = VisionEncoder(model_dir, EngineConfig.from_dict(engine))
+        config = EngineConfig.from_dict(engine)
+        config.apply_threads()
+        self.encoder = VisionEncoder(model_dir, config)
         self.pending = 0
         self.deltas = metrics.CounterDelta()
         self._lock = asyncio.Lock()  # one forward at a time; the cache is not thread-safe
@@ -115,8 +117,9 @@ class Prefill:
         # this node's host tier is served to decode replicas on other nodes; hand-offs say where from
         self.node_id = ensure_block_server(self.service.prefiller.kv)
 
-    async def prefill(self, request: bytes) -> bytes:
-        """A msgpack ``Request`` in, its msgpack ``Handoff`` out."""
+    async def prefill(self, request: bytes) -> tuple[bytes, bytes]:
+        """A msgpack ``Request`` in; its first token event (a packed event batch) and its msgpack
+        ``Handoff`` out. The ingress reads only the first: the hand-off goes on to decode untouched."""
         t0 = time.perf_counter()
         req = Request.from_msgpack(request)
         handoff = await self.service.prefill(req)
@@ -125,7 +128,7 @@ class Prefill:
         metrics.prefix_tokens().inc(float(req.num_prompt_tokens), tags={"kind": "queried"})
         if handoff.num_cached_tokens:
             metrics.prefix_tokens().inc(float(handoff.num_cached_tokens), tags={"kind": "hit"})
-        return handoff.to_msgpack()
+        return pack_events([handoff.first]), handoff.to_msgpack()
 
     async def stats(self) -> dict[str, Any]:
         return await self.service.stats()

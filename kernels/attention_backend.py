@@ -16,7 +16,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def is_available(cls, device: torch.device) -> bool:
+    def is_available(cls, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether this backend runs on ``device`` with KV and queries of ``dtype``."""
         return True
 
     @abstractmethod

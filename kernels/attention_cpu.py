@@ -51,7 +51,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self._kernels = kernels
 
     @classmethod
-    def is_available(cls, device: torch.device) -> bool:
+    def is_available(cls, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
         return device.type == "cpu" and _FLASH is not None and cpu_kernels() is not None
 
     def forward(

@@ -9,8 +9,6 @@ kernels are optional, found at run time, and never required.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from strata.kernels.attention_backend import AttentionBackend
@@ -28,30 +26,26 @@ REGISTRY: dict[str, type[AttentionBackend]] = {
 PREFERENCE = {"cuda": ("vllm_flash_attn", "flashinfer", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 
-def _vendor_modules() -> dict[str, str]:
-    """Vendor backends we know of and the module that would provide each."""
-    return {cls.name: cls.module for cls in (VllmFlashAttnBackend, FlashInferBackend)}
-
-
-def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Names usable on ``device`` right now. Vendor kernels are listed only once an
-    implementation of this interface exists for them and their module imports."""
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
+    """Names usable on ``device`` with ``dtype`` right now. Vendor kernels are listed only once their
+    module imports and their self-check passed in that dtype."""
     dev = torch.device(device)
-    return [name for name in PREFERENCE.get(dev.type, ("torch",)) if REGISTRY[name].is_available(dev)]
+    return [name for name in PREFERENCE.get(dev.type, ("torch",)) if REGISTRY[name].is_available(dev, dtype)]
 
 
 def vendor_kernels_importable() -> dict[str, bool]:
     """Which vendor kernel packages are importable in this environment (for diagnostics)."""
-    return {name: importlib.util.find_spec(mod) is not None for name, mod in _vendor_modules().items()}
+    return {cls.name: cls.module() is not None for cls in (VllmFlashAttnBackend, FlashInferBackend)}
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """Instantiate backend ``name``; ``auto`` picks the best available for ``device``."""
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu",
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Instantiate backend ``name``; ``auto`` picks the best available for ``device`` and ``dtype``."""
     if name == "auto":
-        name = available_backends(device)[0]
+        name = available_backends(device, dtype)[0]
     if name not in REGISTRY:
         raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(sorted(REGISTRY))})")
     cls = REGISTRY[name]
-    if not cls.is_available(torch.device(device)):
-        raise ValueError(f"attention backend {name!r} cannot run on {device}")
+    if not cls.is_available(torch.device(device), dtype):
+        raise ValueError(f"attention backend {name!r} cannot run on {device} with {str(dtype).removeprefix('torch.')}")
     return cls()

@@ -3,7 +3,8 @@
 Full blocks are written through to the top lower tier when they are published, so a
 device eviction costs nothing, another process can adopt the block by hash, and (with a
 disk tier) the prefix cache survives a restart. Each tier demotes its LRU victims to the
-next; a hit in a lower tier is copied back up (promotion).
+next; a hit in a lower tier is copied back up (promotion). With a write queue, write-through and
+promotion (and the demotions they cause) run on a background writer (``kvstore.tier_writer``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 from strata.kvstore.block_file import BlockFileError, verify_blob
 from strata.kvstore.file_store import FileBlockStore, TierWriteError
 from strata.kvstore.layout import KVLayout
+from strata.kvstore.tier_prefetch import TierPrefetcher
+from strata.kvstore.tier_writer import TierWriter
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +27,19 @@ log = logging.getLogger(__name__)
 class LowerTiers:
     """Host and/or disk block stores, top first."""
 
-    def __init__(self, tiers: Sequence[FileBlockStore]) -> None:
+    def __init__(self, tiers: Sequence[FileBlockStore], write_queue_blocks: int = 0, prefetch_blocks: int = 0) -> None:
+        """``write_queue_blocks``: blocks the background writer may hold (0: every write on the caller's
+        thread); ``prefetch_blocks``: blocks read ahead for admissions (0: none)."""
         if not tiers:
             raise ValueError("LowerTiers needs at least one tier")
         self.tiers = list(tiers)
         self.layout = tiers[0].layout
         self.write_errors = 0
         self.block_nbytes = self.layout.bytes_per_block()
+        self.writer = TierWriter(self._store_now, write_queue_blocks, name=f"kv-{self.top.name}-writer") \
+            if write_queue_blocks else None
+        self.prefetcher = TierPrefetcher(self._read_block_now, self.block_nbytes, prefetch_blocks,
+                                         name=f"kv-{self.top.name}-prefetch") if prefetch_blocks else None
 
     @classmethod
     def open(
@@ -41,6 +50,8 @@ class LowerTiers:
         host_blocks: int = 0,
         disk_dir: str | Path | None = None,
         disk_blocks: int = 0,
+        write_queue_blocks: int = 0,
+        prefetch_blocks: int = 0,
     ) -> "LowerTiers | None":
         """The configured chain, or None when neither tier has capacity."""
         disk = None
@@ -54,7 +65,7 @@ class LowerTiers:
                 raise ValueError("a host tier needs a directory")
             host = FileBlockStore(host_dir, host_blocks, layout, fingerprint, name="host", next_tier=disk)
         tiers = [t for t in (host, disk) if t is not None]
-        return cls(tiers) if tiers else None
+        return cls(tiers, write_queue_blocks, prefetch_blocks) if tiers else None
 
     @property
     def top(self) -> FileBlockStore:
@@ -62,18 +73,53 @@ class LowerTiers:
 
     # ------------------------------------------------------------ writes
     def store(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Write blocks through to the top tier (it demotes what no longer fits). A write that fails
-        (a full /dev/shm: ENOSPC, a permission change) stores nothing and says so: write-through is a
-        cache, so the caller keeps the block on the device or recomputes it later."""
-        items = list(items)
+        """Write blocks through to the top tier now (it demotes what no longer fits)."""
+        return self._store_now(list(items), False)
+
+    def _store_now(self, items: list[tuple[bytes, bytes | memoryview]], encoded: bool) -> list[bool]:
+        """A write that fails (a full /dev/shm: ENOSPC, a permission change) stores nothing and says so:
+        write-through is a cache, so the caller keeps the block on the device or recomputes it later."""
         try:
-            return self.top.put_many(items)
-        except OSError as exc:
+            return self.top.put_many(items, encoded=encoded)
+        except OSError as exc:  # TierWriteError included
             self.write_errors += 1
             if self.write_errors == 1 or self.write_errors % 1000 == 0:
                 log.warning("KV %s tier write failed (%s); blocks stay uncached there (%d failures so far)",
                             self.top.name, exc.strerror or exc, self.write_errors)
             return [False] * len(items)
+
+    def store_behind(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> None:
+        """Write blocks through on the background writer (copies are queued; the caller may reuse its
+        buffers at once), or now when there is none. A full queue drops the caching, counted."""
+        if self.writer is None:
+            self._store_now(list(items), encoded)
+        else:
+            self.writer.submit(items, encoded)
+
+    def ensure(self, block_hash: bytes) -> bool:
+        """Whether a tier holds the block once this returns: one still queued is written now."""
+        if self.find(block_hash) is not None:
+            return True
+        if self.writer is None:
+            return False
+        queued = self.writer.take(block_hash)
+        if queued is None:
+            return self.find(block_hash) is not None  # it may have landed while we looked
+        return self._store_now([(block_hash, queued[0])], queued[1])[0]
+
+    def pending(self, block_hash: bytes) -> bool:
+        """Queued for the background writer (or being written), not landed yet."""
+        return self.writer is not None and self.writer.pending(block_hash)
+
+    def wait_for(self, hashes: Sequence[bytes]) -> None:
+        """Wait until queued writes of ``hashes`` landed (a hand-off to another pool reads them there)."""
+        if self.writer is not None:
+            self.writer.wait_for(hashes)
+
+    def flush(self) -> None:
+        """Wait until every queued write landed."""
+        if self.writer is not None:
+            self.writer.flush()
 
     # ------------------------------------------------------------ lookups
     def find(self, block_hash: bytes) -> FileBlockStore | None:
@@ -93,7 +139,18 @@ class LowerTiers:
         return any(t.read_layers(block_hash, out, first_layer, num_layers) for t in self.tiers)
 
     def read_block(self, block_hash: bytes, out: np.ndarray) -> bool:
-        """A whole block into ``out`` (uint8); a block found below the top tier is promoted to it."""
+        """A whole block into ``out`` (uint8), read ahead or read now; a block found below the top tier is
+        promoted to it."""
+        if self.prefetcher is not None and self.prefetcher.take(block_hash, out):
+            return True
+        return self._read_block_now(block_hash, out)
+
+    def prefetch(self, hashes: Sequence[bytes]) -> None:
+        """Read these blocks ahead on the prefetch thread (no-op without one)."""
+        if self.prefetcher is not None and hashes:
+            self.prefetcher.request(hashes)
+
+    def _read_block_now(self, block_hash: bytes, out: np.ndarray) -> bool:
         for i, tier in enumerate(self.tiers):
             if i == 0:
                 if tier.read_layers(block_hash, out, 0, self.layout.num_layers):
@@ -104,10 +161,7 @@ class LowerTiers:
                 continue
             out.reshape(-1)[:] = np.frombuffer(blob, dtype=np.uint8, offset=len(blob) - self.block_nbytes)
             tier.counters["hits"] += 1
-            try:
-                self.top.put_many([(block_hash, blob)], encoded=True)
-            except TierWriteError:  # the read succeeded; only the promotion is lost
-                self.write_errors += 1
+            self.store_behind([(block_hash, blob)], encoded=True)  # a failed promotion only loses the copy
             return True
         return False
 
@@ -159,9 +213,15 @@ class LowerTiers:
 
     def stats(self) -> dict[str, dict[str, int]]:
         out = {t.name: t.stats() for t in self.tiers}
-        out[self.top.name] = {**out[self.top.name], "write_errors": self.write_errors}
+        queue = {} if self.writer is None else {
+            "write_queue_depth": self.writer.depth(), "write_queue_dropped": self.writer.counters["dropped"]}
+        out[self.top.name] = {**out[self.top.name], "write_errors": self.write_errors, **queue}
         return out
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.writer is not None:
+            self.writer.close()
         for tier in self.tiers:
             tier.close()

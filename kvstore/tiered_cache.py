@@ -180,7 +180,7 @@ class TieredKVCache:
                 written.append((hashes[i], self._block_bytes(canonical)))
             table.hashes.append(hashes[i])
         if written:
-            self.lower.store(written)  # type: ignore[union-attr]
+            self.lower.store_behind(written)  # type: ignore[union-attr]
 
     def _block_bytes(self, block_id: int) -> memoryview:
         return memoryview(_bytes_view(self.blocks.read(block_id)))
@@ -189,7 +189,7 @@ class TieredKVCache:
         """Make sure a lower tier holds ``block_hash`` (writing it from the device if needed)."""
         if self.lower is None:
             return False
-        if self.lower.find(block_hash) is not None:
+        if self.lower.ensure(block_hash):  # below already, or its queued write-through landed just now
             return True
         block_id = self.pool.lookup(block_hash)
         return block_id is not None and self.lower.store([(block_hash, self._block_bytes(block_id))])[0]
@@ -229,6 +229,20 @@ class TieredKVCache:
             self._live[id(table)] = table
         return PrefixMatch(matched, spilled, by_tier, matched * self.layout.block_size)
 
+    def prefetch(self, hashes: Sequence[bytes]) -> None:
+        """Read ahead the lower-tier blocks among the leading cached ``hashes`` of a prompt about to be
+        admitted (the admission copies them to the device; their files are read while this step runs)."""
+        if self.lower is None or self.lower.prefetcher is None:
+            return
+        wanted = []
+        for h in hashes:
+            if self.pool.lookup(h) is not None:
+                continue
+            if self.lower.find(h) is None:
+                break
+            wanted.append(h)
+        self.lower.prefetch(wanted)
+
     def _locate(self, hashes: Sequence[bytes]) -> list[str]:
         """The tier of each leading hash that is cached somewhere, up to the first miss."""
         where: list[str] = []
@@ -237,6 +251,8 @@ class TieredKVCache:
                 where.append("device")
                 continue
             tier = self.lower.find(h) if self.lower is not None else None
+            if tier is None and self.lower is not None and self.lower.pending(h) and self.lower.ensure(h):
+                tier = self.lower.find(h)  # its write-through was still queued: landed just now
             if tier is None:
                 break
             where.append(tier.name)
@@ -296,6 +312,8 @@ class TieredKVCache:
             block_hashes=list(table.hashes), block_ids=list(table.block_ids[:resident_full]),
             pool_id=self.pool.pool_id, tail_block=tail, num_spilled=table.num_spilled,
         )
+        if self.lower is not None:  # a consumer on another pool looks the full blocks up below: they land first
+            self.lower.wait_for(table.hashes)
         if release:
             self.free(table)
         else:

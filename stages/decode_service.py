@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable
 
+import torch
+
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import TokenEvent
 from strata.pipeline.core.sequence import Sequence
@@ -66,7 +68,7 @@ class DecodeService:
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
                 "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens),
                 "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {},
-                "tp": self.decoder.core.runner.tp_size}
+                "tp": self.decoder.core.runner.tp_size, "threads": torch.get_num_threads()}
 
     def close(self) -> None:
         self.loop.stop()

@@ -1,9 +1,10 @@
 """The in-process engine as a service: prefill and decode of one replica in one step loop, one KV pool.
 
 This is the aggregated serving mode: asyncio callers hand in requests that went through intake; one
-thread steps the engine (decodes first, then prefill chunks in the rest of the step's budget) and
-delivers each step's token events to the callers' loops. No hand-off leaves the process: a prefilled
-sequence's blocks are already where decode reads them. Closing a stream early aborts the request.
+thread steps the engine (one forward per step: every decode, then prefill chunks in the rest of the
+step's token budget) and delivers each step's token events to the callers' loops. No hand-off leaves
+the process: a prefilled sequence's blocks are already where decode reads them. Closing a stream
+early aborts the request. (``engine_process`` runs the same engine in a process of its own.)
 """
 
 from __future__ import annotations
@@ -12,33 +13,42 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
+import torch
+
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.core.engine import Engine
 from strata.stages.stage_loop import Delivery, StageLoop
 
 log = logging.getLogger(__name__)
+INTERNAL_ERROR = "an internal error stopped this request"
 
 
-class EngineService:
-    def __init__(self, engine: Engine, stream_interval_s: float = 0.0) -> None:
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    """KV, queue and scheduler figures of an engine (read on the thread that steps it)."""
+    kv = engine.kv
+    pool = kv.pool.stats()
+    return {"running": engine.num_running, "queued_prompt_tokens": engine.num_queued_prompt_tokens(),
+            "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
+            "preemptions": engine.scheduler.num_preemptions, "tp": engine.core.runner.tp_size,
+            "threads": torch.get_num_threads()}
+
+
+class EngineStreams:
+    """What an aggregated replica's front end sees of its engine, wherever the engine steps: queue a
+    request, stream its token events, abort it when the stream closes early. Subclasses say how a
+    request reaches the engine (:meth:`_submit`, :meth:`_abort`) and deliver events to ``delivery``."""
+
+    def __init__(self, stream_interval_s: float = 0.0) -> None:
         """``stream_interval_s``: after a request's first token, gather its events for up to this long
         before handing them on (fewer, larger writes per stream at high concurrency; 0 = every wake-up)."""
-        self.engine = engine
         self.stream_interval_s = stream_interval_s
         self.delivery = Delivery()
-        self.loop = StageLoop(self._step, engine.has_unfinished, name="engine-loop", on_error=self._fail_all)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """A step failed outside any one request: end every request with an error, free their KV."""
-        for rid in list(self.engine._requests):  # free first: a caller told of the failure finds its KV gone
-            self.engine.abort(rid)
-        self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, "an internal error stopped this request")])
+    async def _submit(self, request: Request) -> None:
+        raise NotImplementedError
 
-    def _step(self) -> None:
-        by_request: dict[str, list[TokenEvent]] = {}
-        for event in self.engine.step():
-            by_request.setdefault(event.request_id, []).append(event)
-        self.delivery.send_many(list(by_request.items()))  # one hand-off to the event loop per step
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     async def generate(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
         """Queue the request and yield its token events, the events of one or more steps per batch."""
@@ -46,7 +56,7 @@ class EngineService:
         queue = self.delivery.open(rid)
         finished = False
         try:
-            await self.loop.run(lambda: self.engine.add(request))
+            await self._submit(request)
             first = True
             while not finished:
                 batch = list(await queue.get())
@@ -61,18 +71,38 @@ class EngineService:
             self.delivery.close(rid)
             if not finished:  # cancelled or the consumer went away: free the sequence's blocks
                 log.debug("request %s: aborted by its caller", rid)
-                self.loop.call(lambda: self.engine.abort(rid))
+                self._abort(rid)
+
+
+class EngineService(EngineStreams):
+    def __init__(self, engine: Engine, stream_interval_s: float = 0.0) -> None:
+        super().__init__(stream_interval_s)
+        self.engine = engine
+        self.loop = StageLoop(self._step, engine.has_unfinished, name="engine-loop", on_error=self._fail_all)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed outside any one request: end every request with an error, free their KV."""
+        for rid in list(self.engine._requests):  # free first: a caller told of the failure finds its KV gone
+            self.engine.abort(rid)
+        self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, INTERNAL_ERROR)])
+
+    def _step(self) -> None:
+        by_request: dict[str, list[TokenEvent]] = {}
+        for event in self.engine.step():
+            by_request.setdefault(event.request_id, []).append(event)
+        self.delivery.send_many(list(by_request.items()))  # one hand-off to the event loop per step
+
+    async def _submit(self, request: Request) -> None:
+        await self.loop.run(lambda: self.engine.add(request))
+
+    def _abort(self, request_id: str) -> None:
+        self.loop.call(lambda: self.engine.abort(request_id))
+
+    def healthy(self) -> bool:
+        return self.engine.healthy()
 
     async def stats(self) -> dict[str, Any]:
-        return await self.loop.run(self._stats)
-
-    def _stats(self) -> dict[str, Any]:
-        kv = self.engine.prefiller.kv
-        pool = kv.pool.stats()
-        return {"running": self.engine.num_running, "queued_prompt_tokens": self.engine.num_queued_prompt_tokens(),
-                "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
-                "preemptions": self.engine.prefiller.scheduler.num_preemptions + self.engine.decoder.scheduler.num_preemptions,
-                "tp": self.engine.prefiller.core.runner.tp_size}
+        return await self.loop.run(lambda: engine_stats(self.engine))
 
     def close(self) -> None:
         self.loop.stop()

@@ -47,6 +47,8 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, g
         host_blocks=config.host_kv_blocks,
         disk_dir=config.resolved_disk_kv_dir() if config.disk_kv_blocks else None,
         disk_blocks=config.disk_kv_blocks,
+        write_queue_blocks=config.kv_write_queue_blocks,
+        prefetch_blocks=config.kv_prefetch_blocks,
     )
     if group is None or group.size == 1:
         pool = BlockPool(layout, config.num_kv_blocks, config.device)
@@ -63,7 +65,7 @@ class LanguageStage:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
                  group_host: str = "127.0.0.1") -> None:
-        config.apply_threads()
+        self._restore_threads = config.apply_threads()  # undone on close (an engine inside a test process)
         self.model_dir = Path(model_dir)
         self.config = config
         self.model_config = load_model_config(self.model_dir)
@@ -71,7 +73,7 @@ class LanguageStage:
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
         layout = kv_layout(cfg.text, config.block_size, dtype)
-        backend = get_attention_backend(config.attention_backend, config.device)
+        backend = get_attention_backend(config.attention_backend, config.device, dtype)
         self.tp: TPGroupHandle | None = None
         if config.tp > 1:
             self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
@@ -94,7 +96,10 @@ class LanguageStage:
         return self.tp is None or (self.tp.workers.alive() and self.tp.group.broken is None)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        """Land queued tier writes, stop the tensor-parallel workers, give the process its thread count back."""
+        if self.kv.lower is not None:
+            self.kv.lower.flush()
+        self._restore_threads()
         if self.tp is not None:
             assert isinstance(self.runner, TPModelRunner)
             self.runner.close()
@@ -110,11 +115,8 @@ class LanguageStage:
 
 def build_engine(model_dir: str | Path, config: EngineConfig | None = None, launcher: Launcher | None = None,
                  group_host: str = "127.0.0.1") -> Engine:
-    """Load a checkpoint and wire Preprocessor -> VisionEncoder -> Prefiller -> Decoder in this process.
-
-    Prefiller and Decoder share one model and one device block pool here, so a hand-off is
-    just a KVHandle naming blocks already in place.
-    """
+    """Load a checkpoint and wire Preprocessor -> VisionEncoder -> one engine core in this process: prefill
+    and decode share one model, one block pool and one step loop, so nothing is handed off."""
     config = config or EngineConfig()
     stage = LanguageStage(model_dir, config, launcher, group_host)
     preprocessor, encoder = None, None
@@ -123,7 +125,7 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None, laun
                                           max_pixels=config.max_image_pixels)
         encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
     engine = Engine(
-        config, stage.model_config, stage.tokenizer, preprocessor, encoder, Prefiller(stage.core()), Decoder(stage.core())
+        config, stage.model_config, stage.tokenizer, preprocessor, encoder, stage.core()
     )
     engine.on_close.append(stage.close)
     engine.healthy = stage.alive

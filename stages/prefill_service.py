@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+import torch
+
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import Request
 from strata.pipeline.core.sequence import Sequence
@@ -64,7 +66,8 @@ class PrefillService:
 
     def _stats(self) -> dict[str, Any]:
         return {"queued_prompt_tokens": self.prefiller.num_queued_tokens, "kv": self.prefiller.kv.stats(),
-                "preemptions": self.prefiller.scheduler.num_preemptions, "tp": self.prefiller.core.runner.tp_size}
+                "preemptions": self.prefiller.scheduler.num_preemptions, "tp": self.prefiller.core.runner.tp_size,
+                "threads": torch.get_num_threads()}
 
     def close(self) -> None:
         self.loop.stop()

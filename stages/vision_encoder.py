@@ -20,7 +20,6 @@ class VisionEncoder:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, cfg: ModelConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self.config.apply_threads()
         self.model_config = cfg or load_model_config(model_dir)
         self.model, self.load_stats = load_image_encoder(
             model_dir, resolve_dtype(self.config.dtype), self.config.device, self.model_config

@@ -135,12 +135,12 @@ def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def aggregated_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A second real `strata serve`, in the aggregated mode (the default): one LLM replica is the ingress,
-    and it runs the engine over a tensor-parallel group of two (`strata smoke` covers tp=1)."""
+    """A second real `strata serve`, in the aggregated mode with the defaults users get: one LLM replica is
+    the ingress, and its engine core runs in a child process of its own. (Tensor-parallel groups under Ray:
+    the disaggregated server's decode stage.)"""
     workdir = tmp_path_factory.mktemp("serve-aggregated")
     yield from _serve(llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
-                                           "max_image_bytes": 200_000,
-                                           "stages": {"llm": {"tp": 2}}})  # the LLM replica is a group of two
+                                           "max_image_bytes": 200_000})
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

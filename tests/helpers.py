@@ -35,6 +35,33 @@ def build(model_dir: Path, **config: Any):
     return build_engine(model_dir, EngineConfig(**config))
 
 
+def build_stages(model_dir: Path, **config: Any):
+    """A Prefiller and a Decoder over two block pools in this process, as two stage replicas would be."""
+    from strata.stages.decoder import Decoder
+    from strata.stages.factory import LanguageStage
+    from strata.stages.prefiller import Prefiller
+
+    config.setdefault("attention_backend", DEFAULT_BACKEND["name"])
+    return (Prefiller(LanguageStage(model_dir, EngineConfig(**config)).core()),
+            Decoder(LanguageStage(model_dir, EngineConfig(**config)).core()))
+
+
+def wait_until(condition: Any, timeout: float, what: str, retry_on: tuple[type[BaseException], ...] = ()) -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); ``retry_on`` errors count as not
+    yet (a stage being replaced may not answer). AssertionError naming ``what`` after ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if value := condition():
+                return value
+        except retry_on:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def greedy(max_tokens: int = 12, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
@@ -69,11 +96,11 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 def prefill_logits(engine: Any, prompt: str, images: list[bytes]) -> torch.Tensor:
     """Last-position logits of one prompt computed by our model runner in a single chunk."""
     request = engine.prepare("probe", greedy(1), list(images), prompt=prompt)
-    kv = engine.prefiller.kv
+    kv = engine.kv
     seq = Sequence.from_request(request, kv.layout.block_size)
     assert kv.reserve(seq.block_table, seq.num_tokens)
     try:
-        return engine.prefiller.core.runner.execute([ScheduledChunk(seq, 0, seq.num_tokens)])[0]
+        return engine.core.runner.execute([ScheduledChunk(seq, 0, seq.num_tokens)])[0]
     finally:
         kv.free(seq.block_table)
 
@@ -83,7 +110,7 @@ def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
     teacher-forced comparison with a reference needs."""
     from strata.kernels import AttentionMetadata
 
-    kv, runner = engine.prefiller.kv, engine.prefiller.core.runner
+    kv, runner = engine.kv, engine.core.runner
     seq = Sequence("all-positions", list(token_ids), greedy(1), kv.layout.block_size)
     assert kv.reserve(seq.block_table, seq.num_tokens)
     try:

@@ -42,6 +42,16 @@ def test_bench_kv_measures_every_tier_and_decode_vs_context(tmp_path: Path, caps
 
 
 @pytest.mark.unit
+def test_bench_step_compares_one_forward_with_the_decode_then_prefill_pair(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "step", "--model", "tiny", "--requests", "4", "--prompt-len", "40",
+                             "--output-len", "6", "--chunk", "16", "--arrival-steps", "2", "--rounds", "1")
+    one, two = result["one forward per step"], result["decode, then prefill"]
+    assert one["forwards_per_step"] == 1.0 and two["forwards_per_step"] > 1.0  # steps that mixed both
+    assert one["tok_s"] > 0 and two["tok_s"] > 0
+    assert "one forward / two:" in printed and "interleaved rounds" in printed
+
+
+@pytest.mark.unit
 def test_bench_kv_with_a_device_tier_too_small_is_one_line(tmp_path: Path, capsys) -> None:
     code = main(["bench", "kv", "--parts", "decode", "--contexts", "64", "--device-blocks", "2",
                  "--workdir", str(tmp_path / "tiers")])

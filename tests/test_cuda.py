@@ -1,4 +1,4 @@
-"""The engine on a CUDA device: numerics against transformers, bf16, CUDA graphs, and the tier path
+"""The engine on a CUDA device: numerics against transformers, bf16, compiled steps, and the tier path
 (pinned staging, transfers on a side stream). Skipped without a GPU; `make gpu-check` runs them."""
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def test_cuda_bf16_agrees_with_transformers_teacher_forced(tiny_models: dict[str
     assert torch.nn.functional.cosine_similarity(ours[rows], ref[rows], dim=-1).mean() >= 0.999
 
 
-def test_cuda_graphs_give_the_eager_tokens(llama_dir: Path) -> None:
+def test_compiled_steps_give_the_eager_tokens(llama_dir: Path) -> None:
     requests = [{"prompt": f"{PROMPT} ({i})", "params": greedy(12)} for i in range(5)]
     eager = build(llama_dir, device="cuda").generate(requests)
-    graphs = build(llama_dir, device="cuda", compile=True).generate(requests)
-    assert [o.output_token_ids for o in graphs] == [o.output_token_ids for o in eager]
+    compiled = build(llama_dir, device="cuda", compile=True).generate(requests)
+    assert [o.output_token_ids for o in compiled] == [o.output_token_ids for o in eager]
 
 
 def test_cuda_tiers_stream_spilled_blocks_exactly(llama_dir: Path, tmp_path: Path) -> None:
@@ -61,4 +61,29 @@ def test_cuda_tiers_stream_spilled_blocks_exactly(llama_dir: Path, tmp_path: Pat
                    kv_staging_blocks=8, host_kv_blocks=400, host_kv_dir=str(tmp_path / "host"))
     out = tiered.generate(request)[0]
     assert out.output_token_ids == full.output_token_ids
-    assert tiered.prefiller.kv.stats()["peak_spilled_blocks"] > 16  # several staging segments per layer
+    assert tiered.kv.stats()["peak_spilled_blocks"] > 16  # several staging segments per layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cuda_backend_equals_the_reference(dtype: torch.dtype) -> None:
+    """Triton always; vllm-flash-attn and flashinfer when installed (their self-check ran in this dtype)."""
+    from strata.kernels import available_backends, get_attention_backend
+    from strata.kernels.attention_vendor import check_against_reference
+
+    names = available_backends("cuda", dtype)
+    assert "triton" in names, names
+    for name in names:
+        check_against_reference(get_attention_backend(name, "cuda", dtype), torch.device("cuda"), dtype)
+
+
+def test_a_cuda_engine_defaults_to_bf16_and_tp2_equals_tp1(llama_dir: Path) -> None:
+    from strata.pipeline.contract.config import EngineConfig
+
+    assert EngineConfig(device="cuda").dtype == "bfloat16"
+    requests = [{"prompt": f"{PROMPT} ({i})", "params": greedy(8)} for i in range(3)]
+    one = build(llama_dir, device="cuda", dtype="float32").generate(requests)
+    two = build(llama_dir, device="cuda", dtype="float32", tp=2)
+    try:
+        assert [o.output_token_ids for o in two.generate(requests)] == [o.output_token_ids for o in one]
+    finally:
+        two.close()

@@ -14,7 +14,7 @@ def engine(llama_dir):
 
 
 def test_abort_mid_generation_frees_every_block(engine, demo_images) -> None:
-    pool = engine.prefiller.kv.pool
+    pool = engine.kv.pool
     baseline = pool.stats()["in_use"]
     rid = engine.add_request("Tell me everything.", images=demo_images[:1], params=greedy(100, ignore_eos=True))
     other = engine.add_request("And you?", params=greedy(5))

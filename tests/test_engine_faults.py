@@ -43,7 +43,7 @@ def test_a_request_whose_forward_raises_fails_alone(llama_dir: Path, expected, m
     assert len(poison) == 1 and poison[0].finish_reason == "error" and "internal error" in poison[0].error
     got = {i: [e.token_id for e in events if e.request_id == i] for i in ids}
     assert [got[i] for i in ids] == [expected[0], expected[1], expected[3]]
-    assert engine.prefiller.kv.pool.stats()["in_use"] == 0
+    assert engine.kv.pool.stats()["in_use"] == 0
 
 
 def test_nan_logits_fail_their_own_sequence(llama_dir: Path, expected, monkeypatch) -> None:
@@ -113,7 +113,7 @@ def test_a_step_that_raises_fails_its_callers_promptly_and_the_service_recovers(
         first = asyncio.run(main())
         for events in first:
             assert events[-1].finish_reason == "error"
-        assert engine.prefiller.kv.pool.stats()["in_use"] == 0 and not engine.has_unfinished()
+        assert engine.kv.pool.stats()["in_use"] == 0 and not engine.has_unfinished()
         again = asyncio.run(asyncio.wait_for(one(2, 5), timeout=30))  # the replica serves on
         assert again[-1].finish_reason in ("length", "stop") and service.loop.failures == 1
     finally:

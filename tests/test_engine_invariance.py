@@ -90,10 +90,8 @@ def test_preemption_under_a_small_pool(llama_dir, demo_images) -> None:
     # Each request needs up to 7 blocks as it grows; 8 of them cannot all fit in 12.
     engine = build(llama_dir, num_kv_blocks=12, max_num_batched_tokens=64, prefill_chunk_tokens=32)
     assert _tokens(engine, _requests(demo_images, max_tokens=40)) == alone
-    decoder_sched = engine.decoder.core.scheduler
-    prefill_sched = engine.prefiller.core.scheduler
-    assert decoder_sched.num_preemptions + prefill_sched.num_preemptions > 0
-    pool = engine.prefiller.kv.pool
+    assert engine.scheduler.num_preemptions > 0
+    pool = engine.kv.pool
     pool.check_invariants()
     assert pool.stats()["in_use"] == 0, "every block is released when all requests finish"
 
@@ -117,5 +115,5 @@ def test_other_image_never_reuses_image_blocks(llama_dir, demo_images) -> None:
 def test_a_compiled_step_gives_the_eager_tokens(llama_dir, demo_images, baseline) -> None:
     """EngineConfig.compile (torch.compile of the dense step parts) changes speed, never tokens."""
     engine = build(llama_dir, compile=True, enable_prefix_caching=False)
-    assert engine.decoder.core.runner.compile_seconds > 0
+    assert engine.core.runner.compile_seconds > 0
     assert _tokens(engine, _requests(demo_images)) == baseline

@@ -48,7 +48,7 @@ def test_concurrent_streams_equal_the_in_process_engine(engine, llama_dir: Path,
 
 def test_closing_a_stream_early_frees_its_blocks(engine) -> None:
     service = EngineService(engine)
-    pool = engine.prefiller.kv.pool
+    pool = engine.kv.pool
     try:
         async def main() -> dict:
             baseline = pool.stats()["in_use"]

@@ -58,21 +58,24 @@ class _Stream:
 
 class FakePrefill:
     def __init__(self, error: BaseException | None = None, first_token: int = 7) -> None:
-        async def prefill(msg: bytes) -> bytes:
+        async def prefill(msg: bytes) -> tuple[bytes, bytes]:
             if error is not None:
                 raise error
             req = Request.from_msgpack(msg)
             first = TokenEvent(req.request_id, first_token, "a")
             state = SequenceState(req.request_id, req.prompt_token_ids + [first_token], req.num_prompt_tokens, req.params)
-            return Handoff(state, first, b"handle").to_msgpack()
+            self.handoff = Handoff(state, first, b"handle").to_msgpack()
+            return pack_events([first]), self.handoff
 
+        self.handoff = b""
         self.prefill = _Call(prefill)
 
 
 class FakeDecode:
     def __init__(self, frames: list[bytes], then: BaseException | None = None) -> None:
         self.stream = _Stream(frames, then)
-        self.generate = _Call(lambda _msg: self.stream)
+        self.received: list[bytes] = []
+        self.generate = _Call(lambda msg: (self.received.append(msg), self.stream)[1])
 
     def options(self, **_: Any) -> "FakeDecode":
         return self
@@ -128,9 +131,10 @@ def test_a_failing_stage_is_a_json_500_without_internals(stream: bool) -> None:
 
 def test_decode_dying_mid_stream_gives_one_in_band_error_then_done() -> None:
     frames = [pack_events([TokenEvent("chatcmpl-1", 8, "b")]), pack_events([TokenEvent("chatcmpl-1", 9, "c")])]
-    decode = FakeDecode(frames, then=RuntimeError(INTERNALS))
-    status, _, body = _run(FakePrefill(), decode, stream=True)
+    decode, prefill = FakeDecode(frames, then=RuntimeError(INTERNALS)), FakePrefill()
+    status, _, body = _run(prefill, decode, stream=True)
     assert status == 200  # headers went out with the first token
+    assert decode.received == [prefill.handoff]  # the hand-off bytes went on to decode untouched
     events = _sse_events(body)
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if "choices" in e)
     assert text == "abc"  # every token that was generated reached the client

@@ -74,3 +74,18 @@ def test_the_triton_kernel_equals_the_reference_on_cuda() -> None:
     for r in _run("cuda", {}):
         tol = 1e-4 if r["case"][4] == "float32" else 2e-2
         assert r["out"] < tol and r["lse"] < 1e-3, r
+
+
+def test_heads_share_a_program_and_block_sizes_are_checked() -> None:
+    """Query heads of one KV head share a program (each K/V block is read once for the group), within
+    a register-sized tile; a block size the kernel cannot tile is a clear error, not a wrong answer."""
+    pytest.importorskip("triton")
+    from strata.kernels import AttentionMetadata
+    from strata.kernels.attention_triton import TritonAttentionBackend, heads_per_program
+
+    assert [heads_per_program(g, 128) for g in (1, 2, 4, 6, 8, 16)] == [1, 2, 4, 2, 8, 8]
+    assert heads_per_program(128, 1024) == 1  # MLA's latent (576 -> 1024 wide): one head per program
+    meta = AttentionMetadata.build([1], [24], [[0, 1]], [23], 24)
+    kv = torch.zeros(2, 24, 1, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        TritonAttentionBackend().forward(torch.zeros(1, 2, 16), kv, kv, meta, 0.25)

@@ -36,12 +36,12 @@ def test_unknown_version_and_garbage_are_refused() -> None:
 
 
 def test_decoder_refuses_a_handle_from_another_pool(llama_dir) -> None:
-    from helpers import build, greedy
+    from helpers import build_stages, greedy
     from strata.pipeline.core.sequence import Sequence
 
-    engine = build(llama_dir)
+    _, decoder = build_stages(llama_dir)
     h = _handle()
-    h.fingerprint = engine.decoder.scheduler.fingerprint
+    h.fingerprint = decoder.scheduler.fingerprint
     seq = Sequence("x", [5] * 41, greedy(4), 16)
     with pytest.raises(HandleError, match="another block pool"):
-        engine.decoder.admit(seq, h.to_bytes())
+        decoder.admit(seq, h.to_bytes())

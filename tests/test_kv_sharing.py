@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import build, greedy, run_python
+from helpers import build, build_stages, greedy, run_python
 from strata.pipeline.core.sequence import Sequence
 
 pytestmark = pytest.mark.slow  # child processes sharing the tiers
@@ -26,7 +26,7 @@ _ENGINE = textwrap.dedent(
     ids = [rng.randrange(5, 500) for _ in range(1000)]
     engine = build_engine(model, EngineConfig(**config))
     out = engine.generate([{"prompt_token_ids": ids, "params": SamplingParams(max_tokens=8, temperature=0.0)}])[0]
-    stats = engine.prefiller.kv.stats()
+    stats = engine.kv.stats()
     print(json.dumps({"tokens": out.output_token_ids, "cached": out.num_cached_tokens, "hits": stats["prefix_hit_tokens"]}))
     """
 )
@@ -58,24 +58,26 @@ def test_two_processes_share_a_prefix_through_the_host_tier(llama_dir: Path, tmp
 def test_a_handle_from_another_pool_is_adopted_through_the_host_tier(llama_dir: Path, tmp_path: Path) -> None:
     """Prefill in one engine, decode in another (two block pools, as two Ray replicas would be)."""
     config = dict(max_model_len=2048, host_kv_blocks=200, host_kv_dir=str(tmp_path / "host"))
-    prefill_side, decode_side = build(llama_dir, **config), build(llama_dir, **config)
+    prefiller, decoder = build_stages(llama_dir, **config)
+    reference = build(llama_dir)
+    tokenizer = reference.tokenizer
     request = {"prompt": "Tell me about the tides, the moon and the long way home. " * 4, "params": greedy(10)}
-    expected = build(llama_dir).generate([request])[0].output_token_ids
+    expected = reference.generate([request])[0].output_token_ids
 
-    enc = prefill_side.tokenizer.encode(prefill_side.tokenizer.render_user_prompt(request["prompt"]), 0)
+    enc = tokenizer.encode(tokenizer.render_user_prompt(request["prompt"]), 0)
     assert len(enc.token_ids) > 48
     seq = Sequence("r1", enc.token_ids, greedy(10), 16)
-    prefill_side.prefiller.add(seq)
+    prefiller.add(seq)
     results = []
     while not results:
-        results = prefill_side.prefiller.step()
+        results = prefiller.step()
     (result,) = results
     assert result.kv_handle is not None
-    assert prefill_side.prefiller.kv.pool.pool_id != decode_side.decoder.kv.pool.pool_id
-    decode_side.decoder.admit(result.seq, result.kv_handle)
+    assert prefiller.kv.pool.pool_id != decoder.kv.pool.pool_id
+    decoder.admit(result.seq, result.kv_handle)
     tokens = [result.event.token_id]
-    while decode_side.decoder.has_work():
-        tokens += [ev.token_id for ev in decode_side.decoder.step()]
+    while decoder.has_work():
+        tokens += [ev.token_id for ev in decoder.step()]
     assert tokens == expected
-    hits = decode_side.decoder.kv.stats()["prefix_hit_tokens"]
+    hits = decoder.kv.stats()["prefix_hit_tokens"]
     assert hits["host"] == len(enc.token_ids) // 16 * 16  # full blocks came by hash; only the tail was recomputed

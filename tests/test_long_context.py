@@ -19,7 +19,7 @@ DEVICE_BLOCKS = 96  # 1,536 tokens of device tier
 
 
 def _kv(engine):
-    return engine.prefiller.kv
+    return engine.kv
 
 
 def _ids(n: int, seed: int = 0) -> list[int]:
@@ -84,7 +84,7 @@ def test_sliding_window_model_spills_and_skips_blocks_outside_the_window(tiny_mo
     assert tiered.generate(request)[0].output_token_ids == full.output_token_ids
     host = _kv(tiered).lower.top
     # each 128-token chunk reads at most the few blocks its 48-token window reaches, not the whole prefix
-    assert host.counters["hits"] < 200 * len(tiered.prefiller.core.runner.model.layers)
+    assert host.counters["hits"] < 200 * len(tiered.core.runner.model.layers)
 
 
 def test_prefix_in_the_host_tier_is_reused_even_when_it_exceeds_the_device(llama_dir: Path, tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_a_spilled_block_lost_mid_request_is_recomputed_not_served(llama_dir: Pa
                 pool._hash[victim] = None
             damaged = True
     assert damaged and host.counters["corrupt"] >= 1
-    assert engine.prefiller.core.scheduler.num_preemptions >= 1
+    assert engine.core.scheduler.num_preemptions >= 1
     assert [o.token_id for o in outputs if o.request_id == rid] == full.output_token_ids
 
 

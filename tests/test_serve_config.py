@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from strata.deployments.app import deployment_options
@@ -86,3 +89,27 @@ def test_a_misspelled_or_mistyped_key_is_one_line_naming_its_path(config: dict, 
     with pytest.raises(ValueError) as err:
         ServeConfig.from_dict(config)
     assert str(err.value) == message
+
+
+def test_a_replica_that_reserves_no_cpus_still_computes_on_every_core() -> None:
+    """Ray starts such a replica with OMP_NUM_THREADS=1; the engine's thread budget overrides it (the
+    cores of the process's affinity mask, split among tp ranks), a reserved count wins, and closing
+    an engine puts the process's own setting back."""
+    from helpers import run_python
+
+    script = (
+        "import json, os, torch\n"
+        "from strata.pipeline.contract.config import EngineConfig\n"
+        "out = {'start': torch.get_num_threads()}\n"
+        "undo = EngineConfig().apply_threads(); out['auto'] = torch.get_num_threads(); undo()\n"
+        "out['undone'] = [torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]\n"
+        "EngineConfig(tp=2).apply_threads(); out['tp2'] = [torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]\n"
+        "EngineConfig(num_threads=3).apply_threads(); out['reserved'] = torch.get_num_threads()\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = run_python("-c", script, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    cores = len(os.sched_getaffinity(0))
+    assert out["start"] == 1 and out["auto"] == cores and out["undone"] == [1, "1"]
+    assert out["tp2"] == [max(1, cores // 2), str(max(1, cores // 2))] and out["reserved"] == 3

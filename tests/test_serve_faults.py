@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from helpers import MODEL_NAME, metric_value, scrape_metrics
+from helpers import MODEL_NAME, metric_value, scrape_metrics, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -97,15 +97,7 @@ def _replica_pids(server, deployment: str) -> list[int]:
 
 
 def _wait(condition, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if value := condition():
-                return value
-        except (httpx.HTTPError, KeyError):  # a stage being replaced (or busy) may not answer yet
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return wait_until(condition, timeout, what, (httpx.HTTPError, KeyError))  # a stage being replaced may not answer
 
 
 def _baseline(server) -> dict[str, int]:

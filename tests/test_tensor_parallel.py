@@ -51,7 +51,7 @@ def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_m
     model_dir = tiny_models[arch]
     one = build(model_dir)
     with engine(model_dir, tp=2) as two:
-        assert two.prefiller.core.runner.group.transport == "shared memory"
+        assert two.core.runner.group.transport == "shared memory"
         assert not list(Path("/dev/shm").glob("strata-tp-*"))  # channel and store unlinked once the group formed
         ours = [addr for addr, proc in listening_sockets() if "python" in proc]
         loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
@@ -62,7 +62,7 @@ def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_m
             assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
         reqs = _requests(demo_images)
         assert _tokens(two, reqs) == _tokens(one, reqs)
-        assert two.prefiller.kv.pool.stats()["in_use"] == 0
+        assert two.kv.pool.stats()["in_use"] == 0
 
 
 def test_tp2_matches_across_chunking_prefix_hits_and_preemption(llama_dir: Path, demo_images) -> None:
@@ -74,9 +74,8 @@ def test_tp2_matches_across_chunking_prefix_hits_and_preemption(llama_dir: Path,
         again = two.generate(reqs[:2])  # the same prompts once more: leading blocks come from the cache
         assert [o.output_token_ids for o in again] == expected[:2]
         assert sum(o.num_cached_tokens for o in again) > 0
-        scheds = (two.prefiller.core.scheduler, two.decoder.core.scheduler)
-        assert sum(s.num_preemptions for s in scheds) > 0
-        two.prefiller.kv.pool.check_invariants()
+        assert two.scheduler.num_preemptions > 0
+        two.kv.pool.check_invariants()
 
 
 @pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4-kv-heads-replicated"])
@@ -90,12 +89,12 @@ def test_a_tp_group_spills_to_and_reuses_the_host_tier_with_whole_blocks(tp: int
     expected = _tokens(build(llama_dir, max_model_len=2048), [{"prompt": prompt, "params": greedy(10)}])
     with engine(llama_dir, tp=tp, host_kv_dir=str(tmp_path / "host"), **tier) as group:
         assert _tokens(group, [{"prompt": prompt, "params": greedy(10)}]) == expected
-        assert group.prefiller.kv.peak_spilled_blocks > 8
+        assert group.kv.peak_spilled_blocks > 8
     # the tier files hold whole blocks: a one-process engine adopts them as prefix hits
     one = build(llama_dir, host_kv_dir=str(tmp_path / "host"), **tier)
     out = one.generate([{"prompt": prompt, "params": greedy(10)}])[0]
     assert out.output_token_ids == expected[0]
-    assert one.prefiller.kv.stats()["prefix_hit_tokens"]["host"] > 0
+    assert one.kv.stats()["prefix_hit_tokens"]["host"] > 0
 
 
 @pytest.mark.parametrize("arch", ["llava-llama", "llava-mixtral"])
@@ -104,7 +103,7 @@ def test_each_rank_reads_only_its_slices_of_the_shards(arch: str, tiny_models) -
     whole = load_language_model(model_dir)[1].bytes_read
     replicated = _replicated_bytes(model_dir)  # norms and the router: every rank reads them
     with engine(model_dir, tp=2) as two:
-        per_rank = [s.bytes_read for s in two.prefiller.core.runner.load_stats]
+        per_rank = [s.bytes_read for s in two.core.runner.load_stats]
     assert len(per_rank) == 2
     assert sum(per_rank) == whole + replicated
     for b in per_rank:
@@ -120,7 +119,7 @@ def test_stacked_experts_split_by_expert_too(tiny_models, tmp_path: Path) -> Non
     with engine(stacked, tp=2) as two:
         a, b = (prefill_logits(e, "Which experts answer this?", []) for e in (one, two))
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
-        per_rank = [s.bytes_read for s in two.prefiller.core.runner.load_stats]
+        per_rank = [s.bytes_read for s in two.core.runner.load_stats]
     assert sum(per_rank) == whole + _replicated_bytes(stacked)
 
 

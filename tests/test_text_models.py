@@ -94,7 +94,7 @@ def test_an_image_sent_to_a_text_model_is_refused(text_models, demo_images, caps
 
 def test_mla_caches_one_latent_per_token(text_models) -> None:
     engine = build(text_models["deepseek_v3"])
-    layout = engine.prefiller.kv.layout
+    layout = engine.kv.layout
     assert (layout.kv_parts, layout.num_kv_heads, layout.head_dim) == (1, 1, 32 + 8)  # kv_lora_rank + rope
     assert layout.bytes_per_token() == 3 * 40 * 4  # 3 layers, fp32: K and V are one vector
 
@@ -111,7 +111,7 @@ def test_spilled_blocks_reload_and_are_reused_from_the_host_tier(arch: str, text
     spilling = build(model_dir, **tier)
     out = spilling.generate([{"prompt": prompt, "params": greedy(10)}])[0]
     assert out.output_token_ids == expected.output_token_ids
-    assert spilling.prefiller.kv.peak_spilled_blocks > 8
+    assert spilling.kv.peak_spilled_blocks > 8
     again = build(model_dir, **tier).generate([{"prompt": prompt, "params": greedy(10)}])[0]
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 1000
 
@@ -196,6 +196,6 @@ def test_tp2_equals_tp1(arch: str, text_models) -> None:
     two = build(model_dir, tp=2)
     try:
         assert [o.output_token_ids for o in two.generate(reqs)] == expected
-        assert two.prefiller.kv.layout.num_kv_heads == (1 if arch.startswith("deepseek") else 2)
+        assert two.kv.layout.num_kv_heads == (1 if arch.startswith("deepseek") else 2)
     finally:
         two.close()

@@ -51,7 +51,7 @@ def test_a_step_failing_on_one_rank_is_abandoned_by_all_and_gives_the_right_toke
         rank: int, llama_dir: Path, expected, faults: Path) -> None:
     e = build(llama_dir, tp=2)
     try:
-        group = e.prefiller.core.runner.group
+        group = e.core.runner.group
         armed = _arm(faults, "tp_layer", rank)  # between a layer's two all-reduces, once
         outs = e.generate(_requests())
         assert not armed.exists(), "the fault fired"

@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -46,13 +46,14 @@ DType = Literal["float32", "bfloat16", "float16"]
 class EngineConfig(ConfigModel):
     """Knobs of the engine core. Defaults suit the tiny demo model on a CPU."""
 
-    dtype: DType = Field("float32", description="float32 (exact vs transformers) or bfloat16 (weights and KV); "
-                                                "float16 on CUDA")
+    dtype: DType = Field("float32", description="float32 (exact vs transformers; the CPU default) or bfloat16 "
+                                                "(weights and KV; the CUDA default); float16 on CUDA")
     device: str = "cpu"
     attention_backend: str = Field("auto", description="auto, cpu (paged C++ kernel + flash), torch (reference), "
                                                        "triton (CUDA)")
-    compile: bool = Field(False, description="torch.compile the dense parts of a step (CUDA graphs on CUDA)")
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads of this process (0: torch's default)")
+    compile: bool = Field(False, description="torch.compile the dense parts of a step (inductor C++ on CPU, Triton on CUDA)")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads of this process (0: every core the "
+                                                  "process may run on, shared among its tp ranks)")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks of a language stage (heads, MLP, experts and "
                                           "vocab split; KV heads too)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
@@ -62,6 +63,11 @@ class EngineConfig(ConfigModel):
     host_kv_dir: str | None = Field(None, description="default: /dev/shm/strata-kv-<uid>")
     disk_kv_blocks: int = Field(0, ge=0, description="disk tier (survives restarts); 0 = off")
     disk_kv_dir: str | None = Field(None, description="default: ~/.cache/strata/kv")
+    kv_write_queue_blocks: int = Field(256, ge=0, description="blocks queued for the background writer of the "
+                                                               "host/disk tiers (copies; 0: write on the step "
+                                                               "thread); past it caching is skipped, never tokens")
+    kv_prefetch_blocks: int = Field(64, ge=0, description="host/disk blocks read ahead for the prompts next in "
+                                                           "line while a step runs (0: read at admission)")
     kv_staging_blocks: int = Field(64, ge=1, description="device buffer through which spilled blocks are "
                                                           "streamed to attention")
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (decodes first, then "
@@ -85,6 +91,14 @@ class EngineConfig(ConfigModel):
     def _path_as_text(cls, value: Any) -> Any:
         return str(value) if isinstance(value, Path) else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_for_device(cls, data: Any) -> Any:
+        """No dtype given: bf16 on CUDA (what GPUs serve in), fp32 elsewhere (exact on CPU)."""
+        if isinstance(data, dict) and data.get("dtype") is None and str(data.get("device", "cpu")).startswith("cuda"):
+            data = {**data, "dtype": "bfloat16"}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> "EngineConfig":
         if self.tp > 1 and self.compile:
@@ -98,12 +112,28 @@ class EngineConfig(ConfigModel):
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         return self
 
-    def apply_threads(self) -> None:
-        """Give torch this process's thread budget (a serving replica's reserved CPUs)."""
-        if self.num_threads > 0:
-            import torch
+    def apply_threads(self) -> Callable[[], None]:
+        """Give torch this process's thread budget; returns what puts the previous one back.
 
-            torch.set_num_threads(self.num_threads)
+        ``num_threads``, or else the cores in this process's affinity mask divided among the tp ranks.
+        The budget is set explicitly either way: Ray gives a replica that reserves no CPUs
+        ``OMP_NUM_THREADS=1``, which would leave the model on one core of many. Processes this one
+        starts (tensor-parallel workers) inherit the same figure through the environment."""
+        import torch
+
+        before, env_before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+        threads = self.num_threads or max(1, len(os.sched_getaffinity(0)) // self.tp)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+        def restore() -> None:
+            torch.set_num_threads(before)
+            if env_before is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_before
+
+        return restore
 
     @property
     def image_pixels_in_flight(self) -> int:

@@ -4,8 +4,15 @@ What is compiled: the three pure tensor functions of :class:`~pipeline.models.de
 (norm + q/k/v + RoPE; output projection + norm + MLP), one graph each shared by every layer
 (weights are inputs, not constants). Paged attention stays eager: it reads the pool through the
 step's metadata. On CPU the graphs take a dynamic token count (one compile serves every batch);
-on CUDA they run as CUDA graphs (``mode="reduce-overhead"``) for decode-sized batches, token
-counts padded to a bucket so captures stay bounded, while larger (prefill) steps run eager.
+on CUDA they are compiled for decode-sized batches, token counts padded to a bucket so compiles
+stay bounded, while larger (prefill) steps run eager.
+
+Not CUDA graphs, on purpose: a graph shared by every layer takes the weights as inputs, and a
+CUDA graph replays fixed addresses, so ``mode="reduce-overhead"`` would either copy each layer's
+weights into the graph's static buffers on every call (non-static inputs) or record a graph per
+layer (static inputs whose address changes), and fall back to eager past its re-record limit.
+Capturing the whole decode step per batch bucket (weights as constants, attention metadata in
+static buffers), as vLLM does, is what CUDA graphs need here; it waits for a GPU to measure on.
 
 Compiled artifacts are cached on disk by inductor (``~/.cache/strata/inductor`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set), so a restart re-traces but does not recompile.
@@ -28,7 +35,7 @@ from strata.pipeline.models.decoder import DenseSteps, LanguageModel
 
 log = logging.getLogger(__name__)
 
-CUDA_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CUDA_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode token counts compiled for on CUDA
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -69,12 +76,11 @@ def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "strata" / "inductor"))
     eager = DenseSteps()
     if device.type == "cuda":
-        fns = {n: torch.compile(getattr(eager, n), mode="reduce-overhead", dynamic=False) for n in
-               ("qkv_rope", "out_proj_norm", "out_proj_mlp")}
+        fns = {n: torch.compile(getattr(eager, n), dynamic=False) for n in ("qkv_rope", "out_proj_norm", "out_proj_mlp")}
         compiled = DenseSteps()
         for name, fn in fns.items():
             setattr(compiled, name, fn)
-        buckets = tuple(b for b in CUDA_GRAPH_BUCKETS if b <= max(1, max_decode_tokens)) or (1,)
+        buckets = tuple(b for b in CUDA_BUCKETS if b <= max(1, max_decode_tokens)) or (1,)
         steps: DenseSteps = BucketedSteps(compiled, eager, buckets)
         warm = buckets
     else:
@@ -85,7 +91,7 @@ def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens:
         # was traced with, so it is traced with the largest a step can have.
         warm = (1, max(2, max_step_tokens))
     log.warning("compiling the model step (%s, token counts %s); cached on disk for later runs",
-                "CUDA graphs" if device.type == "cuda" else "inductor C++", ", ".join(map(str, warm)))
+                "inductor Triton" if device.type == "cuda" else "inductor C++", ", ".join(map(str, warm)))
     t0 = time.perf_counter()
     model.steps = steps
     with torch.inference_mode():

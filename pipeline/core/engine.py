@@ -1,4 +1,10 @@
-"""In-process engine: the four stages composed in one process (numerics tests, `strata generate`)."""
+"""In-process engine: preprocess, encode, then prefill and decode in one step loop over one KV pool.
+
+Prefill chunks and decode tokens of one step run in one forward (the scheduler mixes them under one
+token budget, decodes first), so the weights are read once per step and one scheduler decides every
+preemption. The disaggregated stages (``stages/``) keep their own single-purpose loops. Used by
+`strata generate`, the numerics tests and the aggregated serving mode.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.engine_core import EngineCore
 from strata.pipeline.core.sequence import Sequence
-from strata.pipeline.core.stage_api import DecoderLike, EncoderLike, PrefillerLike, PreprocessorLike
+from strata.pipeline.core.stage_api import EncoderLike, PreprocessorLike
 from strata.pipeline.frontend.intake import Intake, attach_images
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, PromptTokenizer
 from strata.pipeline.models.model_config import ModelConfig
@@ -38,8 +45,7 @@ class Engine:
         tokenizer: PromptTokenizer,
         preprocessor: PreprocessorLike | None,
         encoder: EncoderLike | None,
-        prefiller: PrefillerLike,
-        decoder: DecoderLike,
+        core: EngineCore,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -47,10 +53,12 @@ class Engine:
         self.intake = Intake(tokenizer, config)
         self.preprocessor = preprocessor
         self.encoder = encoder
-        self.prefiller = prefiller
-        self.decoder = decoder
-        # New prompts must leave one free block per running decode, or admissions would starve them.
-        prefiller.set_admission_watermark(lambda: decoder.num_running)
+        self.core = core
+        self.scheduler = core.scheduler
+        self.kv = core.scheduler.kv
+        # New prompts leave one free block per decoding sequence, so the next step's decodes find room
+        # without preempting the prompt that was just admitted.
+        self.scheduler.admission_watermark = lambda: self.num_running
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0
@@ -108,15 +116,14 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         seq = Sequence.from_request(request, self.config.block_size)
         self._requests[request.request_id] = seq
-        self.prefiller.add(seq)
+        self.scheduler.add(seq)
         return request.request_id
 
     def abort(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return
-        for stage in (self.decoder, self.prefiller):
-            stage.abort(seq)
+        self.core.abort(seq)
 
     # -- the loop -------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -124,28 +131,22 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return self.decoder.num_running
+        """Sequences past their prompt, producing a token per step."""
+        return sum(1 for s in self.scheduler.running if not s.is_prefilling)
 
     def num_queued_prompt_tokens(self) -> int:
         return sum(s.num_tokens - s.num_computed_tokens for s in self._requests.values() if s.is_prefilling)
 
     def step(self) -> list[TokenEvent]:
-        """One iteration: decode every running sequence, then spend what is left of the budget on prefill."""
-        events = self.decoder.step(self.config.max_num_batched_tokens)
-        used = self.decoder.last_num_tokens
-        budget = self.config.max_num_batched_tokens - used
-        self.last_step_tokens = used
-        if budget > 0:
-            for result in self.prefiller.step(budget):
-                if result.kv_handle is not None:
-                    self.decoder.admit(result.seq, result.kv_handle)
-                events.append(result.event)
-            self.last_step_tokens += self.prefiller.last_num_tokens
+        """One iteration: one forward over every running decode and as many prefill chunks as the
+        rest of the token budget allows."""
+        events = [event for _, event in self.core.step(self.config.max_num_batched_tokens)]
+        self.last_step_tokens = self.core.last_num_tokens
         for ev in events:
             if ev.finished:
                 self._requests.pop(ev.request_id, None)
-        if not events and self.has_unfinished() and not (self.prefiller.has_work() or self.decoder.has_work()):
-            raise RuntimeError("engine has unfinished requests but no stage holds them")
+        if not events and self.has_unfinished() and not self.core.has_work():
+            raise RuntimeError("engine has unfinished requests but the scheduler holds none of them")
         return events
 
     def run(self) -> Iterator[TokenEvent]:

@@ -10,6 +10,7 @@ stay in the prefix cache) and it goes back to the front of the queue.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -115,7 +116,18 @@ class Scheduler:
             self.running.append(chunk.seq)
             out.chunks.append(chunk)
             budget -= chunk.num_tokens
+        self._prefetch_waiting()
         return out
+
+    def _prefetch_waiting(self, lookahead: int = 2) -> None:
+        """Ask the KV store to read ahead the cached prefix of the next prompts to admit, while this step's
+        forward runs (each prompt once)."""
+        if not (self.config.enable_prefix_caching and self.kv.can_spill):
+            return
+        for seq in itertools.islice(self.waiting, lookahead):
+            if not seq.prefetched and seq.num_computed_tokens == 0 and seq.block_table.is_empty():
+                seq.prefetched = True
+                self.kv.prefetch(seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens)))
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Room for ``n`` more tokens of ``seq``, preempting the newest unscheduled sequence (or

@@ -47,6 +47,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on admission
         self.num_preemptions = 0
         self.lost_blocks: set[bytes] = set()  # spilled blocks found lost: never looked up again
+        self.prefetched = False  # its cached prefix's lower-tier blocks were asked to be read ahead
         self.kv_losses = 0
         self.arrival_time = time.time()  # when the request arrived (wall clock; travels with hand-offs)
         self.arrival = time.monotonic()  # the same instant on this process's monotonic clock (deadlines)

@@ -72,7 +72,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         t, (first_head, stop_head) = cfg.text, model.plan.kv_heads
         kv = torch.zeros(config.num_kv_blocks, t.num_layers, t.kv_parts, config.block_size, stop_head - first_head,
                          t.kv_cache_dim, dtype=dtype, device=config.device)
-        executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device),
+        executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device, dtype),
                                 config.block_size, config.device)
         serve_commands(group, executor, t.kv_cache_heads, first_head, config.kv_staging_blocks)
     except Exception:

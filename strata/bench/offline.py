@@ -202,7 +202,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
 def _bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = bench_model_dir("small")
     engine = _engine(model_dir, args, "float32")
-    runner = engine.decoder.core.runner
+    runner = engine.core.runner
     model = runner.model
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if not n.startswith("embed_tokens")) + model.cfg.hidden_size * 4  # one embedding row
@@ -219,7 +219,7 @@ def _bandwidth(args: argparse.Namespace) -> dict[str, Any]:
         if not prefilling:
             times.append(time.perf_counter() - t0)
             contexts.append(seq.num_tokens)
-    lay = engine.decoder.kv.layout
+    lay = engine.kv.layout
     kv_bytes = statistics.median(contexts) * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * 4
     step = statistics.median(times)
     bw = copy_bandwidth(args.device)
@@ -247,7 +247,7 @@ def _compile(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate([{"prompt_token_ids": random_prompts(1, 32, VOCAB, seed=11)[0],
                           "params": SamplingParams(max_tokens=1, temperature=0.0)}])
         out[mode] = {"build_s": build_s, "first_request_s": time.perf_counter() - t0,
-                     "compile_s": engine.decoder.core.runner.compile_seconds}
+                     "compile_s": engine.core.runner.compile_seconds}
         engines[mode] = engine
     seeds = [random_prompts(32, args.prompt_len, VOCAB, seed=500 + r) for r in range(args.repeats)]
     its = {m: iter(seeds) for m in engines}

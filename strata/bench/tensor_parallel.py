@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _side(engine: Any, threads: int, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     """TTFT of the first prompt alone, then decode tok/s of the batch; returns the tokens too."""
     torch.set_num_threads(threads)
-    group = getattr(engine.prefiller.core.runner, "group", None)
+    group = getattr(engine.core.runner, "group", None)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     engine.generate([{"prompt_token_ids": prompts[0], "params": one}])
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     base = dict(max_model_len=longest, dtype=args.dtype, max_num_seqs=max(args.batches), enable_prefix_caching=False)
     one = build_engine(model, EngineConfig(**base, num_threads=args.threads))
     group = build_engine(model, EngineConfig(**base, num_threads=args.threads // args.tp, tp=args.tp))
-    transport = group.prefiller.core.runner.group.transport
+    transport = group.core.runner.group.transport
     print(f"# tp: {args.model} model ({args.dtype}), tp=1 (one process, {args.threads} threads) vs tp={args.tp} "
           f"({args.tp} processes x {args.threads // args.tp} threads, collectives over {transport}); "
           f"{args.prompt_len}-token prompts, {args.output_len} output tokens, greedy, EOS ignored; "

@@ -108,7 +108,7 @@ def _decode_bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         host_kv_blocks=-(-longest // 16) * 2 + 64, host_kv_dir=str(work / "decode-host"), max_num_batched_tokens=2048,
     )
     engine = build_engine(model, config)
-    kv = engine.prefiller.core.runner.kv
+    kv = engine.core.runner.kv
     device_bytes = kv.pool.kv.numel() * kv.pool.kv.element_size() + kv.staging_nbytes()
     rows = []
     for ctx in sorted(args.contexts):
@@ -116,7 +116,7 @@ def _decode_bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
             max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
-        while not engine.decoder.num_running:  # prefill
+        while not engine.num_running:  # prefill
             engine.step()
         prefill_s = time.perf_counter() - t0
         steps = []

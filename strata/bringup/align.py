@@ -91,7 +91,7 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
     engine = build_engine(model_dir, EngineConfig(dtype=dtype, attention_backend=backend, prefill_chunk_tokens=chunk,
                                                   enable_prefix_caching=False))
     rec = Recorder()
-    lm = engine.prefiller.core.runner.model
+    lm = engine.core.runner.model
     undo = [_wrap(layer, "forward", lambda out, i=i: rec.add(f"decoder.{i}", out)) for i, layer in enumerate(lm.layers)]
     undo.append(_wrap(lm, "forward", lambda out: rec.add("final_norm", out)))
     handles = []
