@@ -85,7 +85,8 @@ class EngineProcess(EngineStreams):
         self._send(["add", request.to_msgpack()])
 
     def _abort(self, request_id: str) -> None:
-        self._send(["abort", request_id])
+        if not self._dead.is_set():  # a dead engine holds nothing to free
+            self._send(["abort", request_id])
 
     def _send(self, message: list[Any]) -> None:
         """Queue a frame for the writer thread: a large request never blocks the event loop."""
@@ -121,7 +122,7 @@ class EngineProcess(EngineStreams):
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._kill()
-        self._gone()
+        self._gone(expected=True)
 
     # ------------------------------------------------------------ threads
     def _write(self) -> None:
@@ -150,16 +151,15 @@ class EngineProcess(EngineStreams):
                 if fut is not None and not fut.done():
                     fut.set_result(message[2])
 
-    def _gone(self) -> None:
+    def _gone(self, expected: bool = False) -> None:
         """The child is gone (or going): fail every open stream and stats query now."""
         if self._dead.is_set():
             return
         self._dead.set()
         self._sends.put(None)
-        if self.proc.poll() is None:
-            log.error("the engine process stopped answering")
-        else:
-            log.error("the engine process exited (code %s)", self.proc.returncode)
+        if not expected:
+            code = self.proc.poll()
+            log.error("the engine process %s", "stopped answering" if code is None else f"exited (code {code})")
         self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, ENGINE_GONE)])
         with self._lock:
             pending = list(self._stats.values())
