@@ -24,7 +24,16 @@ from strata.deployments.loopback import LOOPBACK_ENV
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny demo model)")
     p.add_argument("--config", type=Path, help="JSON serve config: engine knobs and per-stage replicas/autoscaling")
-    p.add_argument("--model-name", help="the model id clients send (default: the directory name)")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name",
+                   help="the model id clients send (default: the directory name)")
+    p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request (engine.max_model_len)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weights and KV (engine.dtype; default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int,
+                   help="tensor-parallel ranks of every decoder stage (engine.tp)")
+    p.add_argument("--direct-port", type=int,
+                   help="first port of the replicas' own HTTP endpoints (fast path; default: 30000, or the first "
+                        "free port above it)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="join a running cluster (ray://host:port or auto) instead of starting one")
@@ -45,6 +54,10 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     from strata.deployments.config import ServeConfig, check_tensor_parallel
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
+    asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
+    flags = {key: value for key in ("max_model_len", "dtype", "tp") if (value := getattr(args, key, None)) is not None}
+    if flags:  # flags win over the JSON config, and are validated like it
+        config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})
     if args.model is not None:
         if not (args.model / "config.json").is_file():
             raise ValueError(f"{args.model} is not a checkpoint directory (no config.json)")
@@ -56,7 +69,19 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
             raise ValueError("no model: give --model or \"model_dir\" in the config")
         config.model_dir = str(default_model())
     check_tensor_parallel(config, config.model_dir)
+    if asked_len:  # the default is a budget, not a request: only a length someone asked for is checked
+        check_model_len(config.engine.max_model_len, config.model_dir)
     return config
+
+
+def check_model_len(max_model_len: int, model_dir: str) -> None:
+    """Refuse, in one line, a ``max_model_len`` beyond the positions the model was trained for."""
+    from strata.pipeline.models.model_config import load_model_config
+
+    limit = load_model_config(model_dir).text.max_position_embeddings
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({limit}, "
+                         "in its config.json); ask for at most that")
 
 
 # Ray Serve's throughput-optimized path (read by every Serve process when it imports Serve, so set before
@@ -79,6 +104,9 @@ def _start_ray(args: argparse.Namespace) -> Any:
     if getattr(args, "fast_path", True):
         for key, value in FAST_PATH_ENV.items():
             os.environ.setdefault(key, value)
+        if getattr(args, "direct_port", None) is not None:  # read by every Serve process at import
+            os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(args.direct_port)
+            os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(min(65535, args.direct_port + 1000))
     import ray
 
     if args.address is not None:
@@ -124,18 +152,33 @@ def _direct_endpoints(proxy_port: int, wait_s: float = 20.0) -> list[str]:
 
 
 def check_ports(args: argparse.Namespace) -> None:
-    """Refuse, before any cluster starts, ports another program already listens on."""
+    """Refuse, before any cluster starts, ports another program already listens on; settle the first
+    direct-ingress port (a second server on the machine gets the next free one, not a collision)."""
     wanted = [(args.host, args.port, "--port")]
     if args.address is None:  # a cluster we start binds its dashboard and metrics here too
         wanted += [("127.0.0.1", args.dashboard_port, "--dashboard-port"), ("127.0.0.1", args.metrics_port, "--metrics-port")]
+    if getattr(args, "direct_port", None) is not None:
+        wanted.append(("127.0.0.1", args.direct_port, "--direct-port"))
     for host, port, flag in wanted:
         if not 0 < port < 65536:
             raise ValueError(f"{flag} {port} is not a TCP port (1-65535)")
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                raise ValueError(f"port {port} on {host} is in use; pick another with {flag}") from None
+        if not _port_free(host, port):
+            raise ValueError(f"port {port} on {host} is in use; pick another with {flag}")
+    if getattr(args, "fast_path", True) and getattr(args, "direct_port", None) is None:
+        args.direct_port = next((p for p in range(DIRECT_PORT, DIRECT_PORT + 1000) if _port_free("127.0.0.1", p)),
+                                DIRECT_PORT)
+
+
+DIRECT_PORT = 30000  # Serve's first direct-ingress port
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> int:

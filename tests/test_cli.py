@@ -158,6 +158,65 @@ def test_serve_refuses_a_bad_config_before_starting_anything(config: str, messag
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dtype", "float16"], "dtype float16 runs on CUDA only; on CPU use float32 (exact) or bfloat16"),
+        (["--max-model-len", "100000"], "max_model_len 100000 exceeds the model's max_position_embeddings (4096"),
+        (["--tp", "3"], "tp=3 does not divide the model's 4 attention heads"),
+        (["--max-model-len", "0"], "engine.max_model_len"),
+    ],
+    ids=["float16-on-cpu", "beyond-positions", "tp-does-not-split", "zero-length"],
+)
+def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str, llama_dir: Path, capsys) -> None:
+    res = strata_in_process(capsys, "serve", "--model", str(llama_dir), *flags, "--port", "1")
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_serve_flags_override_the_json_config(llama_dir: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from strata.deployments.serve_cli import add_arguments, load_config
+
+    path = tmp_path / "serve.json"
+    path.write_text('{"engine": {"max_model_len": 1024, "dtype": "bfloat16"}, "model_name": "from-json"}')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(llama_dir), "--config", str(path), "--max-model-len", "2048",
+                              "--tensor-parallel-size", "2", "--served-model-name", "from-flag"])
+    config = load_config(args)
+    assert config.engine.max_model_len == 2048 and config.engine.tp == 2 and config.engine.dtype == "bfloat16"
+    assert config.model_name == "from-flag"
+    plain = load_config(parser.parse_args(["--model", str(llama_dir), "--config", str(path)]))
+    assert plain.engine.max_model_len == 1024 and plain.engine.tp == 1 and plain.model_name == "from-json"
+
+
+def test_a_second_server_gets_the_next_free_direct_port_and_a_busy_one_asked_for_is_refused(capsys) -> None:
+    import argparse
+    import socket
+
+    from strata.deployments.serve_cli import DIRECT_PORT, add_arguments, check_ports
+    from strata.local_server import free_port
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ports = ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--metrics-port", str(free_port())]
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", DIRECT_PORT))  # as a first server's replica would hold it
+            busy.listen()
+        except OSError:
+            pass  # something on this machine holds it already: the same situation
+        args = parser.parse_args(ports)
+        check_ports(args)
+        assert args.direct_port > DIRECT_PORT
+        asked = parser.parse_args([*ports, "--direct-port", str(DIRECT_PORT)])
+        with pytest.raises(ValueError, match=f"port {DIRECT_PORT} on 127.0.0.1 is in use; pick another with --direct-port"):
+            check_ports(asked)
+
+
 @pytest.mark.parametrize("flag", ["--port", "--dashboard-port", "--metrics-port"])
 def test_serve_on_a_port_in_use_is_one_line_before_ray_starts(flag: str, llama_dir: Path, capsys) -> None:
     import socket

@@ -101,6 +101,8 @@ class EngineConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "EngineConfig":
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("dtype float16 runs on CUDA only; on CPU use float32 (exact) or bfloat16")
         if self.tp > 1 and self.compile:
             raise ValueError("compile is not supported with tp > 1 (the sharded layer step runs eagerly)")
         if self.max_image_pixels_in_flight and self.max_image_pixels_in_flight < self.max_image_pixels:
