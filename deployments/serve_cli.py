@@ -74,14 +74,18 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     return config
 
 
+ALLOW_LONG_ENV = "STRATA_ALLOW_LONG_MAX_MODEL_LEN"  # as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+
+
 def check_model_len(max_model_len: int, model_dir: str) -> None:
-    """Refuse, in one line, a ``max_model_len`` beyond the positions the model was trained for."""
+    """Refuse, in one line, a ``max_model_len`` beyond the positions the model was trained for, unless
+    ``STRATA_ALLOW_LONG_MAX_MODEL_LEN=1`` says the caller knows (positions past them are extrapolated)."""
     from strata.pipeline.models.model_config import load_model_config
 
     limit = load_model_config(model_dir).text.max_position_embeddings
-    if max_model_len > limit:
+    if max_model_len > limit and os.environ.get(ALLOW_LONG_ENV) != "1":
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({limit}, "
-                         "in its config.json); ask for at most that")
+                         f"in its config.json); ask for at most that, or set {ALLOW_LONG_ENV}=1 to extrapolate")
 
 
 # Ray Serve's throughput-optimized path (read by every Serve process when it imports Serve, so set before

@@ -175,6 +175,16 @@ def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str,
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_a_long_max_model_len_is_allowed_when_asked_for(llama_dir: Path, monkeypatch) -> None:
+    from strata.deployments.serve_cli import check_model_len
+
+    monkeypatch.setenv("STRATA_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    check_model_len(100_000, str(llama_dir))  # no error: the operator opted in
+    monkeypatch.setenv("STRATA_ALLOW_LONG_MAX_MODEL_LEN", "0")
+    with pytest.raises(ValueError, match="set STRATA_ALLOW_LONG_MAX_MODEL_LEN=1 to extrapolate"):
+        check_model_len(100_000, str(llama_dir))
+
+
 def test_serve_flags_override_the_json_config(llama_dir: Path, tmp_path: Path) -> None:
     import argparse
 
