@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import logging
 import math
 from typing import Any, ClassVar
@@ -165,18 +166,10 @@ def flashinfer_pages(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tenso
     offsets = meta.kv_offsets or [0] * meta.num_seqs
     used = [s - o for s, o in zip(meta.seq_lens_list, offsets)]
     pages = [-(-n // bs) for n in used]
-    qo_indptr = torch.tensor([0, *_cumsum(meta.query_lens)], dtype=torch.int32)
-    kv_indptr = torch.tensor([0, *_cumsum(pages)], dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(meta.query_lens)], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
     last = torch.tensor([n - (p - 1) * bs for n, p in zip(used, pages)], dtype=torch.int32)
     tables = meta.block_tables
     width = torch.arange(tables.shape[1], device=tables.device)
     wanted = width[None, :] < torch.tensor(pages, device=tables.device)[:, None]
     return qo_indptr, kv_indptr, tables[wanted].to(torch.int32), last
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

@@ -141,10 +141,7 @@ class EngineProcess(EngineStreams):
                 self._gone()
                 return
             if message[0] == "events":
-                by_request: dict[str, list[TokenEvent]] = {}
-                for event in unpack_events(message[1]):
-                    by_request.setdefault(event.request_id, []).append(event)
-                self.delivery.send_many(list(by_request.items()))
+                self._deliver(unpack_events(message[1]))
             elif message[0] == "stats":
                 with self._lock:
                     fut = self._stats.get(message[1])

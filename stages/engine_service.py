@@ -44,6 +44,13 @@ class EngineStreams:
         self.stream_interval_s = stream_interval_s
         self.delivery = Delivery()
 
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        """One step's events to their requests' streams, with one wake-up per event loop."""
+        by_request: dict[str, list[TokenEvent]] = {}
+        for event in events:
+            by_request.setdefault(event.request_id, []).append(event)
+        self.delivery.send_many(list(by_request.items()))
+
     async def _submit(self, request: Request) -> None:
         raise NotImplementedError
 
@@ -87,10 +94,7 @@ class EngineService(EngineStreams):
         self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, INTERNAL_ERROR)])
 
     def _step(self) -> None:
-        by_request: dict[str, list[TokenEvent]] = {}
-        for event in self.engine.step():
-            by_request.setdefault(event.request_id, []).append(event)
-        self.delivery.send_many(list(by_request.items()))  # one hand-off to the event loop per step
+        self._deliver(self.engine.step())
 
     async def _submit(self, request: Request) -> None:
         await self.loop.run(lambda: self.engine.add(request))
