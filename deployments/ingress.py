@@ -206,7 +206,8 @@ class Ingress:
             await self._engine_ready()
             if chat:
                 messages, images = split_chat(req.messages, self.config.max_image_bytes)
-                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages)
+                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages,
+                                                   mm_processor_kwargs=req.mm_processor_kwargs)
             else:
                 prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
         except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals

@@ -134,6 +134,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM extension: the image processor's per-request settings (Qwen-VL: min_pixels, max_pixels); the
+    # Preprocess stage checks them against the model's processor
+    mm_processor_kwargs: dict[StrictStr, Any] | None = None
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -38,14 +38,14 @@ class RequestFlow:
         self._tokenizing = asyncio.Semaphore(2)
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
-                      **prompt: Any) -> Request:
+                      mm_processor_kwargs: dict[str, Any] | None = None, **prompt: Any) -> Request:
         """Tokenize, check lengths, embed images: the request to run. User errors -> 400. A fixed-size
         model's prompt is checked before its images are touched; a native-resolution model's images
         are preprocessed first, because their token counts are part of the prompt's length."""
         tok = self.intake.tokenizer
         if images and not tok.takes_images:
             raise APIError(400, NO_IMAGES, param="messages")
-        processed = await self._preprocess(images) if images and not tok.num_image_tokens else None
+        processed = await self._preprocess(images, mm_processor_kwargs) if images and not tok.num_image_tokens else None
         counts = [p.num_tokens for p in processed] if processed is not None else None
         try:
             async with self._tokenizing:
@@ -57,15 +57,17 @@ class RequestFlow:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         if images:
-            processed = processed if processed is not None else await self._preprocess(images)
+            processed = processed if processed is not None else await self._preprocess(images, mm_processor_kwargs)
             feats = await self.encode.encode.remote(processed)
-            attach_images(request, offsets, feats, [p.content_hash for p in processed])
+            attach_images(request, offsets, feats, [p.content_hash for p in processed], [p.grid_thw for p in processed])
         return request
 
-    async def _preprocess(self, images: list[bytes]) -> list[Any]:
-        processed = await asyncio.gather(*(self.preprocess.process.remote(b) for b in images))
+    async def _preprocess(self, images: list[bytes], mm_processor_kwargs: dict[str, Any] | None) -> list[Any]:
+        processed = await asyncio.gather(*(self.preprocess.process.remote(b, mm_processor_kwargs) for b in images))
         for i, p in enumerate(processed):
             if isinstance(p, ImageError):
+                if str(p).startswith("mm_processor_kwargs"):
+                    raise APIError(400, str(p), param="mm_processor_kwargs")
                 raise APIError(400, f"image {i}: {p}", param="messages")
         return list(processed)
 

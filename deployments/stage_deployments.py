@@ -54,13 +54,14 @@ class Preprocess:
         """Answered once this replica is up (the ingress's /health asks every stage)."""
         return True
 
-    async def process(self, data: bytes) -> PreprocessedImage | ImageError:
-        """The preprocessed image, or the :class:`ImageError` that says what the user must fix (a 400)."""
+    async def process(self, data: bytes, mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImage | ImageError:
+        """The preprocessed image, or the :class:`ImageError` that says what the user must fix (a 400);
+        ``mm_processor_kwargs``: the request's processor settings (native resolution: its pixel range)."""
         self.pending += 1
         t0 = time.perf_counter()
         deadline = self.budget.deadline()  # from arrival: time queued for a worker thread counts too
         try:
-            return await asyncio.to_thread(self.preprocessor.process, data, deadline)
+            return await asyncio.to_thread(self.preprocessor.process, data, deadline, mm_processor_kwargs)
         except ImageError as exc:
             return exc.with_traceback(None)  # its frames would keep the decoded pixels alive
         finally:

@@ -172,3 +172,21 @@ class TorchAttentionBackend(AttentionBackend):
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Bidirectional attention over one image's tokens ([B, H, T, D]), as the vision tower needs."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
+    """Bidirectional attention within consecutive segments of packed tokens (q, k, v: [N, H, D]), never
+    across them: each image of a packed batch, or each window of a windowed vision layer. Segments of one
+    length run as one batch (windows are mostly full-size), so nothing is padded and no Python loop runs
+    per segment; the result is exactly per-segment attention. Returns [N, H, D]."""
+    out = torch.empty_like(q)
+    starts = torch.tensor([0, *lengths], device="cpu").cumsum(0)[:-1]
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            by_length.setdefault(n, []).append(i)
+    for n, segments in by_length.items():
+        rows = (starts[segments][:, None] + torch.arange(n)[None]).to(q.device)  # [segments, n]
+        qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [segments, H, n, D]
+        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+    return out

@@ -60,10 +60,32 @@ def _yarn_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> tuple[
     return inv_freq, float(attention)
 
 
-class RotaryEmbedding:
-    """cos/sin for arbitrary absolute positions, computed on the fly (no table: 1M positions fit)."""
+def mrope_axes(num_freqs: int, sections: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position axis (0 temporal, 1 height, 2 width) rotates each frequency under M-RoPE.
 
-    def __init__(self, head_dim: int, rope_parameters: dict[str, Any]) -> None:
+    Qwen2-VL/2.5-VL give the axes consecutive runs of ``sections`` frequencies (t t t h h h w w w);
+    Qwen3-VL interleaves them (t h w t h w ... , each axis limited to its section), so every axis
+    sees high and low frequencies alike."""
+    if len(sections) != 3 or sum(sections) != num_freqs:
+        raise ValueError(f"mrope_section {list(sections)} must be three counts summing to {num_freqs} (head_dim / 2)")
+    axes = torch.zeros(num_freqs, dtype=torch.int64, device="cpu")
+    if interleaved:
+        for axis in (1, 2):
+            axes[axis : 3 * sections[axis] : 3] = axis
+    else:
+        axes[sections[0] : sections[0] + sections[1]] = 1
+        axes[sections[0] + sections[1] :] = 2
+    return axes
+
+
+class RotaryEmbedding:
+    """cos/sin for arbitrary absolute positions, computed on the fly (no table: 1M positions fit).
+
+    With ``mrope_section`` (Qwen-VL's multimodal RoPE) positions are [3, T] (temporal, height, width
+    per token; a text token has the same value on all three) and each frequency reads its axis."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict[str, Any], mrope_section: tuple[int, ...] = (),
+                 mrope_interleaved: bool = False) -> None:
         rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -83,11 +105,18 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
         self.attention_scaling = scaling
         self.rope_type = rope_type
+        self.mrope_axes = mrope_axes(len(inv_freq), tuple(mrope_section), mrope_interleaved) if mrope_section else None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, head_dim] for int positions [T]."""
+        """cos, sin of shape [T, head_dim] for int positions [T] (or [3, T] under M-RoPE)."""
         inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        if positions.dim() == 2:
+            if self.mrope_axes is None:
+                raise ValueError("3-D positions need a model with mrope_section")
+            axes = self.mrope_axes.to(positions.device)
+            freqs = positions.to(torch.float32)[axes].T * inv_freq[None, :]  # [T, F]: frequency i at axis axes[i]
+        else:
+            freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
@@ -119,3 +148,10 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     half = x.shape[-1] // 2
     swapped = x.view(*x.shape[:-1], 2, half).flip(-2).view(x.shape)
     return x * cos.unsqueeze(1) + swapped * sin_signed.unsqueeze(1)
+
+
+def rotate_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The vision towers' RoPE: x [N, H, D] rotated (half-split) by per-token cos/sin [N, D] in fp32, then
+    cast back to x's dtype (the references' order; the decoder's :func:`rotate_heads` stays in its dtype)."""
+    xf = x.float()
+    return (xf * cos[:, None] + _rotate_half(xf) * sin[:, None]).to(x.dtype)

@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=128, help="words per random prompt")
     p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--mm-image-sizes", nargs="+", default=["64x64", "448x336", "1024x768", "336x896"],
+                   help="random-mm: image sizes (WxH) drawn per image; a native-resolution model (Qwen-VL, "
+                        "Kimi-K2.5) turns each into its own number of prompt tokens")
+    p.add_argument("--mm-images-per-request", type=int, default=1, help="random-mm: images in each request")
     p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: words of the shared prefix")
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: no pacing)")
@@ -67,26 +71,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _png_data_url(rng: random.Random) -> str:
+def _png_data_url(rng: random.Random, size: tuple[int, int] = (64, 64)) -> str:
+    """A PNG of ``size``: a random background with a few random blocks (cheap to make at any size)."""
     from PIL import Image
 
-    img = Image.new("RGB", (64, 64), tuple(rng.randrange(256) for _ in range(3)))
+    w, h = size
+    img = Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(8):
+        x, y = rng.randrange(w), rng.randrange(h)
+        img.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, min(w, x + w // 4 + 1), min(h, y + h // 4 + 1)))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_sizes(values: list[str]) -> list[tuple[int, int]]:
+    sizes = []
+    for value in values:
+        w, _, h = value.lower().partition("x")
+        if not (w.isdigit() and h.isdigit() and 0 < int(w) <= 8192 and 0 < int(h) <= 8192):
+            raise SystemExit(f"strata: error: --mm-image-sizes takes WxH values up to 8192x8192, got {value!r}")
+        sizes.append((int(w), int(h)))
+    return sizes
 
 
 def make_dataset(args: argparse.Namespace) -> list[Request]:
     rng = random.Random(args.seed)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     prefixes = [words(args.prefix_len) for _ in range(args.num_prefixes)]
+    sizes = _image_sizes(getattr(args, "mm_image_sizes", ["64x64"]))
     out = []
     for i in range(args.num_prompts):
         if args.dataset == "prefix-repetition":
             content: Any = f"{prefixes[i % len(prefixes)]}\nQuestion {i}: {words(16)}"
         elif args.dataset == "random-mm":
-            content = [{"type": "image_url", "image_url": {"url": _png_data_url(rng)}},
-                       {"type": "text", "text": words(args.random_input_len)}]
+            images = [{"type": "image_url", "image_url": {"url": _png_data_url(rng, rng.choice(sizes))}}
+                      for _ in range(getattr(args, "mm_images_per_request", 1))]
+            content = images + [{"type": "text", "text": words(args.random_input_len)}]
         else:
             content = words(args.random_input_len)
         out.append(Request([{"role": "user", "content": content}], args.random_output_len))
@@ -205,6 +226,7 @@ def print_summary(s: dict[str, Any], label: str) -> None:
     print(f"{'Successful requests:':<36}{s['completed']:>12}")
     print(f"{'Failed requests:':<36}{s['failed']:>12}")
     print(f"{'Benchmark duration (s):':<36}{s['duration_s']:>12.2f}")
+    print(f"{'Total input tokens (images counted):':<36}{s['total_input_tokens']:>12}")
     print(f"{'Request throughput (req/s):':<36}{s['request_throughput']:>12.2f}")
     print(f"{'Output token throughput (tok/s):':<36}{s['output_throughput']:>12.2f}")
     print(f"{'Total token throughput (tok/s):':<36}{s['total_token_throughput']:>12.2f}")

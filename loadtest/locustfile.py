@@ -4,7 +4,7 @@
 
 Environment knobs: STRATA_MAX_TOKENS (default 32), STRATA_LONG_PROMPT_WORDS (default 300).
 
-Four kinds of users: short text chats, chats with an image, multi-turn chats whose turns share
+Four kinds of users: short text chats, chats with an image (of mixed sizes), multi-turn chats whose turns share
 a growing prefix, and long prompts. Every request streams. Locust's own row for a streamed POST
 times only the response headers, so each request also reports, as separate Locust entries per
 kind, its end-to-end latency to ``[DONE]`` ("E2E"), its time to first token ("TTFT") and its mean
@@ -27,20 +27,22 @@ MAX_TOKENS = int(os.environ.get("STRATA_MAX_TOKENS", "32"))
 LONG_PROMPT_WORDS = int(os.environ.get("STRATA_LONG_PROMPT_WORDS", "300"))  # ~8 tokens each with the demo tokenizer
 
 
-def _demo_png(seed: int) -> str:
+def _demo_png(seed: int, size: tuple[int, int] = (64, 64)) -> str:
     from PIL import Image
 
     rng = random.Random(seed)
-    img = Image.new("RGB", (64, 64), tuple(rng.randrange(256) for _ in range(3)))
+    w, h = size
+    img = Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3)))
     for _ in range(12):
-        x, y = rng.randrange(56), rng.randrange(56)
-        img.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, x + 8, y + 8))
+        x, y = rng.randrange(w - 8), rng.randrange(h - 8)
+        img.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, x + w // 8, y + h // 8))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-IMAGES = [_demo_png(i) for i in range(4)]
+# Mixed sizes: a native-resolution model (Qwen-VL, Kimi-K2.5) makes each its own number of prompt tokens
+IMAGES = [_demo_png(i, size) for i, size in enumerate([(64, 64), (448, 336), (1024, 768), (336, 896)])]
 TOPICS = ["the sea", "lighthouses", "storms", "harbours", "the tides", "old ships", "the stars"]
 
 

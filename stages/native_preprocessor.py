@@ -1,5 +1,5 @@
-"""Native-resolution image preprocessing (Kimi-K2.5): the checkpoint's own transformers image processor
-behind the guards every image passes here.
+"""Native-resolution image preprocessing (Kimi-K2.5, Qwen2.5-VL): the checkpoint's own transformers image
+processor behind the guards every image passes here.
 
 The processor (``AutoImageProcessor`` from the checkpoint: navit resize within ``max_patches`` and the
 per-side limit, pad to the merge grid, normalise, cut into flattened patches) defines how many tokens
@@ -7,6 +7,11 @@ an image becomes, so it is used as it is rather than re-implemented; this stage 
 around it: the header is checked before any pixel is decoded (size cap, format), decoded pixels are
 reserved in the replica's pixel budget, and the result carries the patch grid and token count the
 intake expands the image's placeholder to.
+
+A request may choose its images' resolution within the processor's pixel range, as vLLM's
+``mm_processor_kwargs`` (``min_pixels``/``max_pixels``, Qwen-VL's processor) does. One image at two
+resolutions is two different inputs to the model, so the content hash that keys the encoder cache and the
+KV prefix covers the grid the image was resized to, not only its bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,13 +35,44 @@ class NativeResolutionPreprocessor:
         if max_pixels < 1:
             raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        self.group = int(getattr(self.processor, "merge_size", 2)) ** 2
+        merge = int(getattr(self.processor, "merge_size", 2))
+        self.group = merge**2
         self.max_pixels = max_pixels
         self.pixel_budget = pixel_budget
+        size = getattr(self.processor, "size", None)
+        # Qwen-VL's processor resizes within [shortest_edge, longest_edge] pixels; a request may narrow or move
+        # that range, never below one merged token nor past what this stage decodes
+        self.pixel_range: tuple[int, int] | None = None
+        if getattr(size, "shortest_edge", None) and getattr(size, "longest_edge", None):
+            self.pixel_range = (int(size.shortest_edge), int(size.longest_edge))
+            self.min_request_pixels = (int(getattr(self.processor, "patch_size", 14)) * merge) ** 2
 
-    def process(self, image_bytes: bytes, deadline: float | None = None) -> PreprocessedImage:
-        """Patches, grid and token count of one image; raises ImageError for unusable input."""
-        content_hash = hashlib.blake2b(image_bytes, digest_size=16).digest()
+    def resolution(self, kwargs: dict[str, Any] | None) -> dict[str, int] | None:
+        """The processor's ``size`` for a request's ``mm_processor_kwargs`` (None: the checkpoint's own);
+        raises ValueError naming the problem (an HTTP 400)."""
+        if not kwargs:
+            return None
+        if self.pixel_range is None:
+            raise ValueError(f"mm_processor_kwargs: this model's image processor takes none, got {sorted(kwargs)}")
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: unknown key(s) {unknown}; this model takes min_pixels and max_pixels")
+        low, high = self.min_request_pixels, self.max_pixels
+        for key, value in kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"mm_processor_kwargs.{key} must be an integer in [{low}, {high}], got {value!r}")
+        lo, hi = int(kwargs.get("min_pixels", self.pixel_range[0])), int(kwargs.get("max_pixels", self.pixel_range[1]))
+        if lo > hi:
+            raise ValueError(f"mm_processor_kwargs: min_pixels ({lo}) exceeds max_pixels ({hi})")
+        return {"shortest_edge": lo, "longest_edge": hi}
+
+    def process(self, image_bytes: bytes, deadline: float | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImage:
+        """Patches, grid and token count of one image; raises ImageError for unusable input or settings."""
+        try:
+            size = self.resolution(mm_processor_kwargs)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
         header = _open(image_bytes, self.max_pixels)
         width, height = header.size
         reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(width * height, deadline)
@@ -43,12 +80,13 @@ class NativeResolutionPreprocessor:
             image = _to_chw_uint8(_load(header), True)
             del header
             try:
-                out = self.processor(images=[image], return_tensors="pt")
+                out = self.processor(images=[image], return_tensors="pt", **({"size": size} if size else {}))
             except Exception as exc:  # the processor's own refusals (degenerate sizes) are the user's to fix
                 raise ImageError(f"image of {width}x{height} cannot be processed for this model") from exc
             del image
             grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
             pixels = np.ascontiguousarray(out["pixel_values"].numpy().astype(np.float32, copy=False))
+        content_hash = hashlib.blake2b(image_bytes + b"grid=%d,%d,%d" % grid, digest_size=16).digest()
         return PreprocessedImage(pixel_values=pixels, content_hash=content_hash, grid_thw=grid,  # type: ignore[arg-type]
                                  num_tokens=grid[0] * grid[1] * grid[2] // self.group)
 

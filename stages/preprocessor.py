@@ -121,13 +121,17 @@ class Preprocessor:
             return cls(_read_json(flat), max_pixels=max_pixels, pixel_budget=pixel_budget)
         raise FileNotFoundError(f"no image processor config in {model_dir} (processor_config.json or preprocessor_config.json)")
 
-    def process(self, image_bytes: bytes, deadline: float | None = None) -> PreprocessedImage:
-        """Decode, convert, resize, crop and normalise one image; raises ImageError for unusable input.
+    def process(self, image_bytes: bytes, deadline: float | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImage:
+        """Decode, convert, resize, crop and normalise one image; raises ImageError for unusable input
+        (and for ``mm_processor_kwargs``: a fixed-size model's images take no per-request settings).
 
         With a pixel budget the image's pixels (known from its header) are reserved before it is
         decoded and given back once its pixel values are made: every full-size copy lives inside
         that window. ``deadline`` (``time.monotonic()``) bounds the wait for room; past it,
         :class:`~strata.stages.pixel_budget.PixelBudgetTimeout`."""
+        if mm_processor_kwargs:
+            raise ImageError(f"mm_processor_kwargs: this model's image processor takes none, got {sorted(mm_processor_kwargs)}")
         content_hash = hashlib.blake2b(image_bytes, digest_size=16).digest()
         header = _open(image_bytes, self.max_pixels)
         width, height = header.size

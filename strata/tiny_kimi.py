@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from strata.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
-from strata.tiny_text_models import make_text_config, perturb_params
+from strata.tiny_text_models import make_text_config, save_tiny_vlm
 
 VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=4,
               num_hidden_layers=2, hidden_size=32, intermediate_size=64, hidden_act="gelu_pytorch_tanh",
@@ -19,8 +19,7 @@ VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, 
 
 
 def build_tiny_kimi_k25(out_dir: str | Path, seed: int = 0, max_side: int = 224) -> Path:
-    import torch
-    from transformers import GenerationConfig, Kimi_K25Config, Kimi_K25ForConditionalGeneration
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
     from transformers.models.kimi_k25 import Kimi_K25ImageProcessor, Kimi_K25Processor, Kimi_K25VideoProcessor
 
     out_dir = Path(out_dir)
@@ -29,12 +28,7 @@ def build_tiny_kimi_k25(out_dir: str | Path, seed: int = 0, max_side: int = 224)
     text = make_text_config("deepseek_v3", len(tok)).to_dict()
     config = Kimi_K25Config(text_config=text, vision_config=dict(VISION), projection_hidden_size=VISION["hidden_size"],
                             image_token_id=tok.convert_tokens_to_ids(IMAGE), tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config).to(torch.float32).eval()
-    perturb_params(model, seed)
-    model.generation_config = GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
-                                               pad_token_id=text["pad_token_id"], do_sample=False)
-    model.save_pretrained(out_dir, max_shard_size="200KB")
+    save_tiny_vlm(Kimi_K25ForConditionalGeneration, config, out_dir, seed, text)
     image_processor = Kimi_K25ImageProcessor(size={"max_height": max_side, "max_width": max_side}, patch_size=14,
                                              merge_size=2)
     video_processor = Kimi_K25VideoProcessor(patch_size=14, merge_size=2)  # saved for the processor; Strata refuses video

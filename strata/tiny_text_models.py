@@ -77,6 +77,20 @@ def perturb_params(model, seed: int) -> None:
                 tensor.copy_(torch.empty(tensor.shape).uniform_(0.5, 1.5, generator=gen))
 
 
+def save_tiny_vlm(model_class, config, out_dir: Path, seed: int, text: dict[str, Any]) -> None:
+    """Instantiate a composite transformers model with fixed seeds, perturb it, and save it as 200 KB shards
+    with a greedy generation config (the tiny VLM builders' shared last steps)."""
+    import torch
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    perturb_params(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
+                                               pad_token_id=text["pad_token_id"], do_sample=False)
+    model.save_pretrained(out_dir, max_shard_size="200KB")
+
+
 def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None,
                           max_shard_size: str = "200KB") -> Path:
     """Write a complete offline-loadable text-only checkpoint of ``arch`` into ``out_dir``."""

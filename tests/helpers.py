@@ -177,3 +177,70 @@ def write_transformers5_checkpoint(src: Path, dst: Path) -> None:
         save_file({k: state[k] for k in ks}, str(dst / name))
     index = {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def patterned_image(size: tuple[int, int], seed: int = 0) -> bytes:
+    """A PNG of ``size`` (width, height): a gradient with seeded noise, so each seed and size is its own image."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = np.linspace(0, 255, w * h * 3).reshape(h, w, 3)
+    pixels = (base + rng.integers(0, 60, (h, w, 3))).clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def tokens_through_handoff(model_dir: Path, config: EngineConfig, engine: Any, images: list[bytes], prompt: str,
+                           params: SamplingParams, check: Any = None) -> list[int]:
+    """One request prepared by ``engine``, prefilled by a prefill service and finished by a decode service
+    (both in this process, over ``config``), its hand-off passed as bytes; ``check(request, handoff)``
+    may inspect what crossed. Returns every generated token."""
+    import asyncio
+
+    from strata.pipeline.contract.handoff import Handoff
+    from strata.stages.factory import build_decode_service, build_prefill_service
+
+    prefill, decode = build_prefill_service(model_dir, config), build_decode_service(model_dir, config)
+
+    async def complete() -> list[int]:
+        request = engine.prepare("handoff", params, images, prompt=prompt)
+        handoff = Handoff.from_msgpack((await prefill.prefill(request)).to_msgpack())
+        if check is not None:
+            check(request, handoff)
+        tokens = [handoff.first.token_id]
+        async for batch in decode.generate(handoff):
+            tokens += [e.token_id for e in batch]
+        return tokens
+
+    try:
+        return asyncio.run(complete())
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def spilling_engine(model_dir: Path, host_dir: Path):
+    """An engine whose device pool (10 blocks) is smaller than one long prompt: the prompt's older blocks
+    spill to a host tier under ``host_dir`` and stream back to attention."""
+    return build(model_dir, num_kv_blocks=10, prefill_chunk_tokens=32, host_kv_blocks=200, host_kv_dir=str(host_dir))
+
+
+def preempting_engine(model_dir: Path):
+    """An engine whose pool (14 blocks) cannot hold four growing requests at once: some are preempted and
+    computed again (prefix caching off, so the recompute is a real one)."""
+    return build(model_dir, num_kv_blocks=14, max_num_batched_tokens=64, prefill_chunk_tokens=32,
+                 enable_prefix_caching=False)
+
+
+def image_chat(images: list[bytes], prompt: str) -> list[dict[str, Any]]:
+    """One user message of PNG images as base64 data URLs, then the prompt: what the openai client sends."""
+    import base64
+
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+             for b in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": prompt}]}]

@@ -13,12 +13,14 @@ from strata.kernels import (
     RotaryEmbedding,
     apply_rope,
     available_backends,
+    dense_attention,
     get_attention_backend,
     merge_attention_states,
     moe_experts,
     moe_route,
     rms_norm,
     rotate_heads,
+    segment_attention,
     signed_sin,
     write_cache,
     write_kv,
@@ -217,6 +219,48 @@ def test_rope_matches_transformers(params: dict) -> None:
     q_o, k_o = apply_rope(q, k, cos, sin)
     torch.testing.assert_close(q_o, q_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_o, k_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2.5-vl-runs", "qwen3-vl-interleaved"])
+def test_mrope_matches_transformers(interleaved: bool) -> None:
+    """3-D positions (temporal, height, width) that differ per axis, as an image's tokens have: each frequency
+    reads the axis its M-RoPE section gives it, exactly as transformers' Qwen-VL text rotary embeddings."""
+    if interleaved:
+        from transformers import Qwen3VLTextConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Reference
+    else:
+        from transformers import Qwen2_5_VLTextConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding as Reference
+    section = [8, 12, 12]  # of 32 frequencies (head dim 64), as the real models' 16/24/24 of 64 scaled down
+    params = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+    ref = Reference(Config(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=params))
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 5000, (3, 7), generator=gen)
+    cos_r, sin_r = ref(torch.zeros(1, 7, 64), pos[:, None])
+    cos, sin = RotaryEmbedding(64, params, tuple(section), interleaved).cos_sin(pos, torch.float32)
+    torch.testing.assert_close(cos, cos_r[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, sin_r[0], rtol=0, atol=1e-6)
+    text = pos[0].repeat(3, 1)  # a text token's three positions are equal: plain RoPE
+    torch.testing.assert_close(RotaryEmbedding(64, params, tuple(section), interleaved).cos_sin(text, torch.float32)[0],
+                               RotaryEmbedding(64, params).cos_sin(pos[0], torch.float32)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="mrope_section"):
+        RotaryEmbedding(64, params, (8, 12, 10))
+
+
+def test_segment_attention_equals_attention_segment_by_segment() -> None:
+    """Packed images or windows of several lengths, grouped by length into batches: each segment attends
+    only to itself, exactly as one dense call per segment."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [16, 5, 16, 0, 9, 5, 16]
+    q, k, v = (torch.randn(sum(lengths), 4, 8, generator=gen) for _ in range(3))
+    out = segment_attention(q, k, v, lengths, 8**-0.5)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        ref = dense_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None],
+                              8**-0.5)[0].transpose(0, 1)
+        torch.testing.assert_close(out[sl], ref, rtol=1e-6, atol=1e-6)
+        start += n
 
 
 def test_unsupported_rope_type_is_a_clear_error() -> None:

@@ -8,7 +8,6 @@ paths: the encoder cache, prefix hits by image, spill and reload, the hand-off, 
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 from pathlib import Path
@@ -16,13 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import build, greedy
+from helpers import build, greedy, image_chat, patterned_image, spilling_engine, tokens_through_handoff
 from PIL import Image
 
 from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
-from strata.pipeline.contract.handoff import Handoff
-from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.native_preprocessor import NativeResolutionPreprocessor
 from strata.tiny_kimi import build_tiny_kimi_k25
 
@@ -35,16 +32,6 @@ PROMPT = "Describe the picture, then tell me about the sea."
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "tiny-kimi-k25")
-
-
-def _image(size: tuple[int, int], seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    w, h = size
-    base = np.linspace(0, 255, w * h * 3).reshape(h, w, 3)
-    pixels = (base + rng.integers(0, 60, (h, w, 3))).clip(0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _reference(model_dir: Path, images: list[bytes], n: int) -> tuple[list[int], int]:
@@ -67,7 +54,7 @@ def _reference(model_dir: Path, images: list[bytes], n: int) -> tuple[list[int],
 @pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
 def test_align_passes_at_every_size(size: str, kimi_dir: Path, tmp_path: Path) -> None:
     image = tmp_path / "image.png"
-    image.write_bytes(_image(SIZES[size]))
+    image.write_bytes(patterned_image(SIZES[size]))
     report = tmp_path / "align.json"
     code = main(["align", "--model", str(kimi_dir), "--image", str(image), "--json", str(report)])
     result = json.loads(report.read_text())
@@ -83,7 +70,7 @@ def test_the_preprocessor_gives_the_processors_patches_and_counts(kimi_dir: Path
     theirs = AutoImageProcessor.from_pretrained(kimi_dir)
     counts = {}
     for name, size in SIZES.items():
-        data = _image(size)
+        data = patterned_image(size)
         got = ours.process(data)
         ref = theirs(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
         assert got.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
@@ -95,7 +82,7 @@ def test_the_preprocessor_gives_the_processors_patches_and_counts(kimi_dir: Path
 @pytest.mark.parametrize("sizes", [["large-224"], ["wide-300x120", "square-64"]], ids=["one-image", "two-images"])
 def test_greedy_tokens_equal_transformers(sizes: list[str], kimi_dir: Path) -> None:
     """Prefill in 16-token chunks (they cut through the images), then decode."""
-    images = [_image(SIZES[s], i) for i, s in enumerate(sizes)]
+    images = [patterned_image(SIZES[s], i) for i, s in enumerate(sizes)]
     expected, prompt_len = _reference(kimi_dir, images, 10)
     engine = build(kimi_dir, prefill_chunk_tokens=16)
     out = engine.generate([{"prompt": PROMPT, "images": images, "params": greedy(10, ignore_eos=True)}])[0]
@@ -105,7 +92,7 @@ def test_greedy_tokens_equal_transformers(sizes: list[str], kimi_dir: Path) -> N
 
 def test_the_same_image_is_encoded_once_and_hits_the_prefix_cache(kimi_dir: Path) -> None:
     engine = build(kimi_dir)
-    image, other = _image(SIZES["large-224"]), _image(SIZES["large-224"], seed=7)
+    image, other = patterned_image(SIZES["large-224"]), patterned_image(SIZES["large-224"], seed=7)
     request = {"prompt": PROMPT, "images": [image], "params": greedy(8)}
     first, second = engine.generate([request])[0], engine.generate([request])[0]
     assert second.output_token_ids == first.output_token_ids
@@ -116,40 +103,25 @@ def test_the_same_image_is_encoded_once_and_hits_the_prefix_cache(kimi_dir: Path
 
 
 def test_spilled_image_blocks_reload_from_the_host_tier(kimi_dir: Path, tmp_path: Path) -> None:
-    images = [_image(SIZES["large-224"]), _image(SIZES["wide-300x120"], 1)]
+    images = [patterned_image(SIZES["large-224"]), patterned_image(SIZES["wide-300x120"], 1)]
     request = {"prompt": PROMPT * 8, "images": images, "params": greedy(8)}
     expected = build(kimi_dir).generate([request])[0].output_token_ids
-    engine = build(kimi_dir, num_kv_blocks=10, prefill_chunk_tokens=32, host_kv_blocks=200,
-                   host_kv_dir=str(tmp_path / "host"))
+    engine = spilling_engine(kimi_dir, tmp_path / "host")
     out = engine.generate([request])[0]
     assert out.output_token_ids == expected and engine.kv.peak_spilled_blocks > 4
 
 
 def test_the_handoff_carries_image_requests(kimi_dir: Path, tmp_path: Path) -> None:
-    images = [_image(SIZES["tall-90x200"])]
+    images = [patterned_image(SIZES["tall-90x200"])]
     engine = build(kimi_dir)
     expected = engine.generate([{"prompt": PROMPT, "images": images, "params": greedy(10)}])[0].output_token_ids
     config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
-    prefill, decode = build_prefill_service(kimi_dir, config), build_decode_service(kimi_dir, config)
-
-    async def complete() -> list[int]:
-        request = engine.prepare("kimi-h", greedy(10), images, prompt=PROMPT)
-        handoff = Handoff.from_msgpack((await prefill.prefill(request)).to_msgpack())
-        tokens = [handoff.first.token_id]
-        async for batch in decode.generate(handoff):
-            tokens += [e.token_id for e in batch]
-        return tokens
-
-    try:
-        assert asyncio.run(complete()) == expected
-    finally:
-        prefill.close()
-        decode.close()
+    assert tokens_through_handoff(kimi_dir, config, engine, images, PROMPT, greedy(10)) == expected
 
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_with_images(kimi_dir: Path) -> None:
-    request = {"prompt": PROMPT, "images": [_image(SIZES["large-224"])], "params": greedy(10)}
+    request = {"prompt": PROMPT, "images": [patterned_image(SIZES["large-224"])], "params": greedy(10)}
     expected = build(kimi_dir).generate([request])[0].output_token_ids
     two = build(kimi_dir, tp=2)
     try:
@@ -162,23 +134,19 @@ def test_tp2_equals_tp1_with_images(kimi_dir: Path) -> None:
 def test_the_openai_client_through_strata_serve_equals_the_engine(kimi_dir: Path, tmp_path: Path) -> None:
     """Aggregated serving (Preprocess, Encode, LLM): one image, two images of other sizes, and a video
     part, which is refused with a 400."""
-    import base64
-
     import openai
     from helpers import MODEL_NAME
     from serve_process import ServeProcess
 
     engine = build(kimi_dir)
-    cases = [[_image(SIZES["large-224"])], [_image(SIZES["wide-300x120"], 1), _image(SIZES["square-64"], 2)]]
+    cases = [[patterned_image(SIZES["large-224"])], [patterned_image(SIZES["wide-300x120"], 1), patterned_image(SIZES["square-64"], 2)]]
     expected = [engine.generate([{"prompt": PROMPT, "images": imgs, "params": greedy(10)}])[0] for imgs in cases]
     server = ServeProcess(kimi_dir, tmp_path, {"mode": "aggregated", "engine": {"max_model_len": 2048}})
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for imgs, exp in zip(cases, expected):
-            parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
-                     for b in imgs] + [{"type": "text", "text": PROMPT}]
-            reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": parts}],
+            reply = client.chat.completions.create(model=MODEL_NAME, messages=image_chat(imgs, PROMPT),
                                                    max_tokens=10, temperature=0)
             assert reply.choices[0].message.content == exp.text
             assert reply.usage.prompt_tokens == exp.num_prompt_tokens  # each image counted at its own size
@@ -222,10 +190,10 @@ def test_bad_images_are_refused_before_any_pixel_is_processed(kimi_dir: Path) ->
 
     pre = NativeResolutionPreprocessor(kimi_dir, max_pixels=100 * 100)
     for bad, message in ((b"", "empty"), (b"\x89PNG\r\n\x1a\n garbage", "decode|format"),
-                         (_image(SIZES["large-224"]), "pixels")):
+                         (patterned_image(SIZES["large-224"]), "pixels")):
         with pytest.raises(ImageError, match=message):
             pre.process(bad)
-    assert pre.process(_image(SIZES["square-64"])).num_tokens == 9  # and it still serves good ones
+    assert pre.process(patterned_image(SIZES["square-64"])).num_tokens == 9  # and it still serves good ones
     engine = build(kimi_dir)
     with pytest.raises(ImageError):
         engine.add_request(PROMPT, images=[b"not an image"])

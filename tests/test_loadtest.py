@@ -48,6 +48,8 @@ def test_bench_serve_reports_every_metric(serve_server, tmp_path: Path, dataset:
             "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path), "--no-progress"]
     if dataset == "random":
         args += ["--sweep", "1", "4", "--request-rate", "50"]
+    if dataset == "random-mm":  # two images of mixed sizes per request
+        args += ["--mm-images-per-request", "2", "--mm-image-sizes", "64x64", "640x480"]
     proc = run_strata(*args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = tmp_path.glob("bench-*.json")

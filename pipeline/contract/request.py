@@ -33,7 +33,10 @@ class ImageEmbedding(msgspec.Struct):
 
     offset: int
     embeds: np.ndarray  # [length, text_hidden] float32
-    content_hash: bytes
+    content_hash: bytes  # of the image's bytes and, at native resolution, of the grid it was resized to
+    grid_thw: tuple[int, int, int] | None = None  # native resolution: the processor's patch grid (frames, rows, cols)
+    # Qwen3-VL's DeepStack: [levels, length, text_hidden] float32, added to the first decoder layers' outputs
+    deepstack: np.ndarray | None = None
 
     @property
     def length(self) -> int:

@@ -82,18 +82,22 @@ class Engine:
         raw_prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Queue one request. ``prompt`` is one user message rendered with the chat template;
         ``messages`` a whole chat; ``raw_prompt`` text passed to the tokenizer unrendered;
-        ``prompt_token_ids`` token ids as they are (text-only)."""
+        ``prompt_token_ids`` token ids as they are (text-only); ``mm_processor_kwargs`` the image
+        processor's settings for this request's images (Qwen-VL: ``min_pixels``, ``max_pixels``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.prepare(request_id, params or SamplingParams(), list(images), prompt=prompt, messages=messages,
-                               raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids)
+                               raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids,
+                               mm_processor_kwargs=mm_processor_kwargs)
         return self.add(request)
 
-    def prepare(self, request_id: str, params: SamplingParams, images: list[bytes], **prompt: Any) -> Request:
+    def prepare(self, request_id: str, params: SamplingParams, images: list[bytes],
+                mm_processor_kwargs: dict[str, Any] | None = None, **prompt: Any) -> Request:
         """Intake with images embedded: tokenize with every placeholder expanded to its image's span,
         preprocess and encode the images. A fixed-size model's prompt is checked before its images are
         touched; a native-resolution model's images are preprocessed first, because their token counts
@@ -101,13 +105,15 @@ class Engine:
         if images and self.preprocessor is None:
             raise ValueError(NO_IMAGES)
         native = bool(images) and self.model_config.native_resolution
-        processed = [self.preprocessor.process(b) for b in images] if native else []  # type: ignore[union-attr]
+        process = lambda b: self.preprocessor.process(b, None, mm_processor_kwargs)  # type: ignore[union-attr]  # noqa: E731
+        processed = [process(b) for b in images] if native else []
         counts = [p.num_tokens for p in processed] if native else None
         request, offsets = self.intake.make_request(request_id, params, len(images), image_tokens=counts, **prompt)
         if images:
             assert self.preprocessor is not None and self.encoder is not None
-            processed = processed or [self.preprocessor.process(b) for b in images]
-            attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed])
+            processed = processed or [process(b) for b in images]
+            attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed],
+                          [p.grid_thw for p in processed])
         return request
 
     def add(self, request: Request) -> str:

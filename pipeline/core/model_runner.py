@@ -16,6 +16,7 @@ from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
 from strata.kvstore import BlockTable, TieredKVCache
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.mrope import MRopeLayout
 
 
 @dataclass
@@ -32,6 +33,8 @@ class StepInputs:
     offsets: list[int] = field(default_factory=list)
     num_spilled: list[int] = field(default_factory=list)  # spilled blocks per sequence
     images: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, embeddings) overlays
+    deepstack: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, [levels, n, hidden]) additions
+    mrope_positions: np.ndarray | None = None  # int64 [3, T] under M-RoPE (then ``positions`` is unused)
 
 
 class StepExecutor:
@@ -54,8 +57,12 @@ class StepExecutor:
         embeds = self.model.embed(ids)
         for row, image in inputs.images:
             embeds[row : row + len(image)] = torch.from_numpy(image).to(embeds.device, embeds.dtype)
-        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(embeds, pos, self.device_kv, meta, self.backend)
+        deepstack = _deepstack(inputs.deepstack, self.device) if inputs.deepstack else None
+        if inputs.mrope_positions is not None:
+            pos = torch.from_numpy(inputs.mrope_positions).to(self.device)
+        else:
+            pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(embeds, pos, self.device_kv, meta, self.backend, deepstack)
         if len(inputs.last_rows) != len(inputs.token_ids):  # keep only the rows whose logits are sampled
             hidden = hidden[torch.tensor(inputs.last_rows, dtype=torch.int64, device=self.device)]
         return self.model.logits(hidden)
@@ -73,6 +80,7 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device)
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
+        self.mrope = model.cfg.uses_mrope
 
     @property
     def tp_size(self) -> int:
@@ -98,7 +106,7 @@ class ModelRunner:
             seq, start, end = chunk.seq, chunk.start, chunk.end
             table = seq.block_table
             if seq.images:
-                _add_images(s.images, chunk, len(s.token_ids))
+                _add_images(s.images, s.deepstack, chunk, len(s.token_ids))
             if end - start == 1:  # a decode: one token, one slot
                 s.token_ids.append(seq.token_ids[start])
                 s.positions.append(start)
@@ -114,12 +122,39 @@ class ModelRunner:
             s.tables.append(table.block_ids)
             s.offsets.append(table.first_resident_token)
             s.num_spilled.append(table.num_spilled)
+        if self.mrope:
+            s.mrope_positions = _mrope_positions(chunks)
         return s
 
 
-def _add_images(out: list[tuple[int, np.ndarray]], chunk: ScheduledChunk, first_row: int) -> None:
-    """The image embeddings covering the chunk's positions, as overlays of its placeholder rows."""
+def _mrope_positions(chunks: list[ScheduledChunk]) -> np.ndarray:
+    """[3, T] positions of the step's tokens in order; a sequence's layout is built once, where it runs."""
+    parts = []
+    for chunk in chunks:
+        seq = chunk.seq
+        if seq.mrope_layout is None:
+            if any(img.grid_thw is None for img in seq.images):
+                raise ValueError("an image reached an M-RoPE model without its patch grid")
+            seq.mrope_layout = MRopeLayout((img.offset, img.length, img.grid_thw) for img in seq.images)  # type: ignore[misc]
+        parts.append(seq.mrope_layout.positions(chunk.start, chunk.end))
+    return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), dtype=np.int64)
+
+
+def _add_images(out: list[tuple[int, np.ndarray]], deepstack: list[tuple[int, np.ndarray]], chunk: ScheduledChunk,
+                first_row: int) -> None:
+    """The image embeddings covering the chunk's positions, as overlays of its placeholder rows (and their
+    DeepStack features, as additions to the same rows)."""
     for img in chunk.seq.images:
         lo, hi = max(img.offset, chunk.start), min(img.offset + img.length, chunk.end)
         if lo < hi:
-            out.append((first_row + lo - chunk.start, img.embeds[lo - img.offset : hi - img.offset]))
+            row = first_row + lo - chunk.start
+            out.append((row, img.embeds[lo - img.offset : hi - img.offset]))
+            if img.deepstack is not None:
+                deepstack.append((row, img.deepstack[:, lo - img.offset : hi - img.offset]))
+
+
+def _deepstack(parts: list[tuple[int, np.ndarray]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R], features [levels, R, hidden]) of the step's image tokens, for the decoder to add."""
+    rows = np.concatenate([np.arange(row, row + part.shape[1]) for row, part in parts])
+    feats = np.concatenate([part for _, part in parts], axis=1)
+    return torch.from_numpy(rows).to(device), torch.from_numpy(feats).to(device)

@@ -15,6 +15,7 @@ from strata.pipeline.contract.request import ImageEmbedding, Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.sampler import make_generator
 from strata.pipeline.frontend.detokenizer import IncrementalDetokenizer
+from strata.pipeline.models.mrope import MRopeLayout
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
         self.num_preemptions = 0
         self.lost_blocks: set[bytes] = set()  # spilled blocks found lost: never looked up again
         self.prefetched = False  # its cached prefix's lower-tier blocks were asked to be read ahead
+        self.mrope_layout: MRopeLayout | None = None  # M-RoPE models: built from the images where it runs
         self.kv_losses = 0
         self.arrival_time = time.time()  # when the request arrived (wall clock; travels with hand-offs)
         self.arrival = time.monotonic()  # the same instant on this process's monotonic clock (deadlines)

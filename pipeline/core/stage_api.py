@@ -14,7 +14,8 @@ class PreprocessedImageLike(Protocol):
 
 
 class PreprocessorLike(Protocol):
-    def process(self, image_bytes: bytes) -> PreprocessedImageLike: ...
+    def process(self, image_bytes: bytes, deadline: float | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImageLike: ...
 
 
 class EncoderLike(Protocol):

@@ -54,7 +54,8 @@ class Intake:
             params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
         encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids)
-        check_length(self.config, len(encoded.token_ids), params)
+        in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
+        check_length(self.config, len(encoded.token_ids), params, in_images)
         if max_tokens_default:
             params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
         return Request(request_id, encoded.token_ids, params), encoded.image_offsets
@@ -87,20 +88,31 @@ class Intake:
         return tok.encode(text, num_images, image_tokens)
 
 
-def attach_images(request: Request, offsets: list[int], features: Seq[np.ndarray], hashes: Seq[bytes]) -> Request:
-    """Put each image's embeddings (float32 [tokens, hidden]) at its placeholder span."""
-    request.images = [ImageEmbedding(off, np.asarray(f, dtype=np.float32), h) for off, f, h in zip(offsets, features, hashes)]
+def attach_images(request: Request, offsets: list[int], features: Seq[np.ndarray], hashes: Seq[bytes],
+                  grids: Seq[tuple[int, int, int] | None] | None = None) -> Request:
+    """Put each image's embeddings (float32 [tokens, hidden]; with DeepStack [1 + levels, tokens, hidden], the
+    input embeddings first) at its placeholder span, with its patch grid (native resolution: M-RoPE places
+    the image's tokens by it)."""
+    grids = list(grids) if grids is not None else [None] * len(offsets)
+    images = []
+    for off, f, h, g in zip(offsets, features, hashes, grids):
+        f = np.asarray(f, dtype=np.float32)
+        embeds, deep = (f[0], f[1:]) if f.ndim == 3 else (f, None)
+        images.append(ImageEmbedding(off, embeds, h, tuple(g) if g is not None else None, deep))
+    request.images = images
     return request
 
 
-def check_length(config: EngineConfig, num_prompt: int, params: SamplingParams) -> None:
+def check_length(config: EngineConfig, num_prompt: int, params: SamplingParams, image_tokens: int = 0) -> None:
+    """``image_tokens``: how many of the prompt's tokens its images take (named in the refusal: an image
+    at native resolution may cost thousands)."""
     if num_prompt == 0:
         raise ValueError("prompt is empty after tokenization")
     total = num_prompt + params.max_tokens
     if total > config.max_model_len:
-        raise PromptTooLongError(
-            f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {config.max_model_len}"
-        )
+        of_images = f", {image_tokens} of them for images" if image_tokens else ""
+        raise PromptTooLongError(f"prompt ({num_prompt} tokens{of_images}) + max_tokens ({params.max_tokens}) exceeds "
+                                 f"max_model_len {config.max_model_len}")
     blocks = blocks_for_tokens(total, config.block_size)
     if config.has_lower_tiers and config.enable_prefix_caching:
         # Older blocks can be spilled; the device only needs one chunk's working set.

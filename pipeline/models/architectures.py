@@ -34,6 +34,8 @@ class TextFamily:
     router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped"
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
+    positions: str = "rope"  # "rope" (1-D) | "mrope" (Qwen2.5-VL: t/h/w in runs) | "mrope-interleaved" (Qwen3-VL)
+    renormalize_topk: bool = False  # the router always renormalises its top-k (Qwen3-VL-MoE), whatever the config says
 
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
@@ -54,6 +56,11 @@ for _family in (
                experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
     TextFamily("deepseek_v3", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
     TextFamily("kimi_k2", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
+    # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
+    TextFamily("qwen2_5_vl_text", qkv_bias=True, windows="layer_types", positions="mrope"),
+    TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
+    TextFamily("qwen3_vl_moe_text", qk_norm=True, router="softmax", experts_keys=("num_experts", "num_local_experts"),
+               positions="mrope-interleaved", renormalize_topk=True),
 ):
     register_text_family(_family)
 
@@ -116,6 +123,21 @@ KIMI_K25_NAMES: tuple[NameRule, ...] = (
 )
 
 
+# Qwen2.5-VL as Qwen releases it and transformers 5 saves it (model.layers, visual.blocks, visual.merger,
+# lm_head), and as transformers 5 holds it (model.language_model, model.visual); Qwen3-VL (dense and MoE) as
+# both save it (model.language_model, model.visual). The merger is the projector; Qwen3-VL's DeepStack
+# mergers (visual.deepstack_merger_list) belong to the tower, which emits their features with its own.
+QWEN_VL_NAMES: tuple[NameRule, ...] = (
+    ("model.language_model.", "text", ""),
+    ("model.visual.merger.", "projector", ""),
+    ("visual.merger.", "projector", ""),
+    ("model.visual.", "vision", ""),
+    ("visual.", "vision", ""),
+    ("model.", "text", ""),
+    ("lm_head.", "text", "lm_head."),
+)
+
+
 @dataclass(frozen=True)
 class ModelArchitecture:
     """One servable model class: a decoder, optionally behind a vision tower and projector."""
@@ -124,8 +146,9 @@ class ModelArchitecture:
     model_type: str  # the top-level ``model_type`` it is found by when ``architectures`` is absent
     names: tuple[NameRule, ...]
     text_config_key: str | None = None  # "text_config" when the decoder's fields are nested
-    vision: str | None = None  # vision tower component ("clip", "moonvit"), None: text only
-    projector: str | None = None  # "mlp2": LLaVA's two linears; "patch-merger": Kimi's 2x2 group MLP
+    flat_text_config: bool = False  # the decoder's fields may also sit at the top level (Qwen's own releases)
+    vision: str | None = None  # vision tower ("clip", "moonvit", "qwen2.5-vit", "qwen3-vit"), None: text only
+    projector: str | None = None  # "mlp2": LLaVA's two linears; "patch-merger": Kimi's or Qwen's 2x2 group MLP
     text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
     renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
 
@@ -139,6 +162,8 @@ class ModelArchitecture:
             return raw
         nested = raw.get(self.text_config_key)
         if not isinstance(nested, dict):
+            if self.flat_text_config:
+                return raw
             raise KeyError(self.text_config_key)
         return nested
 
@@ -167,6 +192,12 @@ register_architecture(ModelArchitecture("LlavaForConditionalGeneration", "llava"
 register_architecture(ModelArchitecture("Kimi_K25ForConditionalGeneration", "kimi_k25", KIMI_K25_NAMES,
                                         text_config_key="text_config", vision="moonvit", projector="patch-merger",
                                         renames=KIMI_K25_RENAMES))
+register_architecture(ModelArchitecture("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN_VL_NAMES,
+                                        text_config_key="text_config", flat_text_config=True, vision="qwen2.5-vit",
+                                        projector="patch-merger", text_family="qwen2_5_vl_text"))
+for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")):
+    register_architecture(ModelArchitecture(_cls, _type, QWEN_VL_NAMES, text_config_key="text_config", vision="qwen3-vit",
+                                            projector="patch-merger", text_family=f"{_type}_text"))
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3")):

@@ -185,7 +185,7 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters, cfg.mrope_section, cfg.mrope_interleaved)
         self.steps = DenseSteps()
 
     def fuse_projections(self) -> None:
@@ -207,13 +207,20 @@ class LanguageModel(nn.Module):
         kv: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run all layers over flattened token embeddings [T, hidden]; returns final-normed hidden [T, hidden]."""
+        """Run all layers over flattened token embeddings [T, hidden] at ``positions`` ([T], or [3, T] under
+        M-RoPE); returns final-normed hidden [T, hidden]. ``deepstack`` (Qwen3-VL): image rows [R] and
+        their features [levels, R, hidden]; level k is added to layer k's output at those rows."""
         cos, sin = self.rope.cos_sin(positions, embeds.dtype)
         sin_signed = signed_sin(sin)
         x = embeds
-        for layer in self.layers:
+        levels = 0 if deepstack is None else deepstack[1].shape[0]
+        for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin_signed, kv, meta, backend, self.steps)
+            if i < levels:
+                rows, feats = deepstack  # type: ignore[misc]
+                x = x.index_add(0, rows, feats[i].to(x.dtype))
         return rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Vision tower + projector: pixels in, language-model embeddings out (the encoder stage's model).
 
-Two kinds, chosen by the registry: LLaVA's CLIP tower read at a selected layer and a two-layer MLP
-(fixed-size images, a fixed token count each), and Kimi-K2.5's MoonViT with its 2x2 patch merger
-(native resolution: each image its own patch grid and token count).
+Three kinds, chosen by the registry: LLaVA's CLIP tower read at a selected layer and a two-layer MLP
+(fixed-size images, a fixed token count each), and the native-resolution towers with their 2x2 patch
+mergers, Kimi-K2.5's MoonViT and Qwen2.5-VL's windowed ViT (each image its own patch grid and token count).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.pipeline.models.model_config import ModelConfig, MoonViTConfig, VisionConfig
-from strata.pipeline.models.projector import MultiModalProjector, PatchMergerProjector
+from strata.pipeline.models.model_config import ModelConfig, MoonViTConfig, QwenVisionConfig, VisionConfig
+from strata.pipeline.models.projector import MultiModalProjector, PatchMergerProjector, Qwen3PatchMerger, QwenPatchMerger
 from strata.pipeline.models.vision import VisionTower
 from strata.pipeline.models.vision_moonvit import MoonViT
+from strata.pipeline.models.vision_qwen import QwenViT
 
 
 class ImageEncoderModel(nn.Module):
@@ -26,6 +27,11 @@ class ImageEncoderModel(nn.Module):
             self.projector: nn.Module = PatchMergerProjector(vision.hidden_size, vision.merge_group,
                                                              cfg.text.hidden_size, vision.projection_eps)
             return
+        if isinstance(vision, QwenVisionConfig):
+            self.vision_tower = QwenViT(vision)
+            merger = Qwen3PatchMerger if vision.variant == "qwen3" else QwenPatchMerger
+            self.projector = merger(vision.hidden_size, vision.merge_group, cfg.text.hidden_size)
+            return
         assert isinstance(vision, VisionConfig)
         self.vision_tower = VisionTower(vision, cfg.vision_layers_needed)
         in_features = vision.hidden_size * len(cfg.vision_feature_layers)
@@ -33,7 +39,7 @@ class ImageEncoderModel(nn.Module):
 
     @property
     def native_resolution(self) -> bool:
-        return isinstance(self.vision_tower, MoonViT)
+        return isinstance(self.vision_tower, (MoonViT, QwenViT))
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,17 @@ class ImageEncoderModel(nn.Module):
     @torch.inference_mode()
     def encode_native(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Native-resolution images as their flattened patches [sum of h*w, 3, p, p] and grids ->
-        per image [h*w/4, text_hidden]. Every linear layer runs once over the packed batch."""
+        per image [h*w/4, text_hidden] (with DeepStack, Qwen3-VL: [1 + levels, h*w/4, text_hidden], the
+        merger's tokens first). Every linear layer runs once over the packed batch."""
+        if isinstance(self.vision_tower, QwenViT):
+            features, raster, deepstack = self.vision_tower(patches, grids)
+            tokens = self.projector(features)
+            if raster is not None:  # Qwen2.5-VL's window order: merged, then put back in raster order
+                tokens = tokens[raster.to(tokens.device)]
+            if deepstack:
+                tokens = torch.stack([tokens, *deepstack])
+            sizes = [h * w // self.vision_tower.cfg.merge_group for _, h, w in grids]
+            return list(torch.split(tokens, sizes, dim=-2))
         groups = self.vision_tower(patches, grids)
         tokens = self.projector(torch.cat(groups))
         return list(torch.split(tokens, [g.shape[0] for g in groups]))

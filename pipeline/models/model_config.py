@@ -96,6 +96,13 @@ class TextConfig:
     moe: MoEConfig | None = None
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP; () = every layer dense
     rope_interleave: bool = False  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): frequencies per position axis (t, h, w); () = 1-D RoPE
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes take turns frequency by frequency
+
+    @property
+    def uses_mrope(self) -> bool:
+        """Positions are 3-D (temporal, height, width): image tokens get their place in the image."""
+        return bool(self.mrope_section)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -174,6 +181,82 @@ class MoonViTConfig:
         return self.merge_kernel[0] * self.merge_kernel[1]
 
 
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """The Qwen-VL native-resolution ViTs: patches of two frames (a still image is repeated), 2-D RoPE,
+    and a merger that turns each 2x2 group of patches into one language-model token. Qwen2.5-VL
+    ("qwen2.5"): 14 px patches, window attention but in ``fullatt_block_indexes``, RMSNorm and SwiGLU
+    blocks. Qwen3-VL ("qwen3"): 16 px patches, a learned position grid resampled to each image, full
+    attention, LayerNorm and GELU blocks, and DeepStack: the features of ``deepstack_visual_indexes``
+    blocks, each through its own merger, are added to the first decoder layers' outputs."""
+
+    variant: str  # "qwen2.5" | "qwen3"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    window_size: int  # pixels on a side of an attention window
+    fullatt_block_indexes: tuple[int, ...]
+    out_hidden_size: int
+    hidden_act: str
+    rope_theta: float
+    num_position_embeddings: int = 0  # Qwen3-VL: a square learned grid of this many positions
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed DeepStack
+
+    @property
+    def merge_group(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.deepstack_visual_indexes)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch as the processor writes it: channels x frames x p x p."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+def parse_qwen_vision_config(vc: dict[str, Any], variant: str) -> QwenVisionConfig:
+    rope = vc.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ModelConfigError(f"vision rope_type {rope.get('rope_type')!r} is not supported (only axial)")
+    qwen3 = variant == "qwen3"
+    act = vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
+    if not qwen3 and act != "silu":
+        raise ModelConfigError(f"unsupported vision hidden_act {act!r} (Qwen2.5-VL's tower is SwiGLU: silu)")
+    positions = int(vc.get("num_position_embeddings", 2304)) if qwen3 else 0
+    if qwen3 and math.isqrt(positions) ** 2 != positions:
+        raise ModelConfigError(f"num_position_embeddings {positions} is not a square grid")
+    hidden = int(vc.get("hidden_size", 1152 if qwen3 else 1280))
+    depth = int(vc.get("depth", vc.get("num_hidden_layers", 27 if qwen3 else 32)))
+    deepstack = tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
+    if any(not 0 <= i < depth for i in deepstack):
+        raise ModelConfigError(f"deepstack_visual_indexes {list(deepstack)} must be blocks of the {depth}-block tower")
+    return QwenVisionConfig(
+        variant=variant,
+        hidden_size=hidden,
+        intermediate_size=int(vc.get("intermediate_size", 3420)),
+        num_layers=depth,
+        num_heads=int(vc.get("num_heads", vc.get("num_attention_heads", 16))),
+        patch_size=int(vc.get("patch_size", 16 if qwen3 else 14)),
+        temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
+        in_channels=int(vc.get("in_channels", vc.get("in_chans", 3))),
+        spatial_merge_size=int(vc.get("spatial_merge_size", 2)),
+        window_size=0 if qwen3 else int(vc.get("window_size", 112)),  # 0: every block attends over the whole image
+        fullatt_block_indexes=() if qwen3 else tuple(int(i) for i in vc.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        out_hidden_size=int(vc.get("out_hidden_size", 3584)),
+        hidden_act=act,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        num_position_embeddings=positions,
+        deepstack_visual_indexes=deepstack,
+    )
+
+
 def parse_moonvit_config(vc: dict[str, Any], raw: dict[str, Any]) -> MoonViTConfig:
     merge = tuple(int(k) for k in vc.get("merge_kernel_size") or (2, 2))
     if merge != (2, 2):
@@ -205,7 +288,7 @@ class ModelConfig:
 
     arch: ModelArchitecture
     text: TextConfig
-    vision: VisionConfig | MoonViTConfig | None = None  # None: a text-only LLM (requests skip the image stages)
+    vision: VisionConfig | MoonViTConfig | QwenVisionConfig | None = None  # None: a text-only LLM (requests skip the image stages)
     image_token_id: int | None = None
     vision_feature_layers: tuple[int, ...] = ()  # absolute hidden-state indices (0 = embeddings)
     vision_feature_select_strategy: str = "default"
@@ -221,13 +304,13 @@ class ModelConfig:
     @property
     def native_resolution(self) -> bool:
         """Images keep their size: how many tokens one costs is known once it is preprocessed."""
-        return isinstance(self.vision, MoonViTConfig)
+        return isinstance(self.vision, (MoonViTConfig, QwenVisionConfig))
 
     @property
     def num_image_tokens(self) -> int:
         """Placeholder tokens one image expands to (CLS dropped for the default strategy); 0 without
         vision or when the count depends on the image (native resolution)."""
-        if self.vision is None or isinstance(self.vision, MoonViTConfig):
+        if self.vision is None or self.native_resolution:
             return 0
         n = self.vision.num_patches + 1
         return n - 1 if self.vision_feature_select_strategy == "default" else n
@@ -236,9 +319,15 @@ class ModelConfig:
     def vision_layers_needed(self) -> int:
         """Encoder layers to run: hidden state k is the output of layer k-1, later layers are unused
         (LLaVA); every layer (MoonViT, which reads the last)."""
-        if isinstance(self.vision, MoonViTConfig):
+        if isinstance(self.vision, (MoonViTConfig, QwenVisionConfig)):
             return self.vision.num_layers
         return max(self.vision_feature_layers, default=0)
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """Patches per side merged into one language-model token (native-resolution towers; 1 otherwise)."""
+        return self.vision.spatial_merge_size if isinstance(self.vision, QwenVisionConfig) else (
+            self.vision.merge_kernel[0] if isinstance(self.vision, MoonViTConfig) else 1)
 
 
 def _windows(tc: dict[str, Any], family: TextFamily, num_layers: int) -> tuple[int | None, ...]:
@@ -257,6 +346,8 @@ def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
     params = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
     params.setdefault("rope_type", params.pop("type", "default"))
+    if params["rope_type"] == "mrope":  # Qwen2-VL's releases name M-RoPE as a type; its frequencies are default
+        params["rope_type"] = "default"
     if params["rope_type"] == "yarn":
         params.setdefault("original_max_position_embeddings", tc.get("max_position_embeddings"))
     return params
@@ -282,7 +373,7 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
         experts_per_tok=int(tc["num_experts_per_tok"]),
         intermediate_size=int(tc["moe_intermediate_size"]),
         router=family.router,
-        norm_topk_prob=bool(tc.get("norm_topk_prob", sigmoid)),
+        norm_topk_prob=family.renormalize_topk or bool(tc.get("norm_topk_prob", sigmoid)),
         routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0) or 1.0) if sigmoid else 1.0,
         n_group=int(tc.get("n_group") or 1) if sigmoid else 1,
         topk_group=int(tc.get("topk_group") or 1) if sigmoid else 1,
@@ -339,7 +430,21 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         moe=moe,
         moe_layers=moe_layers,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
+        **_mrope(tc, family, mla.qk_rope_head_dim if mla else int(head_dim)),
     )
+
+
+def _mrope(tc: dict[str, Any], family: TextFamily, rope_dim: int) -> dict[str, Any]:
+    """M-RoPE's frequency split from the config, checked against the head: {} for 1-D RoPE families."""
+    if family.positions == "rope":
+        return {}
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != rope_dim // 2:
+        raise ModelConfigError(f"mrope_section {list(section)} must be three counts summing to head_dim / 2 = "
+                               f"{rope_dim // 2}")
+    interleaved = family.positions == "mrope-interleaved" or bool(rope.get("mrope_interleaved", False))
+    return {"mrope_section": section, "mrope_interleaved": interleaved}
 
 
 def parse_vision_config(vc: dict[str, Any]) -> VisionConfig:
@@ -365,12 +470,21 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     tc = arch.text_config(raw)
     # The config's own model_type names the decoder family (a Kimi-K2 config says DeepseekV3ForCausalLM
     # with model_type kimi_k2); one we do not know is refused, never read as the class's family.
-    family = tc.get("model_type") or arch.text_family
+    flat = tc is raw and arch.text_config_key is not None  # a composite's decoder fields at the top level
+    family = arch.text_family if flat else (tc.get("model_type") or arch.text_family)
     text = parse_text_config(tc, family)
     eos = tc.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     if not arch.takes_images:
         return ModelConfig(arch=arch, text=text, eos_token_ids=eos_ids, raw=raw)
+    if arch.vision in ("qwen2.5-vit", "qwen3-vit"):
+        vision = parse_qwen_vision_config(raw.get("vision_config") or {}, "qwen3" if arch.vision == "qwen3-vit" else "qwen2.5")
+        if vision.out_hidden_size != text.hidden_size:
+            raise ModelConfigError(f"vision out_hidden_size {vision.out_hidden_size} must equal the text hidden size "
+                                   f"{text.hidden_size}")
+        text = replace(text, tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.tie_word_embeddings)))
+        return ModelConfig(arch=arch, text=text, vision=vision, image_token_id=int(raw.get("image_token_id", 151655)),
+                           eos_token_ids=eos_ids, raw=raw)
     if arch.vision == "moonvit":
         # the composite model's own setting decides whether the LM head is the embedding (transformers
         # ties by it whatever the text config says; Kimi_K25Config defaults to tying)

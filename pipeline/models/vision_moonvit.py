@@ -7,7 +7,7 @@ bidirectionally within the image, with rotary embeddings over the patch's row an
 dims interleave column and row frequencies). After the final norm, each 2x2 block of patches
 becomes one group of four that the projector turns into one language-model token, so an image of
 ``h x w`` patches costs ``h*w/4`` tokens. Images of different sizes share every linear layer in one
-packed batch; only attention runs image by image (no padding to the largest).
+packed batch, and attention runs in batches of equal-size images (no padding to the largest).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import dense_attention, layer_norm
+from strata.kernels import layer_norm, rotate_fp32, segment_attention
 from strata.pipeline.models.model_config import MoonViTConfig
 from strata.pipeline.models.vision import VisionMLP
 
@@ -55,24 +55,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         shape = (n, self.num_heads, self.head_dim)
-        q, k = _rotate(self.q_proj(x).view(shape), cos, sin), _rotate(self.k_proj(x).view(shape), cos, sin)
-        v = self.v_proj(x).view(shape)
-        out, start = torch.empty_like(v), 0
-        for length in lengths:  # bidirectional within each image, never across images
-            sl = slice(start, start + length)
-            o = dense_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None],
-                                scale=self.head_dim**-0.5)
-            out[sl] = o[0].transpose(0, 1)
-            start += length
+        q, k = rotate_fp32(self.q_proj(x).view(shape), cos, sin), rotate_fp32(self.k_proj(x).view(shape), cos, sin)
+        out = segment_attention(q, k, self.v_proj(x).view(shape), lengths, self.head_dim**-0.5)  # within each image
         return self.proj(out.reshape(n, -1))
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE in fp32, cast back (the reference's order)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class Layer(nn.Module):

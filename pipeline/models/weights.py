@@ -120,11 +120,22 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dty
     parent_name, _, leaf = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     current = getattr(parent, leaf)
+    if _transposed_experts(leaf, tensor, current):  # Qwen3-VL-MoE's release: [E, H, 2I] and [E, I, H]
+        tensor = tensor.transpose(1, 2)
     if tuple(current.shape) != tuple(tensor.shape):
         raise WeightsError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(current.shape)}")
     # a router scores in fp32 whatever the model's dtype, as the reference does
     tensor = tensor.to(torch.float32 if getattr(parent, "keep_fp32", False) else dtype)
     setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def _transposed_experts(leaf: str, tensor: torch.Tensor, current: torch.Tensor) -> bool:
+    """A stacked expert tensor stored as ``x @ W`` ([E, in, out]) where ours is ``W @ x`` ([E, out, in]), as
+    Qwen3-VL-MoE's releases keep them (transformers 5 transposes them on load, and writes its own layout)."""
+    if leaf not in ("gate_up_proj", "down_proj") or tensor.dim() != 3 or current.dim() != 3:
+        return False
+    e, a, b = current.shape
+    return a != b and tuple(tensor.shape) == (e, b, a)
 
 
 class _ExpertMerger:

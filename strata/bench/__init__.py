@@ -4,7 +4,8 @@ Each module measures one room from above it: ``offline`` (engine vs transformers
 (the tiered KV store), ``serve_overhead`` (the Serve path vs the in-process engine), ``soak``
 (a long mixed run: memory and KV back to baseline), ``cross_node`` (KV hand-off between two
 Ray nodes vs recompute), ``tensor_parallel`` (a tp group vs one process on the same cores), ``mla`` (MLA
-decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-then-prefill); ``serve`` is
+decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-then-prefill), ``vision``
+(native-resolution images: the encoder's packed batch vs one by one, TTFT by image count); ``serve`` is
 the HTTP load generator in
 ``loadtest``.
 """
@@ -18,7 +19,7 @@ from strata.commands import register
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
-    from strata.bench import cross_node, mixed_step, mla, offline, serve_overhead, soak, tensor_parallel, tiers
+    from strata.bench import cross_node, mixed_step, mla, offline, serve_overhead, soak, tensor_parallel, tiers, vision
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -30,6 +31,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
          tensor_parallel),
         ("step", "one forward per step (decodes + prefill chunks) vs the decode-then-prefill pair it replaced",
          mixed_step),
+        ("vision", "images of 100s-1000s of tokens: encoder batch vs one by one, TTFT by image count, a repeated "
+         "image", vision),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),

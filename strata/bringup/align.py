@@ -98,7 +98,8 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
     encoder = getattr(engine.encoder, "model", None)
     if encoder is not None:
         tower = encoder.vision_tower
-        for i, layer in enumerate(tower.layers if hasattr(tower, "layers") else tower.encoder.layers):
+        layers = tower.layers if hasattr(tower, "layers") else tower.blocks if hasattr(tower, "blocks") else tower.encoder.layers
+        for i, layer in enumerate(layers):
             handles.append(layer.register_forward_hook(lambda _m, _i, out, i=i: rec.add(f"vision.{i}", _rows(out))))
         handles.append(encoder.projector.register_forward_hook(lambda _m, _i, out: rec.add("projector", _rows(out))))
     try:
@@ -167,9 +168,9 @@ def reference_activations(model_dir: Path, data: AlignInput, num_vision_layers: 
     handles = []
     decoder_layers = _find(hf, ("language_model.layers", "language_model.model.layers", "model.layers"))
     vision_layers = _find(hf, ("vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers",
-                               "vision_tower.layers"))
+                               "vision_tower.layers", "visual.blocks"))
     norm = _find(hf, ("language_model.norm", "language_model.model.norm", "model.norm"))
-    projector = _find(hf, ("multi_modal_projector", "mm_projector"))
+    projector = _find(hf, ("multi_modal_projector", "mm_projector", "visual.merger"))
     if decoder_layers is None or norm is None:
         raise ValueError("the transformers model has no decoder layers where LLaVA and causal LMs keep them")
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731  (layers return a tuple in older versions)

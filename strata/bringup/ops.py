@@ -71,8 +71,15 @@ def _architecture(raw: dict[str, Any]) -> ModelArchitecture | None:
 
 def _text_config(raw: dict[str, Any], arch: ModelArchitecture | None) -> dict[str, Any]:
     if arch is not None and arch.text_config_key:
-        return raw.get(arch.text_config_key) or {}
+        return raw.get(arch.text_config_key) or (raw if arch.flat_text_config else {})
     return raw.get("text_config") or raw  # VLMs nest it; text LLMs keep text fields at the top
+
+
+def _tied(raw: dict[str, Any], tc: dict[str, Any], arch: ModelArchitecture | None) -> bool:
+    """Whether the LM head is the embedding: a composite model's own setting wins (transformers ties by it)."""
+    if arch is not None and arch.text_config_key and "tie_word_embeddings" in raw:
+        return bool(raw["tie_word_embeddings"])
+    return bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
 
 
 def _family(tc: dict[str, Any], arch: ModelArchitecture | None) -> TextFamily | None:
@@ -120,7 +127,8 @@ def _mlp(tc: dict[str, Any], family: TextFamily | None) -> Component:
                 f"layers dense")
         ok = family is not None and family.router == "sigmoid-grouped"
     else:
-        renorm = family is not None and family.always_renormalize or tc.get("norm_topk_prob", False)
+        renorm = family is not None and (family.always_renormalize or family.renormalize_topk) \
+            or tc.get("norm_topk_prob", False)
         desc = f"MoE: top-{top_k} of {experts} experts, softmax{' then renormalise' if renorm else ''}"
         ok = family is not None and family.router == "softmax"
     return Component("mlp", desc, "pipeline.models.moe (kernels.moe routing + experts)" if ok else MISSING)
@@ -135,12 +143,17 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
            _attention(tc, family, model_type)]
     rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    ok_rope = rope_type in SUPPORTED_ROPE_TYPES and rope.get("partial_rotary_factor", 1.0) == 1.0 \
-        and "mrope_section" not in rope
-    rope_desc = f"RoPE {rope_type}" + (" with M-RoPE sections" if "mrope_section" in rope else "") + \
+    mrope = "mrope_section" in rope
+    rope_type = "default" if mrope and rope_type == "mrope" else rope_type
+    mrope_ok = not mrope or (family is not None and family.positions != "rope")
+    ok_rope = rope_type in SUPPORTED_ROPE_TYPES and rope.get("partial_rotary_factor", 1.0) == 1.0 and mrope_ok
+    interleaved = mrope and (rope.get("mrope_interleaved") or (family is not None and family.positions == "mrope-interleaved"))
+    rope_desc = f"RoPE {rope_type}" + (f" with M-RoPE (t/h/w sections {rope['mrope_section']}"
+                                       f"{', interleaved' if interleaved else ''})" if mrope else "") + \
         (" (interleaved pairs)" if tc.get("rope_interleave") and tc.get("kv_lora_rank") else "") + \
         f", theta {rope.get('rope_theta', tc.get('rope_theta', 10000.0))}"
-    out.append(Component("rope", rope_desc, "kernels.rope" if ok_rope else MISSING))
+    out.append(Component("rope", rope_desc, ("kernels.rope + pipeline.models.mrope" if mrope else "kernels.rope")
+                         if ok_rope else MISSING))
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
         out.append(Component("norm", f"LayerNorm, eps {tc.get('layer_norm_eps', tc.get('norm_epsilon'))}", MISSING))
     else:
@@ -148,7 +161,7 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     act = tc.get("hidden_act", "silu")
     out.append(Component("activation", f"{act} (gated MLP)", "kernels / torch" if act == "silu" else MISSING))
     out.append(_mlp(tc, family))
-    tied = bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    tied = _tied(raw, tc, arch)
     out.append(Component("lm_head", "tied to the embeddings" if tied else "its own matrix", "pipeline.models.decoder"))
     return out
 
@@ -161,6 +174,8 @@ def vision_components(raw: dict[str, Any], arch: ModelArchitecture | None = None
         return [Component("vision_tower", f"{vc.get('model_type', '?')} (config has a vision_config)", MISSING)]
     if arch is not None and arch.vision == "moonvit":
         return _moonvit_components(raw, vc)
+    if arch is not None and arch.vision in ("qwen2.5-vit", "qwen3-vit"):
+        return _qwen_vit_components(vc, arch.vision == "qwen3-vit")
     vtype = vc.get("model_type", "clip_vision_model")
     layer = raw.get("vision_feature_layer", -2)
     strategy = raw.get("vision_feature_select_strategy", "default")
@@ -188,6 +203,30 @@ def _moonvit_components(raw: dict[str, Any], vc: dict[str, Any]) -> list[Compone
                       "pipeline.models.vision_moonvit" if list(merge) == [2, 2] else MISSING),
             Component("projector", "patch merger: LayerNorm, 2-layer GELU MLP", "pipeline.models.projector"),
             Component("image_processor", "native resolution (navit resize, pad to the merge grid, patchify)",
+                      "the checkpoint's transformers image processor (stages.native_preprocessor); video refused")]
+
+
+def _qwen_vit_components(vc: dict[str, Any], qwen3: bool) -> list[Component]:
+    rope = (vc.get("rope_parameters") or {}).get("rope_type", "axial")
+    act = vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
+    merge = vc.get("spatial_merge_size", 2)
+    ok = rope == "axial" and (act in ACTIVATIONS if qwen3 else act == "silu")
+    if qwen3:
+        deepstack = list(vc.get("deepstack_visual_indexes", []))
+        tower = (f"Qwen3-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 16)}, 2-D {rope} RoPE, "
+                 f"learned position grid, {act}")
+        features = f"{merge}x{merge} patch merge + DeepStack from blocks {deepstack} into the first decoder layers"
+        merger = "patch merger: LayerNorm, 2-layer GELU MLP (and one per DeepStack level)"
+    else:
+        tower = (f"Qwen2.5-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 14)}, 2-D {rope} RoPE, "
+                 f"{vc.get('window_size', 112)} px windows (full in {list(vc.get('fullatt_block_indexes', []))})")
+        features = f"{merge}x{merge} patch merge, a variable number of tokens per image"
+        merger = "patch merger: RMSNorm, 2-layer GELU MLP"
+    return [Component("vision_tower", tower, "pipeline.models.vision_qwen (kernels.segment_attention)" if ok else MISSING),
+            Component("vision_features", features, "pipeline.models.vision_qwen + pipeline.models.decoder (DeepStack)"
+                      if qwen3 else "pipeline.models.vision_qwen"),
+            Component("projector", merger, "pipeline.models.projector"),
+            Component("image_processor", "native resolution within min/max pixels (per request: mm_processor_kwargs)",
                       "the checkpoint's transformers image processor (stages.native_preprocessor); video refused")]
 
 
@@ -221,7 +260,7 @@ def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None)
                 text.append(layer + r"mlp\.shared_experts\.down_proj\.weight")
     if not any(tc.get(k) for k in EXPERT_KEYS) or tc.get("first_k_dense_replace") or tc.get("mlp_only_layers"):
         text += [layer + rf"mlp\.{p}_proj\.weight" for p in ("gate", "up", "down")]
-    if not tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)):
+    if not _tied(raw, tc, arch):
         text.append(r"lm_head\.weight")
     has_vision = bool(raw.get("vision_config")) and (arch is None or arch.takes_images)
     if arch is not None and arch.vision == "moonvit":
@@ -229,6 +268,16 @@ def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None)
                   r"layers\.\d+\.attn\.(q_proj|wqkv)\.weight", r"layers\.\d+\.mlp\.fc1\.weight",
                   r"final_layernorm\.weight"]
         projector = [r"pre_norm\.weight", r"in_proj\.weight", r"out_proj\.weight"]
+    elif arch is not None and arch.vision == "qwen3-vit":
+        vision = [r"patch_embed\.proj\.weight", r"pos_embed\.weight", r"blocks\.\d+\.attn\.qkv\.weight",
+                  r"blocks\.\d+\.mlp\.linear_fc1\.weight", r"blocks\.\d+\.norm1\.weight"]
+        if (raw.get("vision_config") or {}).get("deepstack_visual_indexes", [8]):
+            vision.append(r"deepstack_merger_list\.\d+\.linear_fc1\.weight")
+        projector = [r"norm\.weight", r"linear_fc1\.weight", r"linear_fc2\.weight"]
+    elif arch is not None and arch.vision == "qwen2.5-vit":
+        vision = [r"patch_embed\.proj\.weight", r"blocks\.\d+\.attn\.qkv\.weight", r"blocks\.\d+\.mlp\.gate_proj\.weight",
+                  r"blocks\.\d+\.norm1\.weight"]
+        projector = [r"ln_q\.weight", r"mlp\.0\.weight", r"mlp\.2\.weight"]
     else:
         vision = [r"embeddings\.patch_embedding\.weight", r"embeddings\.position_embedding\.weight",
                   r"pre_layrnorm\.weight", r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight",

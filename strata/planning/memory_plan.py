@@ -18,6 +18,7 @@ from strata.pipeline.models.model_config import (
     ModelConfig,
     ModelConfigError,
     MoonViTConfig,
+    QwenVisionConfig,
     TextConfig,
     VisionConfig,
     parse_model_config,
@@ -96,6 +97,7 @@ def text_params(tc: TextConfig) -> int:
 
 
 MOONVIT_MAX_SIDE = 512  # Kimi-K2.5's processor default: an image's longer side is resized to at most this
+QWEN_VL_MAX_IMAGE_TOKENS = 16384  # the Qwen-VL processors' default max_pixels: 28*28*16384 (2.5), 32*32*16384 (3)
 
 
 def image_tokens(shape: ModelShape, max_side: int = MOONVIT_MAX_SIDE) -> int:
@@ -106,11 +108,22 @@ def image_tokens(shape: ModelShape, max_side: int = MOONVIT_MAX_SIDE) -> int:
     if isinstance(vc, MoonViTConfig):
         per_side = -(-max_side // (vc.patch_size * 2))  # merged cells per side, after padding
         return per_side * per_side
+    if isinstance(vc, QwenVisionConfig):  # Qwen-VL: the processor's pixel ceiling, one token per merged cell
+        return QWEN_VL_MAX_IMAGE_TOKENS
     return shape.num_image_tokens
 
 
-def vision_params(vc: VisionConfig | MoonViTConfig) -> int:
+def vision_params(vc: VisionConfig | MoonViTConfig | QwenVisionConfig) -> int:
     """The tower as stored in the checkpoint (all layers, even those past the feature layer)."""
+    if isinstance(vc, QwenVisionConfig):
+        h, i = vc.hidden_size, vc.intermediate_size
+        attention = (3 * h * h + 3 * h) + (h * h + h)
+        if vc.variant == "qwen2.5":  # patch embedding without bias; RMSNorms, SwiGLU with biases
+            return vc.patch_dim * h + vc.num_layers * (2 * h + attention + 2 * (h * i + i) + (i * h + h))
+        g, d = h * vc.merge_group, vc.out_hidden_size  # Qwen3-VL: LayerNorms, GELU MLPs, a position grid, DeepStack
+        per_layer = 4 * h + attention + (h * i + i) + (i * h + h)
+        deepstack = vc.deepstack_levels * (2 * g + g * g + g + g * d + d)
+        return vc.patch_dim * h + h + vc.num_position_embeddings * h + vc.num_layers * per_layer + deepstack
     if isinstance(vc, MoonViTConfig):
         h, i = vc.hidden_size, vc.intermediate_size
         embed = 3 * vc.patch_size**2 * h + h + vc.pos_emb_height * vc.pos_emb_width * h
@@ -125,10 +138,11 @@ def vision_params(vc: VisionConfig | MoonViTConfig) -> int:
 def projector_params(cfg: ModelConfig) -> int:
     """Two linears: concatenated vision features -> text hidden -> text hidden (LLaVA); Kimi's patch
     merger: a LayerNorm, then 4 x vision hidden -> itself -> text hidden."""
-    if isinstance(cfg.vision, MoonViTConfig):
+    if isinstance(cfg.vision, (MoonViTConfig, QwenVisionConfig)):  # Qwen's merger: an RMSNorm (no bias)
         v, d = cfg.vision.hidden_size, cfg.text.hidden_size
         g = v * cfg.vision.merge_group
-        return 2 * v + g * g + g + g * d + d
+        norm = v if isinstance(cfg.vision, QwenVisionConfig) and cfg.vision.variant == "qwen2.5" else 2 * v
+        return norm + g * g + g + g * d + d
     d_in, d = cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size
     return d_in * d + d * d + 2 * d * cfg.projector_bias
 
@@ -166,7 +180,7 @@ def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, stag
     if shape.vision is None:
         return prefill
     vc = shape.vision
-    n = image_tokens(shape) * vc.merge_group if isinstance(vc, MoonViTConfig) else vc.num_patches + 1
+    n = image_tokens(shape) * vc.merge_group if isinstance(vc, (MoonViTConfig, QwenVisionConfig)) else vc.num_patches + 1
     encode = n * (4 * vc.hidden_size + vc.intermediate_size) * elem_bytes + vc.num_heads * n * n * 4
     return max(prefill, encode)
 
