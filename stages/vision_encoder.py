@@ -35,12 +35,12 @@ class VisionEncoder:
         self.cache_misses += len(missing)
         fresh: dict[bytes, np.ndarray] = {}
         if missing and self.model.native_resolution:  # images of different sizes: packed, not padded
-            patches = torch.from_numpy(np.concatenate([img.pixel_values for img in missing])).to(self.config.device)
-            grids = [img.grid_thw for img in missing]
-            if any(g is None for g in grids):
+            if any(img.grid_thw is None for img in missing):
                 raise ValueError("a native-resolution image arrived without its patch grid")
-            feats = self.model.encode_native(patches, grids)  # type: ignore[arg-type]
-            fresh = {img.content_hash: f.float().cpu().numpy() for img, f in zip(missing, feats)}
+            for batch in patch_batches(missing, self.config.encoder_batch_patches):
+                patches = torch.from_numpy(np.concatenate([img.pixel_values for img in batch])).to(self.config.device)
+                feats = self.model.encode_native(patches, [img.grid_thw for img in batch])  # type: ignore[misc]
+                fresh.update({img.content_hash: f.float().cpu().numpy() for img, f in zip(batch, feats)})
         elif missing:
             pixels = torch.from_numpy(np.stack([img.pixel_values for img in missing])).to(self.config.device)
             feats = self.model(pixels).float().cpu().numpy()
@@ -57,3 +57,21 @@ class VisionEncoder:
         self._cache[key] = features
         while len(self._cache) > max(1, self.config.encoder_cache_size):
             self._cache.popitem(last=False)
+
+
+def patch_batches(images: list[PreprocessedImage], budget: int) -> list[list[PreprocessedImage]]:
+    """Consecutive images packed into calls of at most ``budget`` patches (0: one call); an image larger
+    than the budget is a call of its own."""
+    if budget <= 0:
+        return [images]
+    batches: list[list[PreprocessedImage]] = []
+    size = 0
+    for img in images:
+        n = img.pixel_values.shape[0]
+        if batches and size + n <= budget:
+            batches[-1].append(img)
+            size += n
+        else:
+            batches.append([img])
+            size = n
+    return batches

@@ -281,3 +281,22 @@ def test_ops_covers_it_and_the_planner_counts_every_parameter(qwen_dir: Path, tm
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir)
     assert plan.num_params == sum(p.numel() for p in model.parameters())
     assert plan.multimodal and plan.image_tokens == 16384  # the processor's default ceiling: 28*28*16384 px
+
+
+def test_packing_images_into_one_call_changes_no_embedding(qwen_dir: Path) -> None:
+    """The encoder packs images of different sizes into calls of at most encoder_batch_patches patches
+    (never padded): whatever the packing, each image's embeddings are its own, as if encoded alone."""
+    from strata.stages.vision_encoder import VisionEncoder, patch_batches
+
+    images = [NativeResolutionPreprocessor(qwen_dir).process(patterned_image(SIZES[s], i))
+              for i, s in enumerate(["large-224", "square-64", "wide-300x120", "tall-90x200", "square-64"])]
+    assert [len(b) for b in patch_batches(images, 300)] == [2, 3]  # 256 + 16 patches | 176 + 84 + 16
+    assert [len(b) for b in patch_batches(images, 100)] == [1, 1, 1, 2]  # larger than the budget: alone
+    results = []
+    for budget in (0, 1, 300):
+        encoder = VisionEncoder(qwen_dir, EngineConfig(encoder_batch_patches=budget))
+        results.append(encoder.encode(images))
+    for packed, alone in zip(results[0], results[1]):
+        np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
+    for packed, alone in zip(results[2], results[1]):
+        np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)

@@ -77,6 +77,10 @@ class EngineConfig(ConfigModel):
     max_model_len: int = Field(4096, ge=1, description="prompt + output tokens of one request")
     enable_prefix_caching: bool = True
     encoder_cache_size: int = Field(64, ge=0, description="images kept encoded, by content hash")
+    encoder_batch_patches: int = Field(2048, ge=0, description="native resolution: patches the encoder packs into "
+                                       "one call (images of any sizes, never padded; a larger image runs alone); "
+                                       "0: every image of the call at once. On a CPU ~2K keeps the working set in "
+                                       "cache (strata bench vision); a GPU wants more")
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="decoded pixels of one image, at most")
     max_image_pixels_in_flight: int = Field(0, ge=0, description="decoded pixels one Preprocess replica holds at "
                                                                   "once (0: two images at max_image_pixels)")

@@ -2,11 +2,12 @@
 
 Three comparisons, each side by side in one run on one loaded model (fp32, this machine's cores):
 
-* **Encoder throughput** at mixed sizes (``--sizes``: a thumbnail to a photo of ~2K tokens, several
-  aspect ratios): the Encode stage's batch, every image's patches packed into one call (every linear
-  layer runs once, attention in batches of equal-size windows and images, nothing padded), against
-  the same images encoded one call each. The encoder cache is emptied before every call, so both
-  sides compute every image. Rounds alternate the two sides; medians are reported.
+* **Encoder throughput**, for a mix of sizes (``--sizes``: a thumbnail to a photo of ~2K tokens, several
+  aspect ratios) and for 16 thumbnails: images packed into calls of at most ``encoder_batch_patches``
+  (the default; every linear layer runs once per call, attention in batches of equal-size windows and
+  images, nothing padded), against every image in one call and against one call per image. The
+  encoder cache is emptied before every call, so every side computes every image. Rounds alternate
+  the sides; medians are reported.
 * **TTFT** of one request with 1 image and with 4 images of mixed sizes through the in-process engine
   (preprocess, encode, chunked prefill, first token), caches cold.
 * **A repeated image**: the same request again: the encoder cache and the KV prefix cache answer
@@ -76,12 +77,32 @@ def _sizes(values: list[str]) -> list[tuple[int, int]]:
         raise SystemExit(f"strata: error: --sizes takes WxH values, got {values}") from None
 
 
-def _encode_seconds(encoder: Any, batches: list[list[Any]]) -> float:
+def _encode_seconds(encoder: Any, images: list[Any], budget: int) -> float:
+    """One Encode-stage call over ``images`` packed by ``budget`` patches per forward, caches emptied."""
+    encoder._cache.clear()  # every side computes every image
+    encoder.config.encoder_batch_patches = budget
     start = time.perf_counter()
-    for batch in batches:
-        encoder._cache.clear()  # every side computes every image
-        encoder.encode(batch)
+    encoder.encode(images)
     return time.perf_counter() - start
+
+
+def _encoder_rows(encoder: Any, label: str, images: list[Any], rounds: int) -> dict[str, float]:
+    budget = EngineConfig().encoder_batch_patches
+    sides = {f"packed by {budget} patches (default)": budget, "all in one call": 0, "one call per image": 1}
+    runs: dict[str, list[float]] = {name: [] for name in sides}
+    _encode_seconds(encoder, images, budget)  # warm-up
+    for _ in range(rounds):
+        for name, b in sides.items():
+            runs[name].append(_encode_seconds(encoder, images, b))
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    tokens = sum(p.num_tokens for p in images)
+    print(f"encoder, {label}: {len(images)} images, {tokens} tokens, median of {rounds} alternating rounds:")
+    base = med["one call per image"]
+    for name, seconds in med.items():
+        print(f"  {name:<34} {seconds * 1000:7.0f} ms  {len(images) / seconds:6.2f} images/s  "
+              f"{tokens / seconds:7.0f} tok/s  {base / seconds:5.2f}x vs one call per image")
+    encoder.config.encoder_batch_patches = budget
+    return med
 
 
 def _ttft(engine: Any, images: list[bytes], rid: str) -> tuple[float, int, int]:
@@ -113,17 +134,10 @@ def run(args: argparse.Namespace) -> int:
           f"{SMALL_VISION['hidden_size']}, windows {SMALL_VISION['window_size']} px; {SMALL_TEXT['num_hidden_layers']}"
           f"-layer decoder width {SMALL_TEXT['hidden_size']}), fp32, {torch.get_num_threads()} threads")
     print(f"# images: {', '.join(f'{w}x{h}={n} tok' for (w, h), n in zip(sizes, tokens))}")
-    encoder = engine.encoder
-    runs: dict[str, list[float]] = {"batched": [], "one by one": []}
-    for _ in range(args.rounds):
-        runs["batched"].append(_encode_seconds(encoder, [processed]))
-        runs["one by one"].append(_encode_seconds(encoder, [[p] for p in processed]))
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    mixed = _encoder_rows(engine.encoder, "mixed sizes", processed, args.rounds)
+    thumbs = [engine.preprocessor.process(photo(224, 224, 100 + i)) for i in range(16)]
+    small = _encoder_rows(engine.encoder, "16 thumbnails of 224x224", thumbs, args.rounds)
     n = len(images)
-    print(f"encoder, {n} images of mixed sizes ({sum(tokens)} tokens), median of {args.rounds} alternating rounds:")
-    for name, seconds in med.items():
-        print(f"  {name:<11} {seconds * 1000:8.0f} ms  {n / seconds:6.2f} images/s  {sum(tokens) / seconds:8.0f} tokens/s")
-    print(f"  batched / one by one: {med['one by one'] / med['batched']:.2f}x")
 
     four = [images[i % n] for i in (1, 2, 3, 4)]
     one_s, one_tokens, _ = _ttft(engine, [images[2]], "one")
@@ -137,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  repeated image: cold {cold_s * 1000:.0f} ms ({cold_cached} cached of {cold_tokens}), again "
           f"{warm_s * 1000:.0f} ms ({warm_cached} cached): {cold_s / warm_s:.1f}x")
     if args.json:
-        args.json.write_text(json.dumps({"sizes": args.sizes, "image_tokens": tokens, "encoder_seconds": med,
+        args.json.write_text(json.dumps({"sizes": args.sizes, "image_tokens": tokens, "encoder_mixed_seconds": mixed,
+                                         "encoder_thumbnails_seconds": small,
                                          "ttft_one": one_s, "ttft_four": four_s, "ttft_cold": cold_s,
                                          "ttft_repeated": warm_s, "repeated_cached_tokens": warm_cached}, indent=2))
     return 0
