@@ -27,7 +27,7 @@ from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
 from strata.stages.pixel_budget import PixelBudget
 from strata.pipeline.models.model_config import load_model_config
-from strata.stages.native_preprocessor import image_preprocessor
+from strata.stages.image_preprocessing import image_preprocessor
 from strata.stages.preprocessor import ImageError, PreprocessedImage
 from strata.stages.stage_loop import LoopStopped
 from strata.stages.vision_encoder import VisionEncoder
@@ -45,8 +45,7 @@ class Preprocess:
         config = EngineConfig.from_dict(engine)
         config.apply_threads()
         self.budget = PixelBudget(config.image_pixels_in_flight, config.image_wait_timeout_s)
-        native = load_model_config(model_dir).native_resolution
-        self.preprocessor = image_preprocessor(model_dir, native, max_pixels=config.max_image_pixels,
+        self.preprocessor = image_preprocessor(model_dir, load_model_config(model_dir), max_pixels=config.max_image_pixels,
                                                pixel_budget=self.budget)
         self.pending = 0
 

@@ -26,7 +26,7 @@ from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
-from strata.stages.native_preprocessor import image_preprocessor
+from strata.stages.image_preprocessing import image_preprocessor
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -121,7 +121,7 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None, laun
     stage = LanguageStage(model_dir, config, launcher, group_host)
     preprocessor, encoder = None, None
     if stage.model_config.takes_images:  # a text-only model has no image stages: intake refuses images
-        preprocessor = image_preprocessor(stage.model_dir, stage.model_config.native_resolution,
+        preprocessor = image_preprocessor(stage.model_dir, stage.model_config,
                                           max_pixels=config.max_image_pixels)
         encoder = VisionEncoder(stage.model_dir, config, stage.model_config)
     engine = Engine(

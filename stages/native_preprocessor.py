@@ -24,10 +24,13 @@ from typing import Any
 import numpy as np
 
 from strata.stages.pixel_budget import PixelBudget
-from strata.stages.preprocessor import ImageError, PreprocessedImage, Preprocessor, _load, _open, _to_chw_uint8
+from strata.stages.preprocessor import ImageError, PreprocessedImage, _load, _open, _to_chw_uint8
 
 
-class NativeResolutionPreprocessor:
+class CheckpointImageProcessor:
+    """The checkpoint's transformers image processor behind the guards: the header is read (size cap, format)
+    before any pixel is decoded, and the decoded pixels are held in the pixel budget until processed."""
+
     def __init__(self, model_dir: str | Path, max_pixels: int = 4096 * 4096,
                  pixel_budget: PixelBudget | None = None) -> None:
         from transformers import AutoImageProcessor
@@ -35,10 +38,31 @@ class NativeResolutionPreprocessor:
         if max_pixels < 1:
             raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        merge = int(getattr(self.processor, "merge_size", 2))
-        self.group = merge**2
         self.max_pixels = max_pixels
         self.pixel_budget = pixel_budget
+
+    def run_processor(self, image_bytes: bytes, deadline: float | None, **kwargs: Any) -> Any:
+        """The processor's output for one image (``kwargs`` go to the call); ImageError for unusable input."""
+        header = _open(image_bytes, self.max_pixels)
+        width, height = header.size
+        reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(width * height, deadline)
+        with reserve:  # the full-size image is dropped before the reservation is given back
+            image = _to_chw_uint8(_load(header), True)
+            del header
+            try:
+                return self.processor(images=[image], return_tensors="pt", **kwargs)
+            except Exception as exc:  # the processor's own refusals (degenerate sizes) are the user's to fix
+                raise ImageError(f"image of {width}x{height} cannot be processed for this model") from exc
+            finally:
+                del image
+
+
+class NativeResolutionPreprocessor(CheckpointImageProcessor):
+    def __init__(self, model_dir: str | Path, max_pixels: int = 4096 * 4096,
+                 pixel_budget: PixelBudget | None = None) -> None:
+        super().__init__(model_dir, max_pixels, pixel_budget)
+        merge = int(getattr(self.processor, "merge_size", 2))
+        self.group = merge**2
         size = getattr(self.processor, "size", None)
         # Qwen-VL's processor resizes within [shortest_edge, longest_edge] pixels; a request may narrow or move
         # that range, never below one merged token nor past what this stage decodes
@@ -73,27 +97,10 @@ class NativeResolutionPreprocessor:
             size = self.resolution(mm_processor_kwargs)
         except ValueError as exc:
             raise ImageError(str(exc)) from None
-        header = _open(image_bytes, self.max_pixels)
-        width, height = header.size
-        reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(width * height, deadline)
-        with reserve:
-            image = _to_chw_uint8(_load(header), True)
-            del header
-            try:
-                out = self.processor(images=[image], return_tensors="pt", **({"size": size} if size else {}))
-            except Exception as exc:  # the processor's own refusals (degenerate sizes) are the user's to fix
-                raise ImageError(f"image of {width}x{height} cannot be processed for this model") from exc
-            del image
-            grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
-            pixels = np.ascontiguousarray(out["pixel_values"].numpy().astype(np.float32, copy=False))
+        out = self.run_processor(image_bytes, deadline, **({"size": size} if size else {}))
+        grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
+        pixels = np.ascontiguousarray(out["pixel_values"].numpy().astype(np.float32, copy=False))
         content_hash = hashlib.blake2b(image_bytes + b"grid=%d,%d,%d" % grid, digest_size=16).digest()
         return PreprocessedImage(pixel_values=pixels, content_hash=content_hash, grid_thw=grid,  # type: ignore[arg-type]
                                  num_tokens=grid[0] * grid[1] * grid[2] // self.group)
 
-
-def image_preprocessor(model_dir: str | Path, native_resolution: bool, max_pixels: int = 4096 * 4096,
-                       pixel_budget: PixelBudget | None = None) -> "Preprocessor | NativeResolutionPreprocessor":
-    """The Preprocess stage's worker for this checkpoint: native resolution (Kimi-K2.5) or fixed-size (CLIP)."""
-    if native_resolution:
-        return NativeResolutionPreprocessor(model_dir, max_pixels, pixel_budget)
-    return Preprocessor.from_model_dir(model_dir, max_pixels=max_pixels, pixel_budget=pixel_budget)

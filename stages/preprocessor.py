@@ -65,6 +65,7 @@ class PreprocessedImage:
     content_hash: bytes  # blake2b(digest_size=16) of the raw image bytes
     grid_thw: tuple[int, int, int] | None = None  # native resolution: (frames, patch rows, patch columns)
     num_tokens: int = 0  # native resolution: the language-model tokens this image becomes (0: the model's fixed count)
+    image_size: tuple[int, int] | None = None  # anyres (LLaVA-OneVision): the image's (height, width) before tiling
 
 
 class Preprocessor:

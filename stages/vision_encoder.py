@@ -41,6 +41,13 @@ class VisionEncoder:
                 patches = torch.from_numpy(np.concatenate([img.pixel_values for img in batch])).to(self.config.device)
                 feats = self.model.encode_native(patches, [img.grid_thw for img in batch])  # type: ignore[misc]
                 fresh.update({img.content_hash: f.float().cpu().numpy() for img, f in zip(batch, feats)})
+        elif missing and self.model.anyres:  # every image's base view and tiles: one batch of equal-size crops
+            if any(img.image_size is None for img in missing):
+                raise ValueError("an anyres image arrived without its size")
+            tiles = torch.from_numpy(np.concatenate([img.pixel_values for img in missing])).to(self.config.device)
+            feats = self.model.encode_anyres(tiles, [img.pixel_values.shape[0] for img in missing],
+                                             [img.image_size for img in missing])  # type: ignore[misc]
+            fresh = {img.content_hash: f.float().cpu().numpy() for img, f in zip(missing, feats)}
         elif missing:
             pixels = torch.from_numpy(np.stack([img.pixel_values for img in missing])).to(self.config.device)
             feats = self.model(pixels).float().cpu().numpy()

@@ -38,14 +38,15 @@ def load_engine(model_dir: str | Path, config: EngineConfig | None = None) -> An
     return build_engine(model_dir, config)
 
 
-NATIVE_VLMS = ("kimi_k25", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+NATIVE_VLMS = ("kimi_k25", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision")
 
 
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint of a real architecture")
     p.add_argument("--arch", choices=ARCHITECTURES + TEXT_ARCHITECTURES + NATIVE_VLMS, default="llava-llama",
                    help="a LLaVA over a decoder, a text-only LLM of a registered family, or a native-resolution VLM "
-                        "(Kimi-K2.5, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; shape flags apply to LLaVA only, the others "
+                        "(Kimi-K2.5, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA-OneVision; shape flags apply to LLaVA "
+                        "only, the others "
                         "use their family's tiny config)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +68,11 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
         from strata.tiny_kimi import build_tiny_kimi_k25
 
         print(build_tiny_kimi_k25(args.out, seed=args.seed))
+        return 0
+    if args.arch == "llava_onevision":
+        from strata.tiny_llava_onevision import build_tiny_llava_onevision
+
+        print(build_tiny_llava_onevision(args.out, seed=args.seed))
         return 0
     if args.arch in NATIVE_VLMS:
         from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl

@@ -76,8 +76,8 @@ HAND_WRITTEN = {
     "text-model-with-a-vision-config": (
         {**LLAVA_TEXT, "architectures": ["LlamaForCausalLM"], "vision_config": VISION},
         {"vision_tower"}),
-    "siglip-tower": (
-        {"model_type": "llava", "text_config": LLAVA_TEXT, "vision_config": {**VISION, "model_type": "siglip_vision_model"}},
+    "intern-vit-tower": (
+        {"model_type": "llava", "text_config": LLAVA_TEXT, "vision_config": {**VISION, "model_type": "intern_vit_6b"}},
         {"vision_tower"}),
 }
 

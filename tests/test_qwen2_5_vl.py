@@ -74,6 +74,13 @@ def test_align_passes_at_every_size(size: str, qwen_dir: Path, tmp_path: Path) -
     assert points[:4] == ["vision.0", "vision.1", "vision.2", "projector"] and points[-1] == "logits"
 
 
+def test_align_holds_the_bf16_contract(qwen_dir: Path, tmp_path: Path) -> None:
+    """bf16 weights and KV against transformers in bf16: cosine >= 0.999 at every point, top-1 >= 0.9."""
+    image = tmp_path / "image.png"
+    image.write_bytes(patterned_image(SIZES["wide-300x120"]))
+    assert main(["align", "--model", str(qwen_dir), "--image", str(image), "--dtype", "bfloat16"]) == 0
+
+
 def test_mrope_positions_equal_transformers_and_any_chunk_of_them(qwen_dir: Path) -> None:
     """Our layout against transformers' get_rope_index for a prompt with two images of other shapes,
     whole and cut into chunks that start and end inside the images; generated tokens continue at

@@ -69,6 +69,13 @@ def test_align_passes_at_every_size(kind: str, size: str, qwen3_dirs: dict[str, 
     assert points[:4] == ["vision.0", "vision.1", "vision.2", "projector"] and "decoder.2" in points
 
 
+def test_align_holds_the_bf16_contract(qwen3_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """bf16 weights and KV against transformers in bf16: cosine >= 0.999 at every point, top-1 >= 0.9."""
+    image = tmp_path / "image.png"
+    image.write_bytes(patterned_image(SIZES["wide-300x120"]))
+    assert main(["align", "--model", str(qwen3_dirs["moe"]), "--image", str(image), "--dtype", "bfloat16"]) == 0
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sizes", [["large-256"], ["wide-300x120", "square-64"]], ids=["one-image", "two-images"])
 def test_greedy_tokens_equal_transformers(kind: str, sizes: list[str], qwen3_dirs: dict[str, Path]) -> None:

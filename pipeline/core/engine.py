@@ -104,7 +104,7 @@ class Engine:
         are part of the prompt. ``prompt``: exactly one of Intake's prompt forms."""
         if images and self.preprocessor is None:
             raise ValueError(NO_IMAGES)
-        native = bool(images) and self.model_config.native_resolution
+        native = bool(images) and self.model_config.image_tokens_vary
         process = lambda b: self.preprocessor.process(b, None, mm_processor_kwargs)  # type: ignore[union-attr]  # noqa: E731
         processed = [process(b) for b in images] if native else []
         counts = [p.num_tokens for p in processed] if native else None

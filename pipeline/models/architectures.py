@@ -138,6 +138,14 @@ QWEN_VL_NAMES: tuple[NameRule, ...] = (
 )
 
 
+# LLaVA-OneVision keeps the llava-hf layout, plus the newline embedding that ends each row of tiles.
+LLAVA_ONEVISION_NAMES: tuple[NameRule, ...] = (
+    ("model.image_newline", "projector", "image_newline"),
+    ("image_newline", "projector", "image_newline"),
+    *LLAVA_NAMES,
+)
+
+
 @dataclass(frozen=True)
 class ModelArchitecture:
     """One servable model class: a decoder, optionally behind a vision tower and projector."""
@@ -148,7 +156,8 @@ class ModelArchitecture:
     text_config_key: str | None = None  # "text_config" when the decoder's fields are nested
     flat_text_config: bool = False  # the decoder's fields may also sit at the top level (Qwen's own releases)
     vision: str | None = None  # vision tower ("clip", "moonvit", "qwen2.5-vit", "qwen3-vit"), None: text only
-    projector: str | None = None  # "mlp2": LLaVA's two linears; "patch-merger": Kimi's or Qwen's 2x2 group MLP
+    projector: str | None = None  # "mlp2": LLaVA's two linears ("mlp2-anyres": and OneVision's tiling);
+    # "patch-merger": Kimi's or Qwen's 2x2 group MLP
     text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
     renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
 
@@ -189,6 +198,9 @@ def register_architecture(arch: ModelArchitecture) -> ModelArchitecture:
 
 register_architecture(ModelArchitecture("LlavaForConditionalGeneration", "llava", LLAVA_NAMES,
                                         text_config_key="text_config", vision="clip", projector="mlp2"))
+register_architecture(ModelArchitecture("LlavaOnevisionForConditionalGeneration", "llava_onevision",
+                                        LLAVA_ONEVISION_NAMES, text_config_key="text_config", vision="clip",
+                                        projector="mlp2-anyres"))
 register_architecture(ModelArchitecture("Kimi_K25ForConditionalGeneration", "kimi_k25", KIMI_K25_NAMES,
                                         text_config_key="text_config", vision="moonvit", projector="patch-merger",
                                         renames=KIMI_K25_RENAMES))

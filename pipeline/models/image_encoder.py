@@ -1,8 +1,10 @@
 """Vision tower + projector: pixels in, language-model embeddings out (the encoder stage's model).
 
-Three kinds, chosen by the registry: LLaVA's CLIP tower read at a selected layer and a two-layer MLP
-(fixed-size images, a fixed token count each), and the native-resolution towers with their 2x2 patch
-mergers, Kimi-K2.5's MoonViT and Qwen2.5-VL's windowed ViT (each image its own patch grid and token count).
+Four kinds, chosen by the registry: LLaVA's CLIP tower read at a selected layer and a two-layer MLP
+(fixed-size images, a fixed token count each); LLaVA-OneVision's SigLIP tower over an image's base view
+and tiles, packed with unpadding and row newlines (``models.anyres``: a count per image size); and the
+native-resolution towers with their 2x2 patch mergers, Kimi-K2.5's MoonViT and the Qwen-VL ViTs (each
+image its own patch grid and token count).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 from torch import nn
 
 from strata.pipeline.models.model_config import ModelConfig, MoonViTConfig, QwenVisionConfig, VisionConfig
-from strata.pipeline.models.projector import MultiModalProjector, PatchMergerProjector, Qwen3PatchMerger, QwenPatchMerger
+from strata.pipeline.models.anyres import anyres_grid
+from strata.pipeline.models.projector import (AnyresProjector, MultiModalProjector, PatchMergerProjector,
+                                              Qwen3PatchMerger, QwenPatchMerger)
 from strata.pipeline.models.vision import VisionTower
 from strata.pipeline.models.vision_moonvit import MoonViT
 from strata.pipeline.models.vision_qwen import QwenViT
@@ -35,7 +39,8 @@ class ImageEncoderModel(nn.Module):
         assert isinstance(vision, VisionConfig)
         self.vision_tower = VisionTower(vision, cfg.vision_layers_needed)
         in_features = vision.hidden_size * len(cfg.vision_feature_layers)
-        self.projector = MultiModalProjector(in_features, cfg.text.hidden_size, cfg.projector_hidden_act, cfg.projector_bias)
+        projector = AnyresProjector if cfg.anyres else MultiModalProjector
+        self.projector = projector(in_features, cfg.text.hidden_size, cfg.projector_hidden_act, cfg.projector_bias)
 
     @property
     def native_resolution(self) -> bool:
@@ -50,6 +55,19 @@ class ImageEncoderModel(nn.Module):
         if self.cfg.vision_feature_select_strategy == "default":
             selected = [s[:, 1:] for s in selected]
         return self.projector(torch.cat(selected, dim=-1))
+
+    @property
+    def anyres(self) -> bool:
+        return isinstance(self.projector, AnyresProjector)
+
+    @torch.inference_mode()
+    def encode_anyres(self, tiles: torch.Tensor, counts: list[int], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """LLaVA-OneVision: every image's base view and tiles [sum of counts, 3, S, S] (one plain batch: all
+        are the tower's size) and each image's (height, width) -> per image [its token count, text_hidden]."""
+        grid = anyres_grid(self.cfg)
+        features = self.forward(tiles)
+        return [grid.pack(f, h, w, self.projector.image_newline)
+                for f, (h, w) in zip(torch.split(features, counts), sizes)]
 
     @torch.inference_mode()
     def encode_native(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -144,6 +144,8 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 @dataclass(frozen=True)
 class VisionConfig:
+    """A CLIP ViT (a class token, a pre-norm) or a SigLIP ViT (neither; its patch embedding has a bias)."""
+
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -153,10 +155,16 @@ class VisionConfig:
     num_channels: int
     layer_norm_eps: float
     hidden_act: str
+    kind: str = "clip"  # "clip" | "siglip"
+    pooling_head: bool = False  # SigLIP's attention-pooling head is stored (never run: LLaVA reads a hidden state)
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def class_token(self) -> bool:
+        return self.kind == "clip"
 
 
 @dataclass(frozen=True)
@@ -295,6 +303,9 @@ class ModelConfig:
     projector_hidden_act: str = "gelu"
     projector_bias: bool = True
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # LLaVA-OneVision's anyres: tiles at the best of these (height, width) resolutions, after the base image
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    anyres_max_tiles: int = 0  # "anyres_max_N": an image's unpadded features are downsampled past N tiles' worth
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -307,12 +318,22 @@ class ModelConfig:
         return isinstance(self.vision, (MoonViTConfig, QwenVisionConfig))
 
     @property
+    def anyres(self) -> bool:
+        """LLaVA-OneVision: fixed-size tiles of the image at its best grid resolution, a count per image."""
+        return bool(self.image_grid_pinpoints)
+
+    @property
+    def image_tokens_vary(self) -> bool:
+        """An image's token count is known once it is preprocessed (native resolution or anyres tiling)."""
+        return self.native_resolution or self.anyres
+
+    @property
     def num_image_tokens(self) -> int:
         """Placeholder tokens one image expands to (CLS dropped for the default strategy); 0 without
         vision or when the count depends on the image (native resolution)."""
-        if self.vision is None or self.native_resolution:
+        if self.vision is None or self.image_tokens_vary:
             return 0
-        n = self.vision.num_patches + 1
+        n = self.vision.num_patches + self.vision.class_token
         return n - 1 if self.vision_feature_select_strategy == "default" else n
 
     @property
@@ -448,6 +469,7 @@ def _mrope(tc: dict[str, Any], family: TextFamily, rope_dim: int) -> dict[str, A
 
 
 def parse_vision_config(vc: dict[str, Any]) -> VisionConfig:
+    kind = "siglip" if vc.get("model_type") == "siglip_vision_model" else "clip"
     return VisionConfig(
         hidden_size=int(vc.get("hidden_size", 1024)),
         intermediate_size=int(vc.get("intermediate_size", 4096)),
@@ -457,7 +479,9 @@ def parse_vision_config(vc: dict[str, Any]) -> VisionConfig:
         patch_size=int(vc.get("patch_size", 14)),
         num_channels=int(vc.get("num_channels", 3)),
         layer_norm_eps=float(vc.get("layer_norm_eps", 1e-5)),
-        hidden_act=vc.get("hidden_act", "quick_gelu"),
+        hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh" if kind == "siglip" else "quick_gelu"),
+        kind=kind,
+        pooling_head=kind == "siglip" and bool(vc.get("vision_use_head", True)),
     )
 
 
@@ -497,6 +521,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     layers = [layers] if isinstance(layers, int) else list(layers)
     n_states = vision.num_layers + 1
     absolute = tuple(l % n_states for l in layers)
+    pinpoints, max_tiles = _anyres(raw) if arch.projector == "mlp2-anyres" else ((), 0)
     return ModelConfig(
         arch=arch,
         text=text,
@@ -507,8 +532,24 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
         projector_bias=bool(raw.get("multimodal_projector_bias", True)),
         eos_token_ids=eos_ids,
+        image_grid_pinpoints=pinpoints,
+        anyres_max_tiles=max_tiles,
         raw=raw,
     )
+
+
+def _anyres(raw: dict[str, Any]) -> tuple[tuple[tuple[int, int], ...], int]:
+    """LLaVA-OneVision's tiling: the grid resolutions and the "anyres_max_N" cap, checked."""
+    pinpoints = tuple((int(h), int(w)) for h, w in raw.get("image_grid_pinpoints") or ())
+    if not pinpoints:
+        raise ModelConfigError("image_grid_pinpoints is empty: anyres needs the grid resolutions")
+    ratio = str(raw.get("vision_aspect_ratio", "anyres_max_9"))
+    if not ratio.startswith("anyres_max_") or not ratio[len("anyres_max_"):].isdigit():
+        raise ModelConfigError(f"vision_aspect_ratio {ratio!r} is not supported (anyres_max_N)")
+    size = int((raw.get("vision_config") or {}).get("image_size", 384))
+    if any(h % size or w % size for h, w in pinpoints):
+        raise ModelConfigError(f"image_grid_pinpoints {list(pinpoints)} must be multiples of the tower's {size} px")
+    return pinpoints, int(ratio[len("anyres_max_"):])
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

@@ -21,6 +21,15 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
+class AnyresProjector(MultiModalProjector):
+    """LLaVA-OneVision's projector: LLaVA's two linears, and the learned ``image_newline`` that ends each
+    row of an image's tiled features (``models.anyres``)."""
+
+    def __init__(self, in_features: int, hidden: int, act: str, bias: bool) -> None:
+        super().__init__(in_features, hidden, act, bias)
+        self.image_newline = nn.Parameter(torch.empty(hidden))
+
+
 class PatchMergerProjector(nn.Module):
     """Kimi-K2.5's projector: each 2x2 group of vision features is normed, concatenated and mapped by a
     two-layer GELU MLP to one language-model token. Checkpoint names: ``pre_norm``, ``in_proj``, ``out_proj``."""

@@ -1,4 +1,7 @@
-"""CLIP vision tower, run only up to the deepest hidden state the LLaVA config selects."""
+"""CLIP and SigLIP vision towers, run only up to the deepest hidden state the LLaVA config selects.
+
+SigLIP (LLaVA-OneVision) is CLIP's layer stack without the class token and the pre-norm, with a bias on
+the patch embedding; its pooling head and final norm are not read (LLaVA reads a hidden state)."""
 
 from __future__ import annotations
 
@@ -13,17 +16,19 @@ from strata.pipeline.models.model_config import MoonViTConfig, VisionConfig
 class VisionEmbeddings(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.class_embedding = nn.Parameter(torch.empty(cfg.hidden_size))
+        if cfg.class_token:
+            self.class_embedding = nn.Parameter(torch.empty(cfg.hidden_size))
         self.patch_embedding = nn.Conv2d(
-            cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False
+            cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=not cfg.class_token
         )
-        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.hidden_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches + cfg.class_token, cfg.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)
-        cls = self.class_embedding.expand(pixel_values.shape[0], 1, -1)
-        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight.unsqueeze(0)
+        if hasattr(self, "class_embedding"):
+            patches = torch.cat([self.class_embedding.expand(pixel_values.shape[0], 1, -1), patches], dim=1)
+        return patches + self.position_embedding.weight.unsqueeze(0)
 
 
 class VisionAttention(nn.Module):
@@ -87,13 +92,15 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embeddings = VisionEmbeddings(cfg)
-        self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        if cfg.class_token:  # CLIP's pre-norm (SigLIP has none)
+            self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.encoder = VisionEncoderLayers(cfg, num_layers)
 
     def hidden_states(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """[embeddings after pre-norm, after layer 0, after layer 1, ...] like transformers' hidden_states."""
+        """[embeddings (after CLIP's pre-norm), after layer 0, after layer 1, ...] like transformers' hidden_states."""
         x = self.embeddings(pixel_values)
-        x = layer_norm(x, self.pre_layrnorm.weight, self.pre_layrnorm.bias, self.cfg.layer_norm_eps)
+        if hasattr(self, "pre_layrnorm"):
+            x = layer_norm(x, self.pre_layrnorm.weight, self.pre_layrnorm.bias, self.cfg.layer_norm_eps)
         states = [x]
         for layer in self.encoder.layers:
             x = layer(x)

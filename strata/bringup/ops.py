@@ -30,7 +30,7 @@ from strata.pipeline.models.architectures import (
 )
 from strata.pipeline.models.model_config import read_config_json
 
-VISION_TYPES = ("clip_vision_model",)
+VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 SELECT_STRATEGIES = ("default", "full")
 MISSING = None
 EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
@@ -181,13 +181,18 @@ def vision_components(raw: dict[str, Any], arch: ModelArchitecture | None = None
     strategy = raw.get("vision_feature_select_strategy", "default")
     out = [Component("vision_tower", f"{vtype}, {vc.get('num_hidden_layers', '?')} layers, "
                      f"{vc.get('image_size', '?')} px / patch {vc.get('patch_size', '?')}",
-                     "pipeline.models.vision (CLIP ViT)" if vtype in VISION_TYPES else MISSING),
+                     "pipeline.models.vision (CLIP / SigLIP ViT)" if vtype in VISION_TYPES else MISSING),
            Component("vision_features", f"feature layer {layer}, select '{strategy}'",
                      "pipeline.models.image_encoder" if strategy in SELECT_STRATEGIES else MISSING)]
     act = raw.get("projector_hidden_act", "gelu")
-    is_llava = arch is not None and arch.projector == "mlp2"
+    is_llava = arch is not None and arch.projector in ("mlp2", "mlp2-anyres")
     out.append(Component("projector", f"2-layer MLP, {act}" if is_llava else f"{raw.get('model_type')} merger/projector",
                          "pipeline.models.projector" if is_llava and act in ACTIVATIONS else MISSING))
+    if arch is not None and arch.projector == "mlp2-anyres":
+        out.append(Component("image_processor", f"anyres tiles over {len(raw.get('image_grid_pinpoints') or [])} grid "
+                             f"resolutions, unpadded, {raw.get('vision_aspect_ratio', 'anyres_max_9')}, a newline per row",
+                             "pipeline.models.anyres + the checkpoint's transformers image processor "
+                             "(stages.anyres_preprocessor); video refused"))
     return out
 
 
@@ -279,10 +284,12 @@ def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None)
                   r"blocks\.\d+\.norm1\.weight"]
         projector = [r"ln_q\.weight", r"mlp\.0\.weight", r"mlp\.2\.weight"]
     else:
+        siglip = (raw.get("vision_config") or {}).get("model_type") == "siglip_vision_model"
         vision = [r"embeddings\.patch_embedding\.weight", r"embeddings\.position_embedding\.weight",
-                  r"pre_layrnorm\.weight", r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight",
-                  r"encoder\.layers\.\d+\.mlp\.fc1\.weight"]
+                  r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight", r"encoder\.layers\.\d+\.mlp\.fc1\.weight"]
+        vision += [] if siglip else [r"pre_layrnorm\.weight"]
         projector = [r"linear_1\.weight", r"linear_2\.weight"]
+        projector += [r"image_newline"] if arch is not None and arch.projector == "mlp2-anyres" else []
     return {"text": text, "vision": vision if has_vision else [], "projector": projector if has_vision else []}
 
 

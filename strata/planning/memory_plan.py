@@ -14,6 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from strata.pipeline.models.anyres import anyres_grid
 from strata.pipeline.models.model_config import (
     ModelConfig,
     ModelConfigError,
@@ -110,6 +111,8 @@ def image_tokens(shape: ModelShape, max_side: int = MOONVIT_MAX_SIDE) -> int:
         return per_side * per_side
     if isinstance(vc, QwenVisionConfig):  # Qwen-VL: the processor's pixel ceiling, one token per merged cell
         return QWEN_VL_MAX_IMAGE_TOKENS
+    if shape.anyres:  # LLaVA-OneVision: an image exactly the largest grid resolution's size
+        return anyres_grid(shape).max_tokens()
     return shape.num_image_tokens
 
 
@@ -130,8 +133,12 @@ def vision_params(vc: VisionConfig | MoonViTConfig | QwenVisionConfig) -> int:
         per_layer = 2 * 2 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
         return embed + vc.num_layers * per_layer + 2 * h
     h, i = vc.hidden_size, vc.intermediate_size
-    embeddings = h * vc.num_channels * vc.patch_size**2 + (vc.num_patches + 1) * h + h
     per_layer = 4 * (h * h + h) + 2 * 2 * h + (h * i + i) + (i * h + h)
+    patch = h * vc.num_channels * vc.patch_size**2
+    if not vc.class_token:  # SigLIP: a patch bias, no class token or pre-norm; a post-norm and the pooling head
+        head = h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h) if vc.pooling_head else 0
+        return patch + h + vc.num_patches * h + vc.num_layers * per_layer + 2 * h + head
+    embeddings = patch + (vc.num_patches + 1) * h + h
     return embeddings + 2 * h + vc.num_layers * per_layer + 2 * h
 
 
@@ -144,7 +151,7 @@ def projector_params(cfg: ModelConfig) -> int:
         norm = v if isinstance(cfg.vision, QwenVisionConfig) and cfg.vision.variant == "qwen2.5" else 2 * v
         return norm + g * g + g + g * d + d
     d_in, d = cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size
-    return d_in * d + d * d + 2 * d * cfg.projector_bias
+    return d_in * d + d * d + 2 * d * cfg.projector_bias + d * cfg.anyres  # OneVision's image_newline
 
 
 def count_params(shape: ModelShape) -> int:
@@ -180,7 +187,8 @@ def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, stag
     if shape.vision is None:
         return prefill
     vc = shape.vision
-    n = image_tokens(shape) * vc.merge_group if isinstance(vc, (MoonViTConfig, QwenVisionConfig)) else vc.num_patches + 1
+    n = image_tokens(shape) * vc.merge_group if isinstance(vc, (MoonViTConfig, QwenVisionConfig)) \
+        else vc.num_patches + vc.class_token
     encode = n * (4 * vc.hidden_size + vc.intermediate_size) * elem_bytes + vc.num_heads * n * n * 4
     return max(prefill, encode)
 
