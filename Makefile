@@ -32,7 +32,7 @@ generate: install
 	$(VENV)/bin/strata generate --prompt "What is in this picture?" --image $(DEMO_IMAGE) --max-tokens 32 $(ARGS)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: install
 	$(VENV)/bin/strata bench offline
