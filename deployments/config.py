@@ -96,6 +96,9 @@ class ServeConfig(ConfigModel):
                                                                            "within this (else 408)")
     stream_interval_ms: float = Field(5.0, ge=0, le=1000, description="aggregated: after a stream's first "
                                       "token, gather its tokens up to this long per write (0: every step)")
+    api_key_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$", description="hex SHA-256 of the API key "
+                                       "every route but /health requires as a Bearer token (strata serve --api-key "
+                                       "fills it; the key itself is never stored)")
     engine_process: bool = Field(True, description="aggregated with tp 1: the step loop runs in a child process "
                                                    "of the LLM replica, with a GIL of its own (false: on a thread "
                                                    "of the replica's process)")

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
-tests). Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
+tests); vLLM's ``/ping``, ``/version``, ``/metrics``, ``POST /tokenize`` and ``POST /detokenize``
+(``deployments.token_routes``). With ``--api-key`` every route but ``/health`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
 server-sent events ending with ``data: [DONE]``.
 
 In the aggregated mode this deployment (named ``LLM``) also runs the engine: prefill and decode in
@@ -14,6 +15,7 @@ mode until every stage answers, ``/health`` is a 503 saying what it waits for.
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -21,10 +23,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from strata.deployments import metrics
+from strata.deployments.api_key import CHALLENGE, DIGEST_ENV, UNAUTHORIZED, authorized
 from strata.deployments.config import ServeConfig
 from strata.deployments.http_input import read_json
 from strata.deployments.openai_protocol import (
@@ -36,7 +39,10 @@ from strata.deployments.openai_protocol import (
     split_chat,
 )
 from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
+from strata.deployments.parallel_sampling import ManyChoices, children
 from strata.deployments.responder import Responder, client_error, error_response
+from strata.deployments.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
+                                             server_version, tokenize)
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.model_config import load_model_config
@@ -47,6 +53,16 @@ log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
 
 
+@app.middleware("http")
+async def _require_api_key(request: HTTPRequest, call_next: Any) -> Response:
+    """``--api-key``: every route but /health needs the Bearer token (``deployments.api_key``). The digest is
+    read from this replica's environment, where ``Ingress.__init__`` puts it: Serve ships this app to the
+    replica by value, so a module global set there would be another copy than the one this function sees."""
+    if not authorized(request.url.path, request.headers.get("authorization"), os.environ.get(DIGEST_ENV)):
+        return JSONResponse(UNAUTHORIZED, status_code=401, headers=CHALLENGE)
+    return await call_next(request)
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -54,6 +70,10 @@ class Ingress:
         """``prefill``/``decode`` are the stage handles (disaggregated mode), or None: this replica runs
         the engine itself (aggregated mode)."""
         self.config = ServeConfig.from_dict(config)
+        if self.config.api_key_sha256:
+            os.environ[DIGEST_ENV] = self.config.api_key_sha256
+        else:
+            os.environ.pop(DIGEST_ENV, None)
         model_dir = Path(self.config.model_dir or "")
         self.model_name = self.config.model_name or model_dir.name
         self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir))
@@ -143,6 +163,41 @@ class Ingress:
             self._all_ready = True
         return JSONResponse({"status": "ok"})
 
+    @app.get("/ping")
+    async def ping(self) -> Response:
+        """vLLM's liveness route: /health's status, no body to parse."""
+        return Response(status_code=(await self.health()).status_code)
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return server_version()
+
+    @app.get("/metrics")
+    async def metrics_text(self) -> Response:
+        try:
+            return PlainTextResponse(await node_metrics(), media_type="text/plain; version=0.0.4")
+        except APIError as exc:
+            return error_response(exc, "metrics")
+
+    @app.post("/tokenize")
+    async def tokenize_route(self, request: HTTPRequest) -> Response:
+        return await self._token_route(request, TokenizeRequest, lambda r: tokenize(
+            r, self.tokenizer, self.config.engine.max_model_len, self.config.max_image_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_route(self, request: HTTPRequest) -> Response:
+        return await self._token_route(request, DetokenizeRequest, lambda r: detokenize(r, self.tokenizer))
+
+    async def _token_route(self, request: HTTPRequest, model: type, run: Any) -> Response:
+        try:
+            body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s)
+            req = parse_request(model, body)
+            if req.model is not None:
+                self._check_model(req.model)
+            return JSONResponse(await asyncio.to_thread(run, req))
+        except APIError as exc:
+            return error_response(exc, "tokenize")
+
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -216,6 +271,12 @@ class Ingress:
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         finally:
             self._preparing -= 1
+        if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.parallel_sampling)
+            kids = children(prepared, req.n)
+            many = ManyChoices(self.responder)
+            if req.stream:
+                return await many.stream(req, kids, self.flow.events, chat, t0)
+            return await many.whole(req, kids, self.flow.events, chat, t0)
         events = self.flow.events(prepared)
         if req.stream:
             return await self.responder.stream(req, prepared, events, chat, t0)

@@ -91,10 +91,13 @@ class CounterDelta:
     def inc(self, counter: Counter, total: float, tags: dict[str, str]) -> None:
         key = (id(counter), tuple(sorted(tags.items())))
         with self._lock:
+            first = key not in self._last
             delta = total - self._last.get(key, 0.0)
             self._last[key] = total
         if delta > 0:
             counter.inc(delta, tags=tags)
+        elif first:  # export the series at 0 from the start, so a dashboard panel is never empty
+            counter._record(0.0, tags=tags)  # Counter.inc refuses 0; recording it is what inc does
 
 
 def record_kv(stage: str, kv_stats: dict[str, Any], deltas: CounterDelta) -> None:

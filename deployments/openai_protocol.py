@@ -28,12 +28,12 @@ from pydantic import (
 )
 
 from strata.pipeline.contract.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
+from strata.pipeline.frontend.structured import spec_from_openai
 
 # OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
 # instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)
 UNSUPPORTED = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
-    "response_format": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
     "best_of": 1, "suffix": None, "echo": False, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None,
 }
@@ -52,11 +52,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Lenient(BaseModel):
+class LenientModel(BaseModel):
+    """A request body: unknown fields are allowed (clients send vendor extras), the unsupported OpenAI
+    parameters above are refused by name."""
+
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "_Lenient":
+    def _refuse_unsupported(self) -> "LenientModel":
         for name, default in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name, default)
             if value is not None and value != default:
@@ -64,27 +67,27 @@ class _Lenient(BaseModel):
         return self
 
 
-class ImageURL(_Lenient):
+class ImageURL(LenientModel):
     url: StrictStr
     detail: StrictStr | None = None
 
 
-class ContentPart(_Lenient):
+class ContentPart(LenientModel):
     type: Literal["text", "image_url"]
     text: StrictStr | None = None
     image_url: ImageURL | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(LenientModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[ContentPart] | None = None
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(LenientModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(LenientModel):
     model: StrictStr
     # Range-checked here, as a field, so a bad value is a 400 naming it whichever limit ends up used.
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -94,13 +97,26 @@ class _SamplingFields(_Lenient):
     stop: StrictStr | list[StrictStr] | None = Field(default=None)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1)
+    n: StrictInt = Field(default=1, ge=1, le=16)  # parallel_sampling.MAX_N
     user: StrictStr | None = None
     ignore_eos: StrictBool = False  # vLLM extension: keep generating past EOS (benchmarks, load tests)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, StrictFloat] | None = None  # token id (as a string, OpenAI's JSON) -> [-100, 100]
+    # vLLM extensions
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=10.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # -1 or 0: disabled
+    min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_TOKENS)
+    stop_token_ids: list[StrictInt] | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[StrictStr, Any] | None = None
+    guided_json: dict[StrictStr, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if len(stop) > 16:
@@ -109,10 +125,18 @@ class _SamplingFields(_Lenient):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(0, self.top_k or 0),
             seed=self.seed,
             stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logit_bias=_token_bias(self.logit_bias),
+            min_tokens=self.min_tokens,
+            structured=self._structured(),
         )
         try:
             params.validate()
@@ -124,9 +148,27 @@ class _SamplingFields(_Lenient):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def _structured(self) -> tuple[str, str] | None:
+        fields = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs")
+        try:
+            return spec_from_openai({name: getattr(self, name) for name in fields})
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -51,7 +51,8 @@ def chat_completion(rid: str, model: str, created: int, text: str, finish_reason
                     usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                     "logprobs": None,
                      "finish_reason": finish_reason}],
         "usage": usage,
     }

@@ -248,14 +248,18 @@ class Responder:
                 batch = await timed.next()
             raise GenerationFailed("the token stream ended before the request finished")
         except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
-            log.warning("stream %s failed: %r", rid, exc)
-            status = str(client_error(exc, self.retry_after_s).status)
-            yield sse(client_error(exc, self.retry_after_s).body())
-            yield sse("[DONE]")
+            status, lines = self.stream_failure(rid, exc)
+            yield lines
         finally:
             self.ongoing -= 1
             metrics.requests().inc(tags={"endpoint": endpoint, "status": status})
             await timed.close()
+
+    def stream_failure(self, rid: str, exc: BaseException) -> tuple[str, str]:
+        """A started stream's failure: its status (for the metrics) and the in-band error event + [DONE]."""
+        log.warning("stream %s failed: %r", rid, exc)
+        error = client_error(exc, self.retry_after_s)
+        return str(error.status), sse(error.body()) + sse("[DONE]")
 
     def _logprob_chunk(self, rid: str, model: str, created: int, chat: bool, ev: TokenEvent, offset: int) -> dict:
         if chat:

@@ -22,7 +22,10 @@ from strata.deployments.loopback import LOOPBACK_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny demo model)")
+    p.add_argument("model_ref", nargs="?", metavar="MODEL", help="a checkpoint directory or a Hugging Face id in the "
+                   "local cache (as `vllm serve MODEL`); the same as --model")
+    p.add_argument("--model", help="checkpoint directory, or a Hugging Face id already in the local cache "
+                                   "(default: the built-in tiny demo model)")
     p.add_argument("--config", type=Path, help="JSON serve config: engine knobs and per-stage replicas/autoscaling")
     p.add_argument("--model-name", "--served-model-name", dest="model_name",
                    help="the model id clients send (default: the directory name)")
@@ -34,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct-port", type=int,
                    help="first port of the replicas' own HTTP endpoints (fast path; default: 30000, or the first "
                         "free port above it)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                                     "$STRATA_API_KEY; only its SHA-256 reaches the replicas)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="join a running cluster (ray://host:port or auto) instead of starting one")
@@ -58,12 +63,20 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     flags = {key: value for key in ("max_model_len", "dtype", "tp") if (value := getattr(args, key, None)) is not None}
     if flags:  # flags win over the JSON config, and are validated like it
         config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})
-    if args.model is not None:
-        if not (args.model / "config.json").is_file():
-            raise ValueError(f"{args.model} is not a checkpoint directory (no config.json)")
-        config.model_dir = str(args.model)
+    ref = getattr(args, "model_ref", None)
+    if ref is not None and args.model is not None and ref != args.model:
+        raise ValueError(f"two models given: {ref} and --model {args.model}")
+    if (ref or args.model) is not None:
+        from strata.pipeline.models.model_source import resolve_model_dir
+
+        config.model_dir = str(resolve_model_dir(ref or args.model))
     if args.model_name:
         config.model_name = args.model_name
+    key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)
+    if key is not None:
+        from strata.deployments.api_key import key_digest
+
+        config.api_key_sha256 = key_digest(key)
     if config.model_dir is None:
         if default_model is None:
             raise ValueError("no model: give --model or \"model_dir\" in the config")
@@ -75,6 +88,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
 
 
 ALLOW_LONG_ENV = "STRATA_ALLOW_LONG_MAX_MODEL_LEN"  # as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+API_KEY_ENV = "STRATA_API_KEY"  # as vLLM's VLLM_API_KEY
 
 
 def check_model_len(max_model_len: int, model_dir: str) -> None:
@@ -200,6 +214,8 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config={"enable_access_log": args.access_log})
         serve.run(build_app(config, access_log=args.access_log), name="strata", route_prefix="/", blocking=False)
+        if not wait_until_healthy(args, config.startup_timeout_s, stop):
+            return 0 if stop.is_set() else 1
         dashboard = getattr(context, "dashboard_url", None) or f"127.0.0.1:{args.dashboard_port}"
         print(f"Strata is serving {config.model_name} (from {config.model_dir})", flush=True)
         print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1", flush=True)
@@ -214,6 +230,40 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
         print("strata: shutting down", file=sys.stderr, flush=True)
         _quiet_shutdown()
     return 0
+
+
+def wait_until_healthy(args: argparse.Namespace, timeout_s: float, stop: threading.Event) -> bool:
+    """Poll /health until it is 200, saying on stderr what the server still waits for (the model loading,
+    a stage starting) as it changes and every 15 s. False when Ctrl-C came first, when the model failed to
+    load, or after ``timeout_s`` (then one error line): the banner is printed only for a server that answers."""
+    import httpx
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{host}:{args.port}/health"
+    start, said, said_at = time.monotonic(), "", 0.0
+    while not stop.is_set():
+        elapsed = time.monotonic() - start
+        try:
+            response = httpx.get(url, timeout=5)
+            if response.status_code == 200:
+                return True
+            body = response.json()
+            if body.get("status") == "failed":  # the model did not load: no wait will fix that
+                print(f"strata: error: {body.get('reason', 'the server failed to start')} (see the Ray dashboard's "
+                      "Serve logs)", file=sys.stderr, flush=True)
+                return False
+            waiting = ", ".join(body.get("waiting_for") or [body.get("status", "?")])
+        except (httpx.HTTPError, ValueError):
+            waiting = "the HTTP proxy"
+        if waiting != said or elapsed - said_at >= 15:
+            print(f"strata: starting ({elapsed:.0f} s): waiting for {waiting}", file=sys.stderr, flush=True)
+            said, said_at = waiting, elapsed
+        if elapsed > timeout_s:
+            print(f"strata: error: not ready after {timeout_s:.0f} s (waiting for {waiting}); see the Ray "
+                  "dashboard's Serve logs", file=sys.stderr, flush=True)
+            return False
+        stop.wait(1.0)
+    return False
 
 
 def _quiet_shutdown() -> None:

@@ -1,6 +1,9 @@
 """`strata bench serve` / `python -m loadtest.bench`: load a running server over HTTP and report
 the metrics of the usual serving benchmarks (vLLM's `bench serve` names): request and token
-throughput, TTFT / TPOT / ITL / E2EL (mean, median, p99) and goodput against SLOs.
+throughput, TTFT / TPOT / ITL / E2EL (mean, median, p99) and goodput against SLOs. ITL is per request,
+(E2EL - TTFT) / (output tokens - 1), as an independent client measures it; the gap between stream
+events (IEL) and the tokens an event carries are reported next to it. Random prompts are sized in the
+served model's tokens (its /tokenize).
 
 Arrivals are Poisson at ``--request-rate`` (``inf``: all at once), capped by
 ``--max-concurrency``. ``--sweep`` repeats the run at several concurrency levels and plots
@@ -43,15 +46,19 @@ class Result:
     e2el: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    events: int = 0  # stream events that carried text (one may carry several tokens)
     error: str = ""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                   help="Bearer token of a server started with --api-key (default: $STRATA_API_KEY)")
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--dataset", choices=("random", "random-mm", "prefix-repetition"), default="random")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=128, help="words per random prompt")
+    p.add_argument("--random-input-len", type=int, default=128,
+                   help="tokens per random prompt (before the chat template), counted by the server's /tokenize")
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--mm-image-sizes", nargs="+", default=["64x64", "448x336", "1024x768", "336x896"],
                    help="random-mm: image sizes (WxH) drawn per image; a native-resolution model (Qwen-VL, "
@@ -95,9 +102,36 @@ def _image_sizes(values: list[str]) -> list[tuple[int, int]]:
     return sizes
 
 
+class TokenFitter:
+    """Random text of exactly N tokens of the served model, through its /tokenize and /detokenize: a word
+    list overshoots, its first N tokens are kept and written back as text (what vLLM's random dataset does
+    with the model's tokenizer). None when the server has neither route (then N counts words)."""
+
+    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+        self.client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
+
+    def fit(self, text: str, n: int) -> str | None:
+        try:
+            r = self.client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+            if r.status_code != 200:
+                return None
+            tokens = r.json()["tokens"][:n]
+            r = self.client.post("/detokenize", json={"tokens": tokens})
+            return r.json()["prompt"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+
 def make_dataset(args: argparse.Namespace) -> list[Request]:
     rng = random.Random(args.seed)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    fitter = TokenFitter(args.base_url, _auth(args)) if getattr(args, "base_url", None) else None
+
+    def tokens(n: int) -> str:  # n tokens of the served model (n words when the server cannot count)
+        text = words(2 * n + 8)
+        fitted = fitter.fit(text, n) if fitter is not None else None
+        return fitted if fitted is not None else " ".join(text.split()[:n])
+
     prefixes = [words(args.prefix_len) for _ in range(args.num_prefixes)]
     sizes = _image_sizes(getattr(args, "mm_image_sizes", ["64x64"]))
     out = []
@@ -107,9 +141,9 @@ def make_dataset(args: argparse.Namespace) -> list[Request]:
         elif args.dataset == "random-mm":
             images = [{"type": "image_url", "image_url": {"url": _png_data_url(rng, rng.choice(sizes))}}
                       for _ in range(getattr(args, "mm_images_per_request", 1))]
-            content = images + [{"type": "text", "text": words(args.random_input_len)}]
+            content = images + [{"type": "text", "text": tokens(args.random_input_len)}]
         else:
-            content = words(args.random_input_len)
+            content = tokens(args.random_input_len)
         out.append(Request([{"role": "user", "content": content}], args.random_output_len))
     return out
 
@@ -136,6 +170,7 @@ async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    res.events += 1
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
@@ -154,11 +189,11 @@ async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
 
 
 async def run_load(base_url: str, model: str, requests: list[Request], rate: float, max_concurrency: int | None,
-                   seed: int, progress: bool) -> tuple[list[Result], float]:
+                   seed: int, progress: bool, headers: dict[str, str] | None = None) -> tuple[list[Result], float]:
     limit = asyncio.Semaphore(max_concurrency or len(requests))
     rng = np.random.default_rng(seed)
     bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, desc="requests")
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0),
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), headers=headers,
                                  limits=httpx.Limits(max_connections=max_concurrency or 1000)) as client:
         async def gated(req: Request) -> Result:
             async with limit:
@@ -196,6 +231,10 @@ def parse_goodput(specs: list[str]) -> dict[str, float]:
 
 
 def summarize(results: list[Result], duration: float, slos: dict[str, float]) -> dict[str, Any]:
+    """vLLM's figures, with ITL as an independent client measures it (guidellm's definition): per request,
+    (end-to-end - TTFT) / (output tokens - 1), since a stream event may carry several tokens and the gaps
+    between events are not gaps between tokens. The gaps between events are reported as inter-event
+    latency, next to the tokens an event carries."""
     ok = [r for r in results if r.ok]
     tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -212,10 +251,11 @@ def summarize(results: list[Result], duration: float, slos: dict[str, float]) ->
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "goodput": (sum(good(r) for r in ok) / duration) if slos else None,
+        "tokens_per_event": out_tokens / max(1, sum(r.events for r in ok)),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots),
-                         ("itl", [g for r in ok for g in r.itls]), ("e2el", [r.e2el for r in ok])):
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", tpots),
+                         ("iel", [g for r in ok for g in r.itls]), ("e2el", [r.e2el for r in ok])):
         for stat, v in _stats(values).items():
             summary[f"{stat}_{name}_ms"] = v
     return summary
@@ -232,9 +272,20 @@ def print_summary(s: dict[str, Any], label: str) -> None:
     print(f"{'Total token throughput (tok/s):':<36}{s['total_token_throughput']:>12.2f}")
     if s["goodput"] is not None:
         print(f"{'Request goodput (req/s):':<36}{s['goodput']:>12.2f}")
-    for name in ("ttft", "tpot", "itl", "e2el"):
+    for name in ("ttft", "tpot", "itl", "iel", "e2el"):
         for stat in ("mean", "median", "p99"):
             print(f"{f'{stat.capitalize()} {name.upper()} (ms):':<36}{s[f'{stat}_{name}_ms']:>12.2f}")
+    print(f"{'Tokens per stream event:':<36}{s['tokens_per_event']:>12.2f}")
+    print("(ITL = (E2EL - TTFT) / (output tokens - 1) per request; IEL = the gap between stream events)")
+
+
+def plot_title(rows: list[dict[str, Any]]) -> str:
+    """What a plot compares: the model, the dataset, prompt and output lengths, the prompts' mode."""
+    if not rows:
+        return ""
+    r = rows[0]
+    return (f"{r.get('model', '?')} · {r.get('dataset', '?')} · in {r.get('input_len', '?')} tok / out "
+            f"{r.get('output_len', '?')} tok · prompts {r.get('prompts', '?')}")
 
 
 def plot_sweep(rows: list[dict[str, Any]], out: Path, run_id: str = "") -> list[Path]:
@@ -250,6 +301,7 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path, run_id: str = "") -> list[
         ax.plot(conc, [r[f"median_{name}_ms"] for r in rows], marker="o", label=f"median {name.upper()}")
         ax.plot(conc, [r[f"p99_{name}_ms"] for r in rows], marker="x", linestyle="--", label=f"p99 {name.upper()}")
     ax.set(xlabel="max concurrency", ylabel="ms", title="Latency vs concurrency", yscale="log")
+    fig.suptitle(plot_title(rows), fontsize=7)
     ax.set_xticks(conc)
     ax.legend(fontsize=7)
     suffix = f"-{run_id}" if run_id else ""
@@ -260,6 +312,7 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path, run_id: str = "") -> list[
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
     top.plot(conc, [r["output_throughput"] for r in rows], marker="o")
     top.set(ylabel="output tokens/s", title="Throughput vs concurrency")
+    fig.suptitle(plot_title(rows), fontsize=7)
     bottom.plot(conc, [r["request_throughput"] for r in rows], marker="s", color="tab:orange")
     bottom.set(xlabel="max concurrency", ylabel="requests/s")
     bottom.set_xticks(conc)
@@ -272,11 +325,16 @@ class BenchError(Exception):
     """A condition the user must fix (no server, a bad argument): printed as one line."""
 
 
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    key = getattr(args, "api_key", None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _model(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
     try:
-        r = httpx.get(args.base_url + "/v1/models", timeout=30)
+        r = httpx.get(args.base_url + "/v1/models", headers=_auth(args), timeout=30)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
     except httpx.HTTPError as exc:
@@ -303,16 +361,18 @@ def _run(args: argparse.Namespace) -> int:
     fresh = args.sweep and args.sweep_prompts == "fresh"
     base = make_dataset(args)
     if args.sweep and not fresh:  # warm: one untimed pass, then every level replays the same prompts
-        asyncio.run(run_load(args.base_url, model, base, float("inf"), levels[0], args.seed, False))
+        asyncio.run(run_load(args.base_url, model, base, float("inf"), levels[0], args.seed, False, _auth(args)))
     rows = []
     for i, level in enumerate(levels):
         # Fresh prompts per level (a new seed), so no level is timed against a cache an earlier one filled.
         requests = make_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i})) if fresh else base
         results, duration = asyncio.run(run_load(args.base_url, model, requests, args.request_rate, level,
-                                                 args.seed, not args.no_progress))
+                                                 args.seed, not args.no_progress, _auth(args)))
         summary = {**summarize(results, duration, slos), "max_concurrency": level or len(requests),
                    "request_rate": args.request_rate, "dataset": args.dataset, "num_prompts": args.num_prompts,
-                   "model": model, "goodput_slos_ms": slos,
+                   "model": model, "goodput_slos_ms": slos, "output_len": args.random_output_len,
+                   "input_len": (f"{args.prefix_len} words + 16" if args.dataset == "prefix-repetition"
+                                 else args.random_input_len),
                    "prompts": "fresh per level" if fresh else ("warm (replayed after a warm-up pass)" if args.sweep else "one run")}
         rows.append(summary)
         print_summary(summary, f"concurrency {level or 'unbounded'}, {args.dataset}, prompts {summary['prompts']}")

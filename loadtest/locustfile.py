@@ -2,7 +2,8 @@
 
     locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 60s --host http://127.0.0.1:8000 --csv out/strata
 
-Environment knobs: STRATA_MAX_TOKENS (default 32), STRATA_LONG_PROMPT_WORDS (default 300).
+Environment knobs: STRATA_MAX_TOKENS (default 32), STRATA_LONG_PROMPT_WORDS (default 300), STRATA_API_KEY
+(the Bearer token of a server started with --api-key).
 
 Four kinds of users: short text chats, chats with an image (of mixed sizes), multi-turn chats whose turns share
 a growing prefix, and long prompts. Every request streams. Locust's own row for a streamed POST
@@ -24,6 +25,7 @@ from typing import Any
 from locust import HttpUser, between, events, task
 
 MAX_TOKENS = int(os.environ.get("STRATA_MAX_TOKENS", "32"))
+API_KEY = os.environ.get("STRATA_API_KEY")
 LONG_PROMPT_WORDS = int(os.environ.get("STRATA_LONG_PROMPT_WORDS", "300"))  # ~8 tokens each with the demo tokenizer
 
 
@@ -52,6 +54,8 @@ class StrataUser(HttpUser):
     model = "strata"
 
     def on_start(self) -> None:
+        if API_KEY:  # a server started with --api-key
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
         r = self.client.get("/v1/models", name="/v1/models")
         if r.ok:
             self.model = r.json()["data"][0]["id"]

@@ -13,6 +13,7 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.compiled import compile_model
 from strata.pipeline.core.engine import Engine
 from strata.pipeline.core.engine_core import EngineCore
+from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.scheduler import Scheduler
 from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner
@@ -109,8 +110,10 @@ class LanguageStage:
     def core(self) -> EngineCore:
         """A scheduler + sampler loop over this stage's runner and KV cache."""
         scheduler = Scheduler(self.config, self.kv)
-        return EngineCore(scheduler, self.runner, self.tokenizer.decode, self.tokenizer.eos_token_ids,
-                          self.config.request_timeout_s)
+        tokenizer = self.tokenizer
+        grammar = GrammarRunner(lambda: tokenizer.tokenizer, tokenizer.vocab_size)
+        return EngineCore(scheduler, self.runner, tokenizer.decode, tokenizer.eos_token_ids,
+                          self.config.request_timeout_s, grammar)
 
 
 def build_engine(model_dir: str | Path, config: EngineConfig | None = None, launcher: Launcher | None = None,

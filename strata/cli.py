@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from strata.pipeline.contract.config import EngineConfig, read_json_object
 from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.models.model_source import HUB_ID, ModelNotFound, resolve_model_dir
 from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model
 
@@ -166,11 +167,14 @@ def _resolve_model(model: Path | None) -> Path:
         from strata.tiny_model import ensure_demo_model
 
         return ensure_demo_model()
-    if not model.is_dir():
-        raise CLIError(f"model directory {model} does not exist")
-    if not (model / "config.json").is_file():
+    if model.is_dir() and not (model / "config.json").is_file():
         raise CLIError(f"{model} has no config.json: not a Hugging Face checkpoint directory")
-    return model
+    if not model.exists() and not HUB_ID.match(str(model)):
+        raise CLIError(f"model directory {model} does not exist")
+    try:  # a directory, or a Hugging Face id already in the local cache
+        return resolve_model_dir(model)
+    except ModelNotFound as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _read_images(paths: list[Path]) -> list[bytes]:
@@ -234,7 +238,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-mem", default="80GiB", help="accelerator memory (default 80GiB)")
     p.add_argument("--host-mem", default="0", help="host RAM for the KV host tier (default 0)")
     p.add_argument("--disk", default="0", help="disk for the KV disk tier (default 0)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="weights and KV (default bfloat16: what strata serve uses on CUDA; on a CPU it serves "
+                        "float32 unless told --dtype bfloat16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--staging-blocks", type=int, default=64, help="device blocks reserved for staging host/disk KV")

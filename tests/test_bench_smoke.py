@@ -85,3 +85,18 @@ def test_bench_soak_finds_no_leak_in_a_short_run(serve_server, tmp_path: Path, c
     kinds = {k.split(":")[0] for k in result["outcomes"]}
     assert {"chat", "stream", "disconnect", "slowbody"} <= kinds  # stalled uploads (a phase of their own) got 408s
     assert "back to baseline" in printed
+
+
+def test_bench_vision_compares_packing_and_times_image_requests(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "vision", "--model", "tiny", "--sizes", "64x64", "300x120", "224x224",
+                             "--rounds", "1", "--chunk", "64")
+    assert set(result["encoder_mixed_seconds"]) == {"packed by 2048 patches (default)", "all in one call",
+                                                    "one call per image"}
+    assert result["repeated_cached_tokens"] > 0 and result["ttft_four"] > 0
+    assert "vs one call per image" in printed and "repeated image" in printed
+
+
+def test_bench_structured_times_constrained_sampler_steps(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "structured", "--batch", "4", "--rounds", "1")
+    assert set(result["ms_per_step"]) == {"none constrained", "1 constrained", "all 4 constrained"}
+    assert "over unconstrained" in printed

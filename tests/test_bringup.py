@@ -175,3 +175,16 @@ def test_smoke_passes_on_the_demo_model(llama_dir: Path, capsys) -> None:
                   "a malformed request gets a 400", "a client disconnect frees its blocks", "/metrics shows the traffic"):
         assert f"{check}" in out and "FAIL" not in out
     assert "first token" in out and "tokens/s" in out
+
+
+def test_ops_and_plan_never_compile_kernels(llama_dir: Path, tmp_path: Path) -> None:
+    """They read configs: with an empty kernel cache, neither builds the CPU library (an engine does, once)."""
+    from helpers import run_strata
+
+    cache = tmp_path / "kernels"
+    env = {"STRATA_KERNEL_CACHE": str(cache)}
+    ops = run_strata("ops", "--model", str(llama_dir), env=env)
+    assert ops.returncode == 0 and "compiled on first use" in ops.stdout, ops.stdout + ops.stderr
+    plan = run_strata("plan", "--model", str(llama_dir), "--context", "8K", env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert not list(cache.rglob("*.so")) and "compiling" not in ops.stderr + plan.stderr

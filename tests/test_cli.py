@@ -203,6 +203,31 @@ def test_serve_flags_override_the_json_config(llama_dir: Path, tmp_path: Path) -
     assert plain.engine.max_model_len == 1024 and plain.engine.tp == 1 and plain.model_name == "from-json"
 
 
+def test_the_api_key_reaches_the_replicas_only_as_its_digest(llama_dir: Path, monkeypatch) -> None:
+    import argparse
+    import hashlib
+    import json
+
+    from strata.deployments.api_key import authorized
+    from strata.deployments.serve_cli import add_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.delenv("STRATA_API_KEY", raising=False)
+    assert load_config(parser.parse_args(["--model", str(llama_dir)])).api_key_sha256 is None
+    config = load_config(parser.parse_args(["--model", str(llama_dir), "--api-key", "sk-flag"]))
+    assert config.api_key_sha256 == hashlib.sha256(b"sk-flag").hexdigest()
+    assert "sk-flag" not in json.dumps(config.to_dict())
+    monkeypatch.setenv("STRATA_API_KEY", "sk-env")
+    digest = load_config(parser.parse_args(["--model", str(llama_dir)])).api_key_sha256
+    assert authorized("/v1/models", "Bearer sk-env", digest) and authorized("/v1/models", "bearer  sk-env ", digest)
+    assert authorized("/health", None, digest)
+    for header in (None, "", "Bearer", "Bearer sk-flag", "sk-env", "Basic sk-env", "Bearer sk-env2"):
+        assert not authorized("/v1/models", header, digest), header
+    with pytest.raises(ValueError, match="non-empty"):
+        load_config(parser.parse_args(["--model", str(llama_dir), "--api-key", " padded "]))
+
+
 def test_a_second_server_gets_the_next_free_direct_port_and_a_busy_one_asked_for_is_refused(capsys) -> None:
     import argparse
     import socket
@@ -254,3 +279,71 @@ def test_bench_serve_with_no_server_is_one_line(capsys) -> None:
     assert res.returncode == 2
     assert res.stderr.strip().startswith(f"strata: error: no Strata server answers at {url}")
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_serving_banner_waits_for_health_and_says_what_it_waits_for(capsys) -> None:
+    """`strata serve` prints "Strata is serving" only once /health is 200; until then stderr says what the
+    server waits for; a model that failed to load is an error line, not a wait until the timeout."""
+    import argparse
+    import http.server
+    import json
+    import threading
+
+    from strata.deployments.serve_cli import wait_until_healthy
+
+    replies = [(503, {"status": "starting", "waiting_for": ["model"]})] * 2 + \
+              [(503, {"status": "starting", "waiting_for": ["encode"]}), (200, {"status": "ok"})]
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = replies.pop(0) if len(replies) > 1 else replies[0]
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = argparse.Namespace(host="127.0.0.1", port=server.server_address[1])
+        assert wait_until_healthy(args, 60, threading.Event())
+        err = capsys.readouterr().err
+        assert "waiting for model" in err and "waiting for encode" in err
+        replies[:] = [(503, {"status": "failed", "reason": "the model failed to load"})]
+        assert not wait_until_healthy(args, 60, threading.Event())
+        assert "strata: error: the model failed to load" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
+def test_a_hugging_face_id_resolves_through_the_local_cache_and_nothing_is_downloaded(
+        llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """`strata serve org/name` (or --model org/name, or `strata generate --model org/name`) finds a model the
+    local Hugging Face cache holds, offline; one it does not hold is a one-line error saying how to get it."""
+    import argparse
+    import shutil
+
+    from strata.deployments.serve_cli import add_arguments, load_config
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-llava"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(llama_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert load_config(parser.parse_args(["acme/tiny-llava"])).model_dir == str(snapshot)
+    assert load_config(parser.parse_args(["--model", "acme/tiny-llava"])).model_dir == str(snapshot)
+    res = strata_in_process(capsys, "serve", "acme/not-here", "--port", "1")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "not in the local Hugging Face cache" in res.stderr and "hf download acme/not-here" in res.stderr
+    out = strata_in_process(capsys, "generate", "--model", "acme/tiny-llava", "--raw-prompt", "USER: hi ASSISTANT:",
+                            "--max-tokens", "2", "--temperature", "0")
+    assert out.returncode == 0, out.stderr

@@ -66,3 +66,8 @@ def test_bench_serve_reports_every_metric(serve_server, tmp_path: Path, dataset:
         for kind in ("latency", "throughput"):  # plots carry the run id, so two runs never overwrite each other
             assert (tmp_path / f"{kind}_vs_concurrency-{run_id}.png").stat().st_size > 1000
     assert "Request throughput (req/s):" in proc.stdout and "P99 TTFT (ms):" in proc.stdout
+    assert "Tokens per stream event:" in proc.stdout
+    for run in runs:  # ITL as an independent client computes it, and how many tokens an event carried
+        assert run["mean_itl_ms"] == pytest.approx(run["mean_tpot_ms"]) and run["tokens_per_event"] >= 1.0
+    if dataset == "random":  # --random-input-len counts the model's tokens (plus the chat template's few)
+        assert all(32 <= run["total_input_tokens"] / 8 <= 44 for run in runs), [r["total_input_tokens"] for r in runs]

@@ -202,3 +202,31 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(qwen3_dirs: di
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "llava_onevision", "qwen3_vl", "kimi_k25"])
+def test_whether_the_lm_head_is_the_embedding_follows_transformers(arch: str) -> None:
+    """A composite's top-level tie_word_embeddings (a checkpoint saved with none of lm_head) and its text
+    config's: either one ties LLaVA, Qwen2.5-VL and OneVision; only the top level ties Qwen3-VL and Kimi-K2.5
+    (which ties by default), as transformers builds each class."""
+    from strata.pipeline.models.architectures import ARCHITECTURES
+    from strata.pipeline.models.model_config import parse_model_config
+
+    cls = next(a for a in ARCHITECTURES.values() if a.model_type == arch)
+    ties = {"llava": "either", "qwen2_5_vl": "either", "llava_onevision": "either", "qwen3_vl": "top", "kimi_k25": "top"}
+    assert cls.tie == ties[arch]
+    text = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 64, "vocab_size": 100}
+    if arch == "kimi_k25":
+        text = {**text, "model_type": "deepseek_v3", "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                "v_head_dim": 8}
+    if arch in ("qwen2_5_vl", "qwen3_vl"):
+        text = {**text, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}, "head_dim": 16}
+        text.pop("model_type")
+    vision = {"out_hidden_size": 64}
+    extra = {"image_grid_pinpoints": [[384, 384]]} if arch == "llava_onevision" else {}
+    for top, inner in ((True, False), (False, True), (None, True), (None, False)):
+        raw = {"architectures": [cls.name], "model_type": arch, "text_config": {**text, "tie_word_embeddings": inner},
+               "vision_config": vision, **extra, **({} if top is None else {"tie_word_embeddings": top})}
+        expected = (bool(top) or inner) if cls.tie == "either" else (top if top is not None else cls.tie_default)
+        assert parse_model_config(raw).text.tie_word_embeddings is expected, (top, inner)

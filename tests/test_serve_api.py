@@ -67,6 +67,13 @@ PARAMETERS = {
     "top_p": (dict(max_tokens=16, temperature=0.8, top_p=0.5, seed=3),
               dict(max_tokens=16, temperature=0.8, top_p=0.5, seed=3)),
     "max_completion_tokens": (dict(max_completion_tokens=5, temperature=0), dict(max_tokens=5, temperature=0.0)),
+    "penalties": (dict(max_tokens=16, temperature=0, presence_penalty=0.8, frequency_penalty=0.6),
+                  dict(max_tokens=16, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6)),
+    "logit_bias": (dict(max_tokens=8, temperature=0, logit_bias={"40": 100}),
+                   dict(max_tokens=8, temperature=0.0, logit_bias={40: 100.0})),
+    "vllm-extensions": (dict(max_tokens=12, temperature=0.7, seed=5, extra_body={
+        "repetition_penalty": 1.3, "top_k": 20, "min_tokens": 12, "stop_token_ids": [2]}),
+        dict(max_tokens=12, temperature=0.7, seed=5, repetition_penalty=1.3, top_k=20, min_tokens=12, stop_token_ids=[2])),
 }
 
 
@@ -140,3 +147,31 @@ def test_second_turn_of_a_chat_hits_the_prefix_cache(client) -> None:
     second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 64 and cached < second.usage.prompt_tokens
+
+
+def test_n_choices_share_the_prompt_and_are_reproducible_with_a_seed(client, engine) -> None:
+    """OpenAI's n: n answers, choice i sampled with seed + i (each equals the engine's own request with that
+    seed), the prompt counted once in usage, whole and streamed alike."""
+    from strata.pipeline.contract.sampling_params import SamplingParams
+
+    messages = [{"role": "user", "content": "Tell me a long story about the sea, the ships, the lighthouse, the "
+                                            "storm and the sailors who came home at last."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, n=3)
+    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    expected = [engine.generate([{"messages": messages, "params": SamplingParams(max_tokens=8, temperature=1.0,
+                                                                                  seed=11 + i)}])[0] for i in range(3)]
+    assert texts == [e.text for e in expected] and len(set(texts)) > 1
+    assert first.usage.prompt_tokens == expected[0].num_prompt_tokens
+    assert first.usage.completion_tokens == sum(len(e.output_token_ids) for e in expected)
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    streamed = ["", "", ""]
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert streamed == texts and finished == {0, 1, 2}

@@ -10,6 +10,8 @@ MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # logits / 1e-5 stay finite for any fp32 logit a model produces
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024  # OpenAI's limit is 300 entries; more only slows the step
 
 
 @dataclass
@@ -26,6 +28,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
+    # logits processors (``core.logits_processors``); the defaults change nothing
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # transformers / vLLM: > 1 discourages every token seen, prompt included
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI: token id -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM: no end-of-sequence or stop token before this many output tokens
+    # structured output: (kind, source), kind json | regex | choice | lark (``frontend.structured``)
+    structured: tuple[str, str] | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field, so API callers get an actionable message."""
@@ -47,6 +57,22 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 or not _is_real(v) or not -100 <= v <= 100
+                for t, v in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
+        if self.structured is not None and (len(self.structured) != 2 or not all(isinstance(v, str) for v in self.structured)
+                                            or self.structured[0] not in ("json", "regex", "choice", "lark")):
+            raise ValueError(f"structured must be (json|regex|choice|lark, source), got {self.structured!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= MAX_TOKENS:
+            raise ValueError(f"min_tokens must be an integer in [0, {MAX_TOKENS}], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:

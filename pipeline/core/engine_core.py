@@ -16,8 +16,10 @@ import torch
 
 from strata.kvstore import KVBlockLostError
 from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.logits_processors import apply_logits_processors
 from strata.pipeline.core.model_runner import ModelRunner
-from strata.pipeline.core.sampler import INVALID, Logprobs, Sampler, check_stop
+from strata.pipeline.core.grammar import GrammarRunner
+from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop
 from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
@@ -37,6 +39,7 @@ class EngineCore:
         detokenize: Detokenize,
         eos_token_ids: tuple[int, ...],
         request_timeout_s: float = 0.0,
+        grammar: GrammarRunner | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.request_timeout_s = request_timeout_s  # 0: no deadline
@@ -44,6 +47,7 @@ class EngineCore:
         self.sampler = Sampler()
         self.detokenize = detokenize
         self.eos_token_ids = eos_token_ids
+        self.grammar = grammar  # structured output (None: requests with a grammar fail)
         self.steps = 0
         self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
         self.failed: list[Emitted] = []  # error events of sequences failed outside a step's result
@@ -70,13 +74,15 @@ class EngineCore:
             self.scheduler.commit(chunk)
         sampling = [c.seq for c in chunks if c.samples]
         params = [s.params for s in sampling]
-        tokens = self.sampler.sample(logits, params, [s.generator for s in sampling])
-        logprobs = self.sampler.logprobs(logits, tokens, params)
+        tokens = sample_rows(self.sampler, self.grammar, logits, sampling, self.eos_token_ids)
+        logprobs = self.sampler.logprobs(logits, tokens, params)  # of the model's own distribution, as vLLM's
         self.steps += 1
         for i, (seq, tok) in enumerate(zip(sampling, tokens)):
             if tok == INVALID:
                 self.fail(seq, "the model produced invalid values (NaN or inf) for this request")
             else:
+                if self.grammar is not None:
+                    self.grammar.accept(seq, tok)
                 events.append(self._append(seq, tok, logprobs, i))
         return events + self._take_failed()
 
@@ -144,6 +150,8 @@ class EngineCore:
         output_ids = seq.output_token_ids
         text = seq.text + seq.detokenizer.step(self.detokenize, output_ids)
         result = check_stop(output_ids, self.eos_token_ids, seq.params, text, prev_len)
+        if result.finish_reason is None and self.grammar is not None and self.grammar.finished(seq):
+            result = StopResult(FINISH_STOP, result.text)  # the grammar is complete: nothing more may follow
         finished = result.finish_reason is not None
         seq.text = result.text
         if finished and not isinstance(result.stop_reason, str):
@@ -187,6 +195,17 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+
+def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.Tensor, seqs: list[Sequence],
+                eos_token_ids: tuple[int, ...]) -> list[int]:
+    """One token per sampling row: the requests' logits processors and grammars, then the sampler. A row is
+    invalid (:data:`INVALID`) only for the model's own non-finite values, never for the -inf a mask puts."""
+    processed = apply_logits_processors(logits, seqs, eos_token_ids)
+    if grammar is not None:
+        processed = grammar.mask(processed, seqs)
+    finite = torch.isfinite(logits).all(dim=-1) if processed is not logits and logits.numel() else None
+    return sampler.sample(processed, [s.params for s in seqs], [s.generator for s in seqs], finite)
 
 
 def eos_ids_from(*candidates: object) -> tuple[int, ...]:

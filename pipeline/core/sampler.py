@@ -50,9 +50,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        finite: torch.Tensor | None = None,
     ) -> list[int]:
-        """One token id per row of `logits` [B, V]; :data:`INVALID` for a row with NaN or inf logits."""
-        finite = torch.isfinite(logits).all(dim=-1) if logits.numel() else None
+        """One token id per row of `logits` [B, V]; :data:`INVALID` for a row with NaN or inf logits.
+        ``finite``: which rows are valid, when `logits` were processed from the model's (a request's
+        masked tokens are -inf by design; only the model's own non-finite values make a row invalid)."""
+        if finite is None:
+            finite = torch.isfinite(logits).all(dim=-1) if logits.numel() else None
         if finite is None or bool(finite.all()):
             return self._sample(logits, params, generators)
         # A broken row (NaN or inf from its own inputs) is sampled from zeros and marked invalid, so

@@ -13,6 +13,7 @@ from strata.kvstore import BlockTable, ImageSpan, hash_chain
 from strata.pipeline.contract.handoff import Handoff, SequenceState
 from strata.pipeline.contract.request import ImageEmbedding, Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.logits_processors import TokenCounts
 from strata.pipeline.core.sampler import make_generator
 from strata.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from strata.pipeline.models.mrope import MRopeLayout
@@ -50,6 +51,8 @@ class Sequence:
         self.lost_blocks: set[bytes] = set()  # spilled blocks found lost: never looked up again
         self.prefetched = False  # its cached prefix's lower-tier blocks were asked to be read ahead
         self.mrope_layout: MRopeLayout | None = None  # M-RoPE models: built from the images where it runs
+        self.token_counts: TokenCounts | None = None  # penalties: kept by the logits processors where it runs
+        self.grammar_matcher: Any = None  # structured output: llguidance's matcher, made where it runs
         self.kv_losses = 0
         self.arrival_time = time.time()  # when the request arrived (wall clock; travels with hand-offs)
         self.arrival = time.monotonic()  # the same instant on this process's monotonic clock (deadlines)

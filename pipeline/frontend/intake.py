@@ -17,6 +17,7 @@ from strata.kvstore import blocks_for_tokens, chunk_working_set_blocks
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import ImageEmbedding, Request
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.frontend.structured import grammar_for
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, EncodedPrompt, PromptTokenizer
 
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer packs more than this into one token; longer texts cannot fit
@@ -53,11 +54,20 @@ class Intake:
         if max_tokens_default:
             params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
+        if params.structured is not None:  # compiled and checked here, off the step loop: a bad one is a 400
+            grammar_for(*params.structured)
         encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
         if max_tokens_default:
             params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
+        vocab = self.tokenizer.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")
         return Request(request_id, encoded.token_ids, params), encoded.image_offsets
 
     def _encode(self, params: SamplingParams, num_images: int, image_tokens: Seq[int] | None, prompt: str | None,

@@ -160,6 +160,11 @@ class ModelArchitecture:
     # "patch-merger": Kimi's or Qwen's 2x2 group MLP
     text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
     renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
+    # When the LM head is the embedding, as transformers decides for this class: "either" (the top-level
+    # tie_word_embeddings or the text config's: LLaVA, Qwen2.5-VL, OneVision) or "top" (only the composite's
+    # own setting, ``tie_default`` when absent: Kimi-K2.5, Qwen3-VL)
+    tie: str = "either"
+    tie_default: bool = False
 
     @property
     def takes_images(self) -> bool:
@@ -203,13 +208,13 @@ register_architecture(ModelArchitecture("LlavaOnevisionForConditionalGeneration"
                                         projector="mlp2-anyres"))
 register_architecture(ModelArchitecture("Kimi_K25ForConditionalGeneration", "kimi_k25", KIMI_K25_NAMES,
                                         text_config_key="text_config", vision="moonvit", projector="patch-merger",
-                                        renames=KIMI_K25_RENAMES))
+                                        renames=KIMI_K25_RENAMES, tie="top", tie_default=True))
 register_architecture(ModelArchitecture("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN_VL_NAMES,
                                         text_config_key="text_config", flat_text_config=True, vision="qwen2.5-vit",
                                         projector="patch-merger", text_family="qwen2_5_vl_text"))
 for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")):
     register_architecture(ModelArchitecture(_cls, _type, QWEN_VL_NAMES, text_config_key="text_config", vision="qwen3-vit",
-                                            projector="patch-merger", text_family=f"{_type}_text"))
+                                            projector="patch-merger", text_family=f"{_type}_text", tie="top"))
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3")):

@@ -497,6 +497,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     flat = tc is raw and arch.text_config_key is not None  # a composite's decoder fields at the top level
     family = arch.text_family if flat else (tc.get("model_type") or arch.text_family)
     text = parse_text_config(tc, family)
+    if tc is not raw:  # a composite: its own setting decides too (saved with no lm_head when true)
+        top = bool(raw.get("tie_word_embeddings", arch.tie_default))
+        text = replace(text, tie_word_embeddings=top if arch.tie == "top" else top or text.tie_word_embeddings)
     eos = tc.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     if not arch.takes_images:
@@ -506,13 +509,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         if vision.out_hidden_size != text.hidden_size:
             raise ModelConfigError(f"vision out_hidden_size {vision.out_hidden_size} must equal the text hidden size "
                                    f"{text.hidden_size}")
-        text = replace(text, tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.tie_word_embeddings)))
         return ModelConfig(arch=arch, text=text, vision=vision, image_token_id=int(raw.get("image_token_id", 151655)),
                            eos_token_ids=eos_ids, raw=raw)
     if arch.vision == "moonvit":
-        # the composite model's own setting decides whether the LM head is the embedding (transformers
-        # ties by it whatever the text config says; Kimi_K25Config defaults to tying)
-        text = replace(text, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
         return ModelConfig(arch=arch, text=text, vision=parse_moonvit_config(raw.get("vision_config") or {}, raw),
                            image_token_id=int(raw.get("image_token_id", raw.get("media_placeholder_token_id", 163605))),
                            eos_token_ids=eos_ids, raw=raw)

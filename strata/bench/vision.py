@@ -42,18 +42,23 @@ PROMPT = "Describe each picture in one sentence."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("small", "tiny"), default="small",
+                   help="small: the model above; tiny: the tests' Qwen2.5-VL (a smoke run)")
     p.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="image sizes WxH for the encoder batch")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     p.add_argument("--json", type=Path)
 
 
-def bench_model_dir() -> Path:
+def bench_model_dir(size: str = "small") -> Path:
     from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
-    path = default_cache_dir() / "bench" / "small-qwen2.5-vl"
+    path = default_cache_dir() / "bench" / f"{size}-qwen2.5-vl"
     if not (path / "config.json").is_file():
-        build_tiny_qwen2_5_vl(path, max_pixels=1792 * 1792, text=SMALL_TEXT, vision=SMALL_VISION)
+        if size == "tiny":
+            build_tiny_qwen2_5_vl(path, max_pixels=448 * 448)
+        else:
+            build_tiny_qwen2_5_vl(path, max_pixels=1792 * 1792, text=SMALL_TEXT, vision=SMALL_VISION)
     return path
 
 
@@ -123,16 +128,17 @@ def run(args: argparse.Namespace) -> int:
 
     from strata.stages.factory import build_engine
 
-    model = bench_model_dir()
+    model = bench_model_dir(args.model)
     engine = build_engine(model, EngineConfig(prefill_chunk_tokens=args.chunk, max_num_batched_tokens=args.chunk,
                                               max_model_len=16384, num_kv_blocks=2048))
     sizes = _sizes(args.sizes)
     images = [photo(w, h, i) for i, (w, h) in enumerate(sizes)]
     processed = [engine.preprocessor.process(b) for b in images]
     tokens = [p.num_tokens for p in processed]
-    print(f"# strata bench vision: small Qwen2.5-VL ({SMALL_VISION['depth']}-block ViT width "
-          f"{SMALL_VISION['hidden_size']}, windows {SMALL_VISION['window_size']} px; {SMALL_TEXT['num_hidden_layers']}"
-          f"-layer decoder width {SMALL_TEXT['hidden_size']}), fp32, {torch.get_num_threads()} threads")
+    shape = (f"{SMALL_VISION['depth']}-block ViT width {SMALL_VISION['hidden_size']}, windows "
+             f"{SMALL_VISION['window_size']} px; {SMALL_TEXT['num_hidden_layers']}-layer decoder width "
+             f"{SMALL_TEXT['hidden_size']}") if args.model == "small" else "the tests' tiny checkpoint"
+    print(f"# strata bench vision: {args.model} Qwen2.5-VL ({shape}), fp32, {torch.get_num_threads()} threads")
     print(f"# images: {', '.join(f'{w}x{h}={n} tok' for (w, h), n in zip(sizes, tokens))}")
     mixed = _encoder_rows(engine.encoder, "mixed sizes", processed, args.rounds)
     thumbs = [engine.preprocessor.process(photo(224, 224, 100 + i)) for i in range(16)]
@@ -140,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
     n = len(images)
 
     four = [images[i % n] for i in (1, 2, 3, 4)]
-    one_s, one_tokens, _ = _ttft(engine, [images[2]], "one")
+    one_s, one_tokens, _ = _ttft(engine, [images[min(2, n - 1)]], "one")
     four_s, four_tokens, _ = _ttft(engine, four, "four")
     engine.encoder._cache.clear()
-    cold_s, cold_tokens, cold_cached = _ttft(engine, [images[4]], "cold")
-    warm_s, _, warm_cached = _ttft(engine, [images[4]], "warm")
+    repeated = images[min(4, n - 1)]
+    cold_s, cold_tokens, cold_cached = _ttft(engine, [repeated], "cold")
+    warm_s, _, warm_cached = _ttft(engine, [repeated], "warm")
     print("TTFT through the in-process engine (preprocess + encode + chunked prefill + first token):")
     print(f"  1 image   {one_tokens:6d} prompt tokens  {one_s * 1000:8.0f} ms")
     print(f"  4 images  {four_tokens:6d} prompt tokens  {four_s * 1000:8.0f} ms")

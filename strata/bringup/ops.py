@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from strata.kernels import available_backends
+from strata.kernels.backends import vendor_kernels_importable
+from strata.kernels.cpu_kernels import library_path
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
 from strata.pipeline.models.activations import ACTIVATIONS
 from strata.pipeline.models.architectures import (
@@ -49,14 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _attention_impl() -> str:
-    cpu = available_backends("cpu")
-    names = {"cpu": "paged C++ kernel (fast)", "torch": "torch reference"}
-    impl = ", ".join(names.get(n, n) for n in cpu)
+    """What attends here, found without building or running anything: ``strata ops`` reads configs, it
+    never compiles a kernel (the CPU library is built, once, when an engine first needs it)."""
+    built = library_path().is_file()
+    impl = "paged C++ kernel (fast" + ("" if built else "; compiled on first use, ~30 s") + "), torch reference"
     try:
         import torch
 
         if torch.cuda.is_available():
-            impl += "; CUDA: " + ", ".join(available_backends("cuda"))
+            vendor = [name for name, ok in vendor_kernels_importable().items() if ok]
+            impl += "; CUDA: " + ", ".join(["torch", "triton", *vendor]) + " (self-checked when an engine starts)"
     except Exception:  # no usable CUDA runtime: the CPU list stands
         pass
     return impl
@@ -77,8 +80,9 @@ def _text_config(raw: dict[str, Any], arch: ModelArchitecture | None) -> dict[st
 
 def _tied(raw: dict[str, Any], tc: dict[str, Any], arch: ModelArchitecture | None) -> bool:
     """Whether the LM head is the embedding: a composite model's own setting wins (transformers ties by it)."""
-    if arch is not None and arch.text_config_key and "tie_word_embeddings" in raw:
-        return bool(raw["tie_word_embeddings"])
+    if arch is not None and arch.text_config_key and tc is not raw:
+        top = bool(raw.get("tie_word_embeddings", arch.tie_default))
+        return top if arch.tie == "top" else top or bool(tc.get("tie_word_embeddings", False))
     return bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
 
 

@@ -400,6 +400,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype}, {plan.num_params:,} params)",
         f"plan:   {ctx} tokens, block {bs} tokens, working set {plan.working_set_blocks:,} blocks on device",
+        f"dtype:  {plan.dtype} weights and KV" + (" (strata serve's default on CUDA; on a CPU it serves float32 "
+                                                 "unless given --dtype bfloat16)" if plan.dtype == "bfloat16" else ""),
     ]
     if group or plan.nodes > 1:
         lines.append(f"group:  tp={plan.tp} over {plan.nodes} node(s), {plan.ranks_per_node} rank(s) per node; "

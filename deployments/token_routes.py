@@ -1,0 +1,86 @@
+"""The small routes vLLM users script against, besides the OpenAI ones: ``/tokenize``, ``/detokenize``,
+``/version``, and ``/metrics`` on the API port. Request bodies are checked like the OpenAI ones (a 400
+naming the field), and the work runs on the model's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import httpx
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from strata.deployments.openai_protocol import APIError, ChatMessage, LenientModel, split_chat
+from strata.pipeline.frontend.tokenizer import PromptTokenizer
+
+MAX_DETOKENIZE = 1_000_000
+
+
+class TokenizeRequest(LenientModel):
+    """vLLM's body: a raw ``prompt`` or chat ``messages`` (rendered with the model's template)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(LenientModel):
+    model: StrictStr | None = None
+    tokens: list[StrictInt] = Field(max_length=MAX_DETOKENIZE)
+
+
+def tokenize(req: TokenizeRequest, tokenizer: PromptTokenizer, max_model_len: int, max_image_bytes: int) -> dict[str, Any]:
+    """Token ids of a prompt as the server would see it (text only: an image's count is known once sent)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        messages, images = split_chat(req.messages, max_image_bytes)
+        if images:
+            raise APIError(400, "tokenize counts text; send images to a completion to learn their tokens",
+                           param="messages")
+        try:
+            text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:  # no chat template
+            raise APIError(400, str(exc), param="messages") from None
+        ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see
+    else:
+        ids = tokenizer.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+
+def detokenize(req: DetokenizeRequest, tokenizer: PromptTokenizer) -> dict[str, Any]:
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return {"prompt": tokenizer.tokenizer.decode(req.tokens)}
+
+
+def server_version() -> dict[str, str]:
+    try:
+        return {"version": version("strata")}
+    except PackageNotFoundError:  # a source tree run without installing
+        return {"version": "unknown"}
+
+
+async def node_metrics() -> str:
+    """This node's Prometheus text, as its metrics agent exports it on the metrics port (every Strata and
+    Ray family of the node's processes): what vLLM users scrape at the API port's /metrics."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")), None)
+    port = (node or {}).get("MetricsExportPort")
+    if not port:
+        raise APIError(503, "this node exports no metrics", type_="server_error")
+    address = node.get("NodeManagerAddress", "127.0.0.1")  # type: ignore[union-attr]
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            response = await client.get(f"http://{address}:{port}/metrics")
+    except httpx.HTTPError:
+        raise APIError(503, "the node's metrics agent did not answer", type_="server_error") from None
+    if response.status_code != 200:
+        raise APIError(503, "the node's metrics agent did not answer", type_="server_error")
+    return response.text

@@ -1,0 +1,154 @@
+"""What vLLM users reach for on day one, against a real `strata serve` of real weights (SmolLM2-135M-
+Instruct, see test_real_weights.py) started with ``--api-key``: transformers' answer through the openai
+client, whole and streamed; responses that validate against OpenAI's published schemas (whole and
+streamed, both endpoints: the openai client is lenient, a strict validator is not); 401 without the
+right Bearer token on every route but /health; structured output (a JSON schema answered with valid JSON);
+``/tokenize`` and ``/detokenize`` on the model's own tokenizer; ``/ping``, ``/version`` and ``/metrics``
+on the API port."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers import MODEL_NAME
+from serve_process import ServeProcess
+
+pytestmark = pytest.mark.serve  # one real server of its own (started with an API key)
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_response_schemas.json").read_text())
+KEY = "sk-strata-test-9f3c"
+
+
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({**SCHEMAS[name], "$defs": SCHEMAS["$defs"]})
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = ServeProcess(smollm2, tmp_path_factory.mktemp("keyed"), {"mode": "aggregated",
+                                                                      "engine": {"max_model_len": 2048}},
+                          env={"STRATA_API_KEY": KEY})  # what --api-key sets (the CLI test covers the flag)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def test_the_openai_client_gets_transformers_answer_from_real_weights(keyed_server) -> None:
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == "The capital of France is Paris."  # transformers' greedy answer
+    assert reply.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+
+
+def test_responses_validate_against_openais_published_schemas(keyed_server) -> None:
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0}
+    whole = _post(keyed_server, "/v1/chat/completions", chat)
+    assert whole.status_code == 200
+    _validator("CreateChatCompletionResponse").validate(whole.json())
+    assert whole.json()["choices"][0]["message"]["refusal"] is None
+    streamed = _post(keyed_server, "/v1/chat/completions", {**chat, "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+    for event in _events(streamed):
+        _validator("CreateChatCompletionStreamResponse").validate(event)
+    completion = {"model": MODEL_NAME, "prompt": "The sea is", "max_tokens": 6, "temperature": 0}
+    _validator("CreateCompletionResponse").validate(_post(keyed_server, "/v1/completions", completion).json())
+    for event in _events(_post(keyed_server, "/v1/completions", {**completion, "stream": True})):
+        _validator("CreateCompletionResponse (streamed)").validate(event)
+    # and the validator is strict: today's message without refusal would fail it
+    broken = whole.json()
+    del broken["choices"][0]["message"]["refusal"]
+    with pytest.raises(jsonschema.ValidationError, match="refusal"):
+        _validator("CreateChatCompletionResponse").validate(broken)
+
+
+def test_the_api_key_guards_every_route_but_health(keyed_server) -> None:
+    base = keyed_server.base_url
+    assert httpx.get(base + "/health", timeout=30).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/strata/stats"),
+                             ("POST", "/tokenize"), ("GET", "/metrics")):
+            response = httpx.request(method, base + path, headers=headers, json={}, timeout=30)
+            assert response.status_code == 401, (headers, path)
+            assert response.json()["error"]["code"] == "invalid_api_key" and KEY not in response.text
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert client.models.list().data[0].id == MODEL_NAME
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="not-it", max_retries=0).models.list()
+
+
+def test_tokenize_and_detokenize_use_the_models_tokenizer(keyed_server, smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    got = _post(keyed_server, "/tokenize", {"model": MODEL_NAME, "prompt": "The sea is calm tonight."}).json()
+    assert got["tokens"] == tok("The sea is calm tonight.")["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] > 0
+    chat = _post(keyed_server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok(rendered)["input_ids"]
+    back = _post(keyed_server, "/detokenize", {"model": MODEL_NAME, "tokens": got["tokens"]}).json()
+    assert back["prompt"] == tok.decode(got["tokens"])
+    for path, body, status in (("/tokenize", {"prompt": "a", "messages": []}, 400), ("/detokenize", {"tokens": [10**9]}, 400),
+                               ("/detokenize", {"tokens": "abc"}, 400), ("/tokenize", {"model": "other", "prompt": "a"}, 404)):
+        response = _post(keyed_server, path, body)
+        assert response.status_code == status and "error" in response.json(), (path, body)
+
+
+def test_ping_version_and_metrics_on_the_api_port(keyed_server) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = keyed_server.base_url
+    assert httpx.get(base + "/ping", headers=headers, timeout=30).status_code == 200
+    assert httpx.get(base + "/version", headers=headers, timeout=30).json()["version"]
+    _post(keyed_server, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    text = httpx.get(base + "/metrics", headers=headers, timeout=30).text
+    assert "strata_requests" in text and "# TYPE" in text  # the families the metrics port exports
+    assert "strata_preemptions" in text  # exported at 0 before the first preemption: its panel is never empty
+
+
+def test_structured_output_through_the_openai_client(keyed_server) -> None:
+    """response_format json_schema, whole and streamed: the real model's answer parses, validates and says
+    Paris; vLLM's guided_choice on completions; an invalid schema is a 400 naming the problem."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40}},
+              "required": ["city", "country"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0,
+                                           response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop"
+    answer = json.loads(whole.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["city"]
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+    choice = client.completions.create(model=MODEL_NAME, prompt="Is Paris in France? Answer yes or no:", max_tokens=5,
+                                       temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "intt"}}})
