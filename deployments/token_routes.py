@@ -4,6 +4,7 @@ naming the field), and the work runs on the model's own tokenizer and chat templ
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -71,7 +72,8 @@ async def node_metrics() -> str:
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")), None)
+    nodes = await asyncio.to_thread(ray.nodes)  # a GCS call: never on the event loop
+    node = next((n for n in nodes if n.get("NodeID") == node_id and n.get("Alive")), None)
     port = (node or {}).get("MetricsExportPort")
     if not port:
         raise APIError(503, "this node exports no metrics", type_="server_error")
