@@ -1,0 +1,245 @@
+"""The decoder's part of a checkpoint's config: :class:`TextConfig` (with :class:`MLAConfig` and
+:class:`MoEConfig` when the family uses them) and how a family's config fields map onto it
+(``parse_text_config``). Which fields mean what is the registry's business (``models.architectures``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
+from strata.pipeline.models.config_errors import ModelConfigError
+
+TEXT_MODEL_TYPES = tuple(TEXT_FAMILIES)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): K and V live as one compressed latent."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the compressed KV and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of the sparse layers and how tokens are routed to them."""
+
+    num_experts: int
+    experts_per_tok: int
+    intermediate_size: int  # of one routed expert
+    router: str = "softmax"  # "softmax" | "sigmoid-grouped"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    n_shared_experts: int = 0
+    shared_split: int = 1  # ranks the shared experts' columns are split over (tensor parallelism)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Columns of the shared experts (fused as one MLP) this process holds."""
+        return self.intermediate_size * self.n_shared_experts // self.shared_split
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    attention_bias: bool  # q/k/v bias (Qwen2, Llama with attention_bias)
+    o_bias: bool
+    mlp_bias: bool
+    layer_windows: tuple[int | None, ...]  # sliding window per layer (None = full attention)
+    tie_word_embeddings: bool
+    num_experts: int = 0  # > 0: sparse MoE layers (``moe`` says how they route)
+    experts_per_tok: int = 0
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP; () = every layer dense
+    rope_interleave: bool = False  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): frequencies per position axis (t, h, w); () = 1-D RoPE
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes take turns frequency by frequency
+
+    @property
+    def uses_mrope(self) -> bool:
+        """Positions are 3-D (temporal, height, width): image tokens get their place in the image."""
+        return bool(self.mrope_section)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head (MLA: only the decoupled rope part)."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors cached per token per layer: K and V (2), or MLA's one latent (1)."""
+        return 1 if self.mla else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.mla.latent_dim if self.mla else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale: 1/sqrt(q.k dims), times yarn's mscale squared when the config asks for it."""
+        dim = self.mla.qk_head_dim if self.mla else self.head_dim
+        scale = dim ** -0.5
+        p = self.rope_parameters
+        if self.mla and p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
+            m = _yarn_mscale(float(p["factor"]), float(p["mscale_all_dim"]))
+            scale *= m * m
+        return scale
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature, the same formula as ``kernels.rope`` (this module stays torch-free)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _windows(tc: dict[str, Any], family: TextFamily, num_layers: int) -> tuple[int | None, ...]:
+    window = tc.get("sliding_window")
+    if family.windows == "layer_types":
+        if not tc.get("use_sliding_window", False) or window is None:
+            return (None,) * num_layers
+        types = tc.get("layer_types") or ["full_attention"] * num_layers
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if family.windows == "all" and window is not None:
+        return (int(window),) * num_layers
+    return (None,) * num_layers
+
+
+def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
+    params = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+    params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if params["rope_type"] == "mrope":  # Qwen2-VL's releases name M-RoPE as a type; its frequencies are default
+        params["rope_type"] = "default"
+    if params["rope_type"] == "yarn":
+        params.setdefault("original_max_position_embeddings", tc.get("max_position_embeddings"))
+    return params
+
+
+def _mla(tc: dict[str, Any]) -> MLAConfig:
+    q_rank = tc.get("q_lora_rank")
+    return MLAConfig(q_lora_rank=int(q_rank) if q_rank else None, kv_lora_rank=int(tc["kv_lora_rank"]),
+                     qk_nope_head_dim=int(tc["qk_nope_head_dim"]), qk_rope_head_dim=int(tc["qk_rope_head_dim"]),
+                     v_head_dim=int(tc["v_head_dim"]))
+
+
+def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    experts = int(next((tc[k] for k in family.experts_keys if tc.get(k)), 0))
+    if family.router is None or experts == 0:
+        return None, ()
+    if family.router == "softmax" and family.always_renormalize:  # Mixtral: experts as wide as the dense MLP
+        moe = MoEConfig(experts, int(tc["num_experts_per_tok"]), int(tc["intermediate_size"]))
+        return moe, (True,) * layers
+    sigmoid = family.router == "sigmoid-grouped"
+    moe = MoEConfig(
+        num_experts=experts,
+        experts_per_tok=int(tc["num_experts_per_tok"]),
+        intermediate_size=int(tc["moe_intermediate_size"]),
+        router=family.router,
+        norm_topk_prob=family.renormalize_topk or bool(tc.get("norm_topk_prob", sigmoid)),
+        routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0) or 1.0) if sigmoid else 1.0,
+        n_group=int(tc.get("n_group") or 1) if sigmoid else 1,
+        topk_group=int(tc.get("topk_group") or 1) if sigmoid else 1,
+        n_shared_experts=int(tc.get("n_shared_experts") or 0) if sigmoid else 0,
+    )
+    if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
+        raise ModelConfigError(f"{experts} experts do not split into n_group={moe.n_group} groups with "
+                               f"topk_group={moe.topk_group}")
+    if sigmoid:  # DeepSeek: the first k layers stay dense, then every moe_layer_freq-th layer is sparse
+        first, freq = int(tc.get("first_k_dense_replace") or 0), int(tc.get("moe_layer_freq") or 1)
+        return moe, tuple(i >= first and i % freq == 0 for i in range(layers))
+    skip, step = set(tc.get("mlp_only_layers") or ()), int(tc.get("decoder_sparse_step") or 1)
+    return moe, tuple(i not in skip and (i + 1) % step == 0 for i in range(layers))
+
+
+def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> TextConfig:
+    model_type = family_name or tc.get("model_type", "llama")
+    family = TEXT_FAMILIES.get(model_type)
+    if family is None:
+        raise ModelConfigError(f"unsupported text model_type {model_type!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
+    heads = int(tc["num_attention_heads"])
+    head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
+    layers = int(tc["num_hidden_layers"])
+    qkv_bias = family.qkv_bias or bool(tc.get("attention_bias", False))
+    act = tc.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"unsupported text hidden_act {act!r} (only silu)")
+    mla = _mla(tc) if family.attention == "mla" else None
+    if mla is not None and tc.get("attention_bias"):
+        raise ModelConfigError("MLA with attention_bias is not supported")
+    moe, moe_layers = _moe(tc, family, layers)
+    return TextConfig(
+        model_type=model_type,
+        vocab_size=int(tc["vocab_size"]),
+        hidden_size=int(tc["hidden_size"]),
+        intermediate_size=int(tc["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads if mla else int(tc.get("num_key_value_heads") or heads),
+        head_dim=mla.v_head_dim if mla else int(head_dim),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(tc),
+        max_position_embeddings=int(tc.get("max_position_embeddings", 4096)),
+        attention_bias=qkv_bias,
+        o_bias=not family.qkv_bias and bool(tc.get("attention_bias", False)),
+        mlp_bias=bool(tc.get("mlp_bias", False)),
+        layer_windows=_windows(tc, family, layers),
+        tie_word_embeddings=bool(tc.get("tie_word_embeddings", False)),
+        num_experts=moe.num_experts if moe else 0,
+        experts_per_tok=moe.experts_per_tok if moe else 0,
+        hidden_act=act,
+        qk_norm=family.qk_norm,
+        mla=mla,
+        moe=moe,
+        moe_layers=moe_layers,
+        rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
+        **_mrope(tc, family, mla.qk_rope_head_dim if mla else int(head_dim)),
+    )
+
+
+def _mrope(tc: dict[str, Any], family: TextFamily, rope_dim: int) -> dict[str, Any]:
+    """M-RoPE's frequency split from the config, checked against the head: {} for 1-D RoPE families."""
+    if family.positions == "rope":
+        return {}
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != rope_dim // 2:
+        raise ModelConfigError(f"mrope_section {list(section)} must be three counts summing to head_dim / 2 = "
+                               f"{rope_dim // 2}")
+    interleaved = family.positions == "mrope-interleaved" or bool(rope.get("mrope_interleaved", False))
+    return {"mrope_section": section, "mrope_interleaved": interleaved}
