@@ -45,6 +45,8 @@ from strata.deployments.token_routes import (DetokenizeRequest, TokenizeRequest,
                                              server_version, tokenize)
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.frontend.tools.calls import constrain
+from strata.pipeline.frontend.tools.formats import tool_format_for
 from strata.pipeline.models.model_config import load_model_config
 from strata.stages.engine_process import EngineProcessError
 from strata.stages.stage_loop import LoopStopped
@@ -76,7 +78,8 @@ class Ingress:
             os.environ.pop(DIGEST_ENV, None)
         model_dir = Path(self.config.model_dir or "")
         self.model_name = self.config.model_name or model_dir.name
-        self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir))
+        self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir), self.config.chat_template)
+        self.tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.tokenizer)
         intake = Intake(self.tokenizer, self.config.engine)
         stage = self.config.stages["llm" if prefill is None else "ingress"]
         self.admission_limit = stage.max_ongoing_requests + stage.max_queued_requests
@@ -258,11 +261,19 @@ class Ingress:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
+            tools = req.tool_request() if chat else None
+            reads_calls = tools is not None and tools.parses_calls
+            if reads_calls:
+                try:
+                    constrain(params, tools, self.tool_format)
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param="tools") from None
             await self._engine_ready()
             if chat:
                 messages, images = split_chat(req.messages, self.config.max_image_bytes)
                 prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages,
-                                                   mm_processor_kwargs=req.mm_processor_kwargs)
+                                                   mm_processor_kwargs=req.mm_processor_kwargs,
+                                                   tools=tools.template_tools() if tools is not None else None)
             else:
                 prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
         except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals
@@ -271,16 +282,17 @@ class Ingress:
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         finally:
             self._preparing -= 1
+        calls = self.tool_format if reads_calls else None  # the answer is read for tool calls
         if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.parallel_sampling)
             kids = children(prepared, req.n)
             many = ManyChoices(self.responder)
             if req.stream:
-                return await many.stream(req, kids, self.flow.events, chat, t0)
-            return await many.whole(req, kids, self.flow.events, chat, t0)
+                return await many.stream(req, kids, self.flow.events, chat, t0, calls)
+            return await many.whole(req, kids, self.flow.events, chat, t0, calls)
         events = self.flow.events(prepared)
         if req.stream:
-            return await self.responder.stream(req, prepared, events, chat, t0)
-        return await self.responder.whole(req, prepared, events, chat, t0)
+            return await self.responder.stream(req, prepared, events, chat, t0, calls)
+        return await self.responder.whole(req, prepared, events, chat, t0, calls)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -3,14 +3,15 @@
 Requests are validated with pydantic in strict mode for numbers (``max_tokens: true`` or ``4.0``
 is an error, not a 1 or a 4); anything the schema or our engine cannot honour is an
 :class:`APIError` that the ingress turns into an OpenAI-style error body with a 4xx status.
-OpenAI parameters this server does not implement (``tools``, ``response_format``, ...) are refused
-with a 400 naming them; other unknown fields are ignored, as the OpenAI API does.
+OpenAI parameters this server does not implement (``audio``, ``functions``, ...) are refused with a
+400 naming them; other unknown fields are ignored, as the OpenAI API does.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -29,11 +30,12 @@ from pydantic import (
 
 from strata.pipeline.contract.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
 from strata.pipeline.frontend.structured import spec_from_openai
+from strata.pipeline.frontend.tools.request import ToolRequest, tool_request
 
 # OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
 # instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)
 UNSUPPORTED = {
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
+    "functions": None, "function_call": None,  # the deprecated form of tools
     "best_of": 1, "suffix": None, "echo": False, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None,
 }
@@ -78,9 +80,31 @@ class ContentPart(LenientModel):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(LenientModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(LenientModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(LenientModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool result: the call it answers
+    name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
 
 class StreamOptions(LenientModel):
@@ -115,6 +139,7 @@ class _SamplingFields(LenientModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: dict[StrictStr, Any] | None = None
+    skip_special_tokens: StrictBool = True  # vLLM extension
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -137,6 +162,7 @@ class _SamplingFields(LenientModel):
             logit_bias=_token_bias(self.logit_bias),
             min_tokens=self.min_tokens,
             structured=self._structured(),
+            skip_special_tokens=self.skip_special_tokens,
         )
         try:
             params.validate()
@@ -179,6 +205,17 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM extension: the image processor's per-request settings (Qwen-VL: min_pixels, max_pixels); the
     # Preprocess stage checks them against the model's processor
     mm_processor_kwargs: dict[StrictStr, Any] | None = None
+    # tool calling; their contents are checked by tool_request (a 400 naming what is wrong)
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[StrictStr, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_request(self) -> ToolRequest | None:
+        try:
+            return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") \
+                from None
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -248,7 +285,7 @@ def split_chat(messages: list[ChatMessage], max_image_bytes: int) -> tuple[list[
     images: list[bytes] = []
     for msg in messages:
         if msg.content is None or isinstance(msg.content, str):
-            out.append({"role": msg.role, "content": msg.content or ""})
+            out.append(_tool_fields(msg, {"role": msg.role, "content": msg.content or ""}))
             continue
         parts: list[dict[str, Any]] = []
         for part in msg.content:
@@ -259,8 +296,29 @@ def split_chat(messages: list[ChatMessage], max_image_bytes: int) -> tuple[list[
                     raise APIError(400, "image_url part without image_url", param="messages")
                 images.append(decode_data_url(part.image_url.url, max_image_bytes))
                 parts.append({"type": "image"})
-        out.append({"role": msg.role, "content": parts})
+        out.append(_tool_fields(msg, {"role": msg.role, "content": parts}))
     return out, images
+
+
+def _tool_fields(msg: ChatMessage, out: dict[str, Any]) -> dict[str, Any]:
+    """A message's tool fields as chat templates read them: an earlier call's arguments as an object
+    (Hugging Face's convention; the API carries them as JSON text), a tool result's call id and name."""
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in msg.tool_calls]
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise APIError(400, "messages: a tool call's arguments must be JSON text", param="messages") from None
 
 
 def new_id(prefix: str) -> str:

@@ -24,10 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import usage
 from strata.deployments.openai_responses import (chat_chunk, chat_completion, completion, completion_chunk,
-                                                 openai_finish_reason, sse, usage_chunk)
+                                                 openai_finish_reason, sse, usage_chunk, with_tool_calls)
 from strata.deployments.responder import GenerationFailed, Responder, Timed, client_error, error_response
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN
+from strata.pipeline.frontend.tools.calls import ToolCallDeltas
+from strata.pipeline.frontend.tools.formats import ToolFormat
 
 log = logging.getLogger("strata.ingress")
 MAX_N = 16
@@ -99,7 +101,8 @@ class ManyChoices:
             except (asyncio.CancelledError, Exception):
                 pass
 
-    async def whole(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float) -> Response:
+    async def whole(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
+                    tools: ToolFormat | None = None) -> Response:
         endpoint = "chat" if chat else "completions"
         r = self.responder
         r.ongoing += 1
@@ -126,6 +129,8 @@ class ManyChoices:
             one = chat_completion(rid, r.model_name, created, text, reason, use) if chat else \
                 completion(rid, r.model_name, created, text, reason, use)
             choice = {**one["choices"][0], "index": i}
+            if tools is not None:
+                with_tool_calls(choice, tools)
             if req.requested_logprobs() is not None:
                 choice["logprobs"] = r.chat_logprobs(events) if chat else r.completion_logprobs(events, 0)
             choices.append(choice)
@@ -133,19 +138,27 @@ class ManyChoices:
         body["choices"] = choices
         return JSONResponse(body)
 
-    async def stream(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float) -> Response:
-        return StreamingResponse(self._sse(req, kids, start, chat, t0), media_type="text/event-stream")
+    async def stream(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
+                     tools: ToolFormat | None = None) -> Response:
+        return StreamingResponse(self._sse(req, kids, start, chat, t0, tools), media_type="text/event-stream")
 
-    async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float) -> AsyncIterator[str]:
+    async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
+                   tools: ToolFormat | None) -> AsyncIterator[str]:
         r = self.responder
         model, rid, created = r.model_name, kids[0].request_id, int(time.time())
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
 
-        def chunk(i: int, text: str, reason: str | None, ev: TokenEvent | None = None, offset: int = 0) -> str:
-            body = chat_chunk(rid, model, created, {"content": text} if text or reason is None else {}, reason) \
-                if chat else completion_chunk(rid, model, created, text, reason)
+        deltas = [ToolCallDeltas(tools) for _ in kids] if tools is not None else None
+        texts = [""] * len(kids)
+
+        def chunk(i: int, text: str, reason: str | None, ev: TokenEvent | None = None, offset: int = 0,
+                  delta: dict[str, Any] | None = None) -> str:
+            if delta is None:
+                delta = {"content": text} if text or reason is None else {}
+            body = chat_chunk(rid, model, created, delta, reason) if chat else \
+                completion_chunk(rid, model, created, text, reason)
             body["choices"][0]["index"] = i
             if ev is not None and want_logprobs:
                 body["choices"][0]["logprobs"] = r.chat_logprobs([ev]) if chat else r.completion_logprobs([ev], offset)
@@ -165,13 +178,20 @@ class ManyChoices:
                 for ev in batch:
                     total += 1
                     cached = max(cached, ev.num_cached_tokens) if i == 0 else cached
-                    if ev.text_delta or (want_logprobs and ev.logprob is not None):
+                    if deltas is not None:  # read for tool calls: the delta of what the text adds
+                        texts[i] += ev.text_delta
+                        delta = deltas[i].update(texts[i], final=ev.finished)
+                        if delta is not None or (want_logprobs and ev.logprob is not None):
+                            out.append(chunk(i, "", None, ev, offsets[i], delta or {}))
+                    elif ev.text_delta or (want_logprobs and ev.logprob is not None):
                         out.append(chunk(i, ev.text_delta, None, ev, offsets[i]))
                         offsets[i] += len(ev.text_delta)
                     if ev.finished:
                         reason = openai_finish_reason(ev.finish_reason)
                         if reason is None:
                             raise GenerationFailed("the token stream ended before the request finished")
+                        if reason == "stop" and deltas is not None and deltas[i].has_calls:
+                            reason = "tool_calls"
                         out.append(chunk(i, "", reason))
                         finished += 1
                 if out:

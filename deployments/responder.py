@@ -29,11 +29,14 @@ from strata.deployments.openai_responses import (
     completion,
     completion_chunk,
     is_completed,
+    with_tool_calls,
     openai_finish_reason,
     sse,
     usage_chunk,
 )
 from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.frontend.tools.calls import ToolCallDeltas
+from strata.pipeline.frontend.tools.formats import ToolFormat
 from strata.stages.pixel_budget import PixelBudgetTimeout
 
 log = logging.getLogger("strata.ingress")
@@ -158,7 +161,8 @@ class Responder:
 
     # ------------------------------------------------------------ whole responses
     async def whole(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                    t0: float) -> Response:
+                    t0: float, tools: ToolFormat | None = None) -> Response:
+        """``tools``: the answer is read for tool calls in that format (a chat request with tools)."""
         endpoint = "chat" if chat else "completions"
         timed = Timed(events, endpoint, t0, self.deadline_s)
         self.ongoing += 1
@@ -184,6 +188,8 @@ class Responder:
         created = int(time.time())
         if chat:
             body = chat_completion(prepared.request_id, self.model_name, created, text, reason, use)
+            if tools is not None:
+                with_tool_calls(body["choices"][0], tools)
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
         else:
@@ -194,7 +200,7 @@ class Responder:
 
     # ------------------------------------------------------------ streams
     async def stream(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                     t0: float) -> Response:
+                     t0: float, tools: ToolFormat | None = None) -> Response:
         """The first batch is awaited before any byte is sent, so a request refused by a stage (busy,
         failed) still gets its status and JSON error; later failures are reported in-band."""
         endpoint = "chat" if chat else "completions"
@@ -205,10 +211,11 @@ class Responder:
             await timed.close()
             log.warning("request %s failed before its first token: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        return StreamingResponse(self._sse(req, prepared, timed, first, chat), media_type="text/event-stream")
+        deltas = ToolCallDeltas(tools) if tools is not None else None
+        return StreamingResponse(self._sse(req, prepared, timed, first, chat, deltas), media_type="text/event-stream")
 
     async def _sse(self, req: Any, prepared: Request, timed: Timed, first: list[TokenEvent] | None,
-                   chat: bool) -> AsyncIterator[str]:
+                   chat: bool, tool_deltas: ToolCallDeltas | None = None) -> AsyncIterator[str]:
         model, rid, created = self.model_name, prepared.request_id, int(time.time())
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -216,7 +223,7 @@ class Responder:
         content = ContentChunks(rid, model, created, chat)
         self.ongoing += 1
         status = "499"  # until the last event is written: a stream that ends early was cancelled by the client
-        n, cached, reason, offset = 0, 0, None, 0
+        n, cached, reason, offset, text = 0, 0, None, 0, ""
         try:
             if chat:
                 yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
@@ -228,11 +235,17 @@ class Responder:
                     cached = max(cached, ev.num_cached_tokens)
                     if ev.finished:
                         reason = openai_finish_reason(ev.finish_reason)
-                    if want_logprobs:
+                    if tool_deltas is not None:
+                        text += ev.text_delta
+                    elif want_logprobs:
                         out.append(sse(self._logprob_chunk(rid, model, created, chat, ev, offset)))
                     elif ev.text_delta:
                         out.append(content(ev.text_delta))
                     offset += len(ev.text_delta)
+                if tool_deltas is not None:  # a chat with tools: one chunk per batch, read for calls
+                    out.extend(self._tool_chunk(rid, model, created, tool_deltas, text, reason, batch, want_logprobs))
+                    if reason == "stop" and tool_deltas.has_calls:
+                        reason = "tool_calls"
                 if reason is not None:
                     out.append(sse(chat_chunk(rid, model, created, {}, reason) if chat
                                    else completion_chunk(rid, model, created, "", reason)))
@@ -260,6 +273,17 @@ class Responder:
         log.warning("stream %s failed: %r", rid, exc)
         error = client_error(exc, self.retry_after_s)
         return str(error.status), sse(error.body()) + sse("[DONE]")
+
+    def _tool_chunk(self, rid: str, model: str, created: int, deltas: ToolCallDeltas, text: str, reason: str | None,
+                    batch: list[TokenEvent], want_logprobs: bool) -> list[str]:
+        """The chunk of what ``text`` adds (content and/or tool-call deltas), with the batch's logprobs."""
+        delta = deltas.update(text, final=reason is not None)
+        if delta is None and not want_logprobs:
+            return []
+        chunk = chat_chunk(rid, model, created, delta or {}, None)
+        if want_logprobs:
+            chunk["choices"][0]["logprobs"] = self.chat_logprobs(batch)
+        return [sse(chunk)]
 
     def _logprob_chunk(self, rid: str, model: str, created: int, chat: bool, ev: TokenEvent, offset: int) -> dict:
         if chat:

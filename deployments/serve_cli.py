@@ -34,11 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and KV (engine.dtype; default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int,
                    help="tensor-parallel ranks of every decoder stage (engine.tp)")
+    p.add_argument("--kv-cache-memory", metavar="SIZE",
+                   help="device KV budget per rank, which sizes the block pool: a size (8GiB, 512MiB) or a share of "
+                        "the memory the weights leave free (40%%; the rest is headroom) (engine.kv_cache_memory)")
     p.add_argument("--direct-port", type=int,
                    help="first port of the replicas' own HTTP endpoints (fast path; default: 30000, or the first "
                         "free port above it)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                                      "$STRATA_API_KEY; only its SHA-256 reaches the replicas)")
+    p.add_argument("--tool-call-parser", choices=("auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2"),
+                   help="how answers are read for tool calls (default auto: the syntax the chat template writes)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template replacing the checkpoint's (one that renders tools enables them)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="join a running cluster (ray://host:port or auto) instead of starting one")
@@ -60,7 +67,8 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
-    flags = {key: value for key in ("max_model_len", "dtype", "tp") if (value := getattr(args, key, None)) is not None}
+    flags = {key: value for key in ("max_model_len", "dtype", "tp", "kv_cache_memory")
+             if (value := getattr(args, key, None)) is not None}
     if flags:  # flags win over the JSON config, and are validated like it
         config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})
     ref = getattr(args, "model_ref", None)
@@ -72,6 +80,10 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.model_dir = str(resolve_model_dir(ref or args.model))
     if args.model_name:
         config.model_name = args.model_name
+    if getattr(args, "tool_call_parser", None):
+        config.tool_call_parser = args.tool_call_parser
+    if getattr(args, "chat_template", None) is not None:
+        config.chat_template = _read_template(args.chat_template)
     key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)
     if key is not None:
         from strata.deployments.api_key import key_digest
@@ -82,9 +94,40 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
             raise ValueError("no model: give --model or \"model_dir\" in the config")
         config.model_dir = str(default_model())
     check_tensor_parallel(config, config.model_dir)
+    if config.engine.kv_cache_memory is not None:
+        config.engine = _sized_kv_pool(config.engine, config.model_dir, getattr(args, "address", None))
     if asked_len:  # the default is a budget, not a request: only a length someone asked for is checked
         check_model_len(config.engine.max_model_len, config.model_dir)
     return config
+
+
+def _sized_kv_pool(engine: Any, model_dir: str, address: str | None) -> Any:
+    """The engine config with its KV budget turned into a block count, here, once: every replica then
+    allocates the same pool, and the front door's length checks know its size. A share of free memory
+    is measured on this machine, so joining a cluster it must be a size."""
+    from strata.pipeline.contract.sizes import parse_budget
+    from strata.pipeline.models.model_config import load_model_config
+    from strata.stages.kv_budget import with_kv_budget
+
+    if address and parse_budget(engine.kv_cache_memory)[1] is not None:
+        raise ValueError("--kv-cache-memory as a share of free memory is measured on this machine; joining a "
+                         "cluster (--address), give a size such as 8GiB")
+    return with_kv_budget(engine, Path(model_dir), load_model_config(model_dir).text)
+
+
+def _read_template(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: {path} is not a Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 ALLOW_LONG_ENV = "STRATA_ALLOW_LONG_MAX_MODEL_LEN"  # as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
@@ -223,6 +266,7 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
             print(f"  Direct endpoint: {url}/v1  (an LLM/ingress replica's own port: no proxy hop)", flush=True)
         print(f"  Ray dashboard:   http://{dashboard}", flush=True)
         print(f"  Prometheus:      http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
+        print(f"  {_tool_calls_hint(config)}", flush=True)
         print(f"  {_auth_hint()}", flush=True)
         print("  Ctrl-C stops the server.", flush=True)
         stop.wait()
@@ -266,9 +310,28 @@ def wait_until_healthy(args: argparse.Namespace, timeout_s: float, stop: threadi
     return False
 
 
+def _tool_calls_hint(config: Any) -> str:
+    """Which tool-call format answers are read in, or why tools are refused."""
+    from transformers import AutoTokenizer
+
+    from strata.pipeline.frontend.tools.formats import tool_format_for
+
+    tok = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    if config.chat_template is not None:
+        tok.chat_template = config.chat_template
+    fmt = tool_format_for(config.tool_call_parser, tok)
+    if fmt is None:
+        return "Tool calls:      off (the chat template renders no tools: see --chat-template, --tool-call-parser)"
+    return f"Tool calls:      {fmt.name}" + (" (the chat template's format)" if config.tool_call_parser == "auto" else "")
+
+
 def _quiet_shutdown() -> None:
-    """Stop Serve and Ray. Replicas killed on purpose make Ray log their exit as errors; those are
-    not faults, so a clean Ctrl-C silences them."""
+    """Stop Serve and Ray, quietly. Replicas stopped on purpose make Ray log their exit as errors, and Ray
+    retries the controller's ``graceful_shutdown`` task after killing it ("Task ServeController.
+    graceful_shutdown failed ... retries"): none of it is a fault, so the workers' and raylet's lines Ray
+    forwards to this terminal are dropped until the cluster is down (they stay in Ray's log files). An
+    exception still propagates."""
+    import contextlib
     import logging
 
     import ray
@@ -276,7 +339,8 @@ def _quiet_shutdown() -> None:
 
     for name in ("ray", "ray.serve", "ray._private", "ray.util"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

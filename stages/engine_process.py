@@ -61,6 +61,7 @@ class EngineProcess(EngineStreams):
         self._stats: dict[int, Future] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._closing = False
         try:
             self.conn.send_bytes(_pack(["init", str(model_dir), engine_config]))
             if not self.conn.poll(startup_timeout_s):
@@ -115,6 +116,7 @@ class EngineProcess(EngineStreams):
 
     def close(self) -> None:
         """Stop the child (it finishes its step, lands its tier writes and exits); kill it if it will not."""
+        self._closing = True  # its exit is expected from here on: not an error to log
         if not self._dead.is_set():
             self._sends.put(_pack(["stop"]))
             self._sends.put(None)
@@ -154,7 +156,7 @@ class EngineProcess(EngineStreams):
             return
         self._dead.set()
         self._sends.put(None)
-        if not expected:
+        if not expected and not self._closing:
             code = self.proc.poll()
             log.error("the engine process %s", "stopped answering" if code is None else f"exited (code {code})")
         self.delivery.send_all(lambda rid: [TokenEvent.failure(rid, ENGINE_GONE)])

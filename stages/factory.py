@@ -19,7 +19,7 @@ from strata.pipeline.core.scheduler import Scheduler
 from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
-from strata.pipeline.models.model_config import TextConfig, load_model_config
+from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -28,13 +28,9 @@ from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
+from strata.stages.kv_budget import kv_layout, with_kv_budget
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
-
-
-def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """The block geometry the model caches: K and V per KV head, or MLA's one latent per token."""
-    return KVLayout(text.num_layers, text.kv_cache_heads, text.kv_cache_dim, block_size, dtype, text.kv_parts)
 
 
 def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, group: TPGroup | None = None,
@@ -68,12 +64,13 @@ class LanguageStage:
                  group_host: str = "127.0.0.1") -> None:
         self._restore_threads = config.apply_threads()  # undone on close (an engine inside a test process)
         self.model_dir = Path(model_dir)
-        self.config = config
         self.model_config = load_model_config(self.model_dir)
         cfg = self.model_config
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
         layout = kv_layout(cfg.text, config.block_size, dtype)
+        config = with_kv_budget(config, self.model_dir, cfg.text)  # before tensor-parallel workers take it
+        self.config = config
         backend = get_attention_backend(config.attention_backend, config.device, dtype)
         self.tp: TPGroupHandle | None = None
         if config.tp > 1:

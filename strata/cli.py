@@ -251,7 +251,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from strata.planning.memory_plan import format_plan, parse_count, parse_size, plan_memory
+    from strata.pipeline.contract.sizes import parse_size
+    from strata.planning.memory_plan import format_plan, parse_count, plan_memory
     from strata.planning.model_shapes import BUILTIN_SHAPES
 
     config = args.model / "config.json" if args.model.is_dir() else args.model

@@ -92,8 +92,10 @@ def save_tiny_vlm(model_class, config, out_dir: Path, seed: int, text: dict[str,
 
 
 def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None,
-                          max_shard_size: str = "200KB") -> Path:
-    """Write a complete offline-loadable text-only checkpoint of ``arch`` into ``out_dir``."""
+                          max_shard_size: str = "200KB", tool_format: str | None = None) -> Path:
+    """Write a complete offline-loadable text-only checkpoint of ``arch`` into ``out_dir``; with
+    ``tool_format`` its chat template renders tools and calls in that family's syntax
+    (``tiny_tool_templates``)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -101,6 +103,10 @@ def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrid
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512, 4096)
     tok.chat_template = TEXT_CHAT_TEMPLATE
+    if tool_format is not None:
+        from strata.tiny_tool_templates import add_tool_template
+
+        add_tool_template(tok, tool_format)
     config = make_text_config(arch, len(tok), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

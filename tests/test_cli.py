@@ -165,8 +165,12 @@ def test_serve_refuses_a_bad_config_before_starting_anything(config: str, messag
         (["--max-model-len", "100000"], "max_model_len 100000 exceeds the model's max_position_embeddings (4096"),
         (["--tp", "3"], "tp=3 does not divide the model's 4 attention heads"),
         (["--max-model-len", "0"], "engine.max_model_len"),
+        (["--kv-cache-memory", "lots"], "invalid memory budget 'lots'"),
+        (["--kv-cache-memory", "16"], "kv_cache_memory 16 holds no KV block"),
+        (["--kv-cache-memory", "40%", "--address", "auto"], "joining a cluster (--address), give a size"),
     ],
-    ids=["float16-on-cpu", "beyond-positions", "tp-does-not-split", "zero-length"],
+    ids=["float16-on-cpu", "beyond-positions", "tp-does-not-split", "zero-length", "kv-budget-junk",
+         "kv-budget-too-small", "kv-share-on-a-cluster"],
 )
 def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str, llama_dir: Path, capsys) -> None:
     res = strata_in_process(capsys, "serve", "--model", str(llama_dir), *flags, "--port", "1")
@@ -199,8 +203,34 @@ def test_serve_flags_override_the_json_config(llama_dir: Path, tmp_path: Path) -
     config = load_config(args)
     assert config.engine.max_model_len == 2048 and config.engine.tp == 2 and config.engine.dtype == "bfloat16"
     assert config.model_name == "from-flag"
+    sized = load_config(parser.parse_args(["--model", str(llama_dir), "--config", str(path), "--kv-cache-memory", "1MiB"]))
+    assert sized.engine.kv_cache_memory is None and 0 < sized.engine.num_kv_blocks != 1024  # counted once, here
     plain = load_config(parser.parse_args(["--model", str(llama_dir), "--config", str(path)]))
     assert plain.engine.max_model_len == 1024 and plain.engine.tp == 1 and plain.model_name == "from-json"
+
+
+def test_chat_template_and_tool_call_parser_flags(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    """--chat-template is read into the config (a missing file or a broken template is one line, exit 2);
+    --tool-call-parser names the format answers are read in."""
+    import argparse
+
+    from strata.deployments.serve_cli import add_arguments, load_config
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = load_config(parser.parse_args(["--model", str(llama_dir), "--chat-template", str(template),
+                                            "--tool-call-parser", "hermes"]))
+    assert config.chat_template == template.read_text() and config.tool_call_parser == "hermes"
+    assert load_config(parser.parse_args(["--model", str(llama_dir)])).tool_call_parser == "auto"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    for path, message in ((tmp_path / "missing.jinja", "--chat-template: cannot read"),
+                          (broken, "is not a Jinja template (line 1")):
+        res = strata_in_process(capsys, "serve", "--model", str(llama_dir), "--chat-template", str(path), "--port", "1")
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_the_api_key_reaches_the_replicas_only_as_its_digest(llama_dir: Path, monkeypatch) -> None:

@@ -11,13 +11,13 @@ import pytest
 from safetensors import safe_open
 
 from strata.cli import main
+from strata.pipeline.contract.sizes import parse_size
 from strata.pipeline.models.model_config import ModelConfigError
 from strata.planning.memory_plan import (
     count_params,
     format_plan,
     load_model_shape,
     parse_count,
-    parse_size,
     plan_memory,
 )
 from strata.tiny_model import ARCHITECTURES

@@ -3,6 +3,8 @@ Instruct, see test_real_weights.py) started with ``--api-key``: transformers' an
 client, whole and streamed; responses that validate against OpenAI's published schemas (whole and
 streamed, both endpoints: the openai client is lenient, a strict validator is not); 401 without the
 right Bearer token on every route but /health; structured output (a JSON schema answered with valid JSON);
+tool calls (the server runs a Hermes-style tools template, ``tests/data/smollm2_tools.jinja``, which renders
+chats without tools exactly as the model's own);
 ``/tokenize`` and ``/detokenize`` on the model's own tokenizer; ``/ping``, ``/version`` and ``/metrics``
 on the API port."""
 
@@ -22,6 +24,11 @@ pytestmark = pytest.mark.serve  # one real server of its own (started with an AP
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_response_schemas.json").read_text())
 KEY = "sk-strata-test-9f3c"
+TOOLS_TEMPLATE = Path(__file__).parent / "data" / "smollm2_tools.jinja"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
 
 
 def _validator(name: str) -> jsonschema.Draft202012Validator:
@@ -37,13 +44,17 @@ def _events(response: httpx.Response) -> list[dict]:
 @pytest.fixture(scope="module")
 def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     server = ServeProcess(smollm2, tmp_path_factory.mktemp("keyed"), {"mode": "aggregated",
-                                                                      "engine": {"max_model_len": 2048}},
+                                                                      "engine": {"max_model_len": 2048},
+                                                                      "chat_template": TOOLS_TEMPLATE.read_text()},
                           env={"STRATA_API_KEY": KEY})  # what --api-key sets (the CLI test covers the flag)
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+    # Ctrl-C is a clean stop: nothing printed after "strata: shutting down" (Ray's graceful_shutdown retry
+    # warning included) but strata's own lines
+    assert server.shutdown_errors() == [], server.shutdown_errors()
 
 
 def _post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
@@ -152,3 +163,41 @@ def test_structured_output_through_the_openai_client(keyed_server) -> None:
     with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
         client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "intt"}}})
+
+
+def test_tool_calls_through_the_openai_client(keyed_server) -> None:
+    """tool_choice required: a get_weather call for Paris with finish_reason tool_calls, streamed as OpenAI's
+    tool-call deltas that add up to it, both valid against OpenAI's schemas; auto with the tool's result
+    sent back as a ``tool`` message: the model answers from it; bad tools are 400s naming them."""
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    ask = dict(model=MODEL_NAME, messages=messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    _validator("CreateChatCompletionResponse").validate(whole.model_dump(exclude_unset=True))
+
+    streamed = _post(keyed_server, "/v1/chat/completions", {**ask, "tool_choice": "required",
+                                                            "parallel_tool_calls": False, "stream": True})
+    events = _events(streamed)
+    for event in events:
+        _validator("CreateChatCompletionStreamResponse").validate(event)
+    parts = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert parts[0]["id"] and parts[0]["function"]["name"] == "get_weather" and {p["index"] for p in parts} == {0}
+    assert "".join(p["function"]["arguments"] for p in parts) == call.function.arguments
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    answer = client.chat.completions.create(**{**ask, "messages": messages}).choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls and "sunny" in answer.message.content
+
+    for bad, param in (({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                       ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                       ({"messages": [{"role": "tool", "content": "x"}]}, None)):
+        response = _post(keyed_server, "/v1/chat/completions", {**ask, **bad})
+        assert response.status_code == 400, bad
+        assert param is None or response.json()["error"]["param"] == param

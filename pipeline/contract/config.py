@@ -14,6 +14,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from strata.pipeline.contract.sizes import parse_budget
+
 
 class ConfigModel(BaseModel):
     """A config section: unknown keys are errors (a typo is never a silent default), values are typed
@@ -58,6 +60,10 @@ class EngineConfig(ConfigModel):
                                           "vocab split; KV heads too)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     num_kv_blocks: int = Field(1024, ge=1, description="device-tier capacity in blocks")
+    kv_cache_memory: str | None = Field(None, description="device-tier KV budget, which sizes num_kv_blocks: bytes "
+                                        "(4GiB, 512MiB, 1073741824) or a share of the memory left free by the "
+                                        "weights (40%: the rest is headroom, as vLLM's --gpu-memory-utilization); "
+                                        "per tensor-parallel rank")
     host_kv_blocks: int = Field(0, ge=0, description="host tier (block files on tmpfs, shared by the node's "
                                                       "processes); 0 = off")
     host_kv_dir: str | None = Field(None, description="default: /dev/shm/strata-kv-<uid>")
@@ -89,6 +95,13 @@ class EngineConfig(ConfigModel):
     max_images_per_request: int = Field(8, ge=0)
     request_timeout_s: float = Field(600.0, ge=0, description="a request still running after this long ends "
                                                                "with an error (0: never)")
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_budget(value)  # a bad size is a config error naming the field, before anything loads
+        return value
 
     @field_validator("host_kv_dir", "disk_kv_dir", mode="before")
     @classmethod

@@ -36,6 +36,9 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM: no end-of-sequence or stop token before this many output tokens
     # structured output: (kind, source), kind json | regex | choice | lark (``frontend.structured``)
     structured: tuple[str, str] | None = None
+    # vLLM: False keeps special tokens in the text (a tool-call format whose markers are special tokens);
+    # the end-of-sequence or stop token that ends the answer is never text
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field, so API callers get an actionable message."""
@@ -70,6 +73,8 @@ class SamplingParams:
         if self.structured is not None and (len(self.structured) != 2 or not all(isinstance(v, str) for v in self.structured)
                                             or self.structured[0] not in ("json", "regex", "choice", "lark")):
             raise ValueError(f"structured must be (json|regex|choice|lark, source), got {self.structured!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
                 not 0 <= self.min_tokens <= MAX_TOKENS:
             raise ValueError(f"min_tokens must be an integer in [0, {MAX_TOKENS}], got {self.min_tokens!r}")

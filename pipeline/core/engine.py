@@ -83,17 +83,19 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Queue one request. ``prompt`` is one user message rendered with the chat template;
-        ``messages`` a whole chat; ``raw_prompt`` text passed to the tokenizer unrendered;
-        ``prompt_token_ids`` token ids as they are (text-only); ``mm_processor_kwargs`` the image
-        processor's settings for this request's images (Qwen-VL: ``min_pixels``, ``max_pixels``)."""
+        ``messages`` a whole chat (``tools``: OpenAI function tools the template renders with it);
+        ``raw_prompt`` text passed to the tokenizer unrendered; ``prompt_token_ids`` token ids as they
+        are (text-only); ``mm_processor_kwargs`` the image processor's settings for this request's
+        images (Qwen-VL: ``min_pixels``, ``max_pixels``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.prepare(request_id, params or SamplingParams(), list(images), prompt=prompt, messages=messages,
                                raw_prompt=raw_prompt, prompt_token_ids=prompt_token_ids,
-                               mm_processor_kwargs=mm_processor_kwargs)
+                               mm_processor_kwargs=mm_processor_kwargs, **({"tools": tools} if tools else {}))
         return self.add(request)
 
     def prepare(self, request_id: str, params: SamplingParams, images: list[bytes],

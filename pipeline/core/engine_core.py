@@ -8,6 +8,7 @@ sequence that keeps losing blocks, or outlives ``request_timeout_s``, ends with 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Callable
@@ -23,7 +24,7 @@ from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler
 from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
-Detokenize = Callable[[list[int]], str]
+Detokenize = Callable[..., str]  # (ids, skip_special_tokens=True) -> text
 
 
 Emitted = tuple[Sequence, TokenEvent]  # an event and the sequence it came from (stages need both)
@@ -148,7 +149,12 @@ class EngineCore:
         prev_len = len(seq.text)
         seq.token_ids.append(token)
         output_ids = seq.output_token_ids
-        text = seq.text + seq.detokenizer.step(self.detokenize, output_ids)
+        decode, text_ids = self.detokenize, output_ids
+        if not seq.params.skip_special_tokens:  # special tokens are text, but the token that ends it is not
+            decode = functools.partial(self.detokenize, skip_special_tokens=False)
+            if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+                text_ids = output_ids[:-1]
+        text = seq.text + seq.detokenizer.step(decode, text_ids)
         result = check_stop(output_ids, self.eos_token_ids, seq.params, text, prev_len)
         if result.finish_reason is None and self.grammar is not None and self.grammar.finished(seq):
             result = StopResult(FINISH_STOP, result.text)  # the grammar is complete: nothing more may follow
@@ -156,7 +162,7 @@ class EngineCore:
         seq.text = result.text
         if finished and not isinstance(result.stop_reason, str):
             # eos, stop token or length: flush a dangling partial character, as a full decode shows it
-            seq.text += seq.detokenizer.step(self.detokenize, output_ids, final=True)
+            seq.text += seq.detokenizer.step(decode, text_ids, final=True)
         stable = len(seq.text) if finished else self._streamable_len(seq)
         delta = seq.text[seq.emitted_text_len : stable] if stable > seq.emitted_text_len else ""
         seq.emitted_text_len = max(seq.emitted_text_len, stable)

@@ -44,9 +44,11 @@ class Intake:
         raw_prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         max_tokens_default: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[Request, list[int]]:
         """Validate and tokenize exactly one of prompt / messages / raw_prompt / prompt_token_ids.
 
+        ``tools`` (OpenAI function tools) are rendered by the chat template with ``messages``.
         Returns the request (images not attached yet) and each image's placeholder offset. With
         ``max_tokens_default`` the request may generate whatever room the context leaves (the
         OpenAI default when ``max_tokens`` is absent).
@@ -56,7 +58,7 @@ class Intake:
         params.validate()
         if params.structured is not None:  # compiled and checked here, off the step loop: a bad one is a 400
             grammar_for(*params.structured)
-        encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids)
+        encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
         if max_tokens_default:
@@ -72,7 +74,7 @@ class Intake:
 
     def _encode(self, params: SamplingParams, num_images: int, image_tokens: Seq[int] | None, prompt: str | None,
                 messages: list[dict[str, Any]] | None, raw_prompt: str | None,
-                prompt_token_ids: list[int] | None) -> EncodedPrompt:
+                prompt_token_ids: list[int] | None, tools: list[dict[str, Any]] | None = None) -> EncodedPrompt:
         if sum(x is not None for x in (prompt, messages, raw_prompt, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, raw_prompt or prompt_token_ids")
         if num_images and not self.tokenizer.takes_images:
@@ -87,7 +89,7 @@ class Intake:
                 raise ValueError("prompt is empty")
             text = tok.render_user_prompt(prompt, num_images)
         elif messages is not None:
-            text = tok.render_chat(messages)
+            text = tok.render_chat(messages, tools=tools)
         else:
             assert raw_prompt is not None
             text = raw_prompt

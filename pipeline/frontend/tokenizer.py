@@ -22,10 +22,13 @@ class EncodedPrompt:
 class PromptTokenizer:
     """Renders chats with the model's template and tokenizes them exactly as its processor would."""
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig) -> None:
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template replacing the checkpoint's (``strata serve --chat-template``)."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.image_token_id = cfg.image_token_id  # None for a text-only model
         self.num_image_tokens = cfg.num_image_tokens
         self.takes_images = cfg.takes_images
@@ -55,13 +58,21 @@ class PromptTokenizer:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Apply the checkpoint's chat template; image parts are placed where the template puts them."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """Apply the checkpoint's chat template (with ``tools``, OpenAI function tools, for it to render);
+        image parts are placed where the template puts them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a raw prompt instead")
         if not self.takes_images:
             messages = [_flatten_text(m) for m in messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template that raises (Jinja's raise_exception) or cannot render these messages
+            if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError", "TypeError"):
+                raise
+            raise ValueError(f"the chat template cannot render these messages: {str(exc).splitlines()[0]}") from None
 
     def render_user_prompt(self, text: str, num_images: int = 0) -> str:
         if not self.takes_images:
@@ -102,10 +113,10 @@ class PromptTokenizer:
                 out.append(t)
         return EncodedPrompt(out, offsets)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
-            return self._backend.decode(token_ids, skip_special_tokens=True)
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def _flatten_text(message: dict[str, Any]) -> dict[str, Any]:

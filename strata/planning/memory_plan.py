@@ -28,25 +28,8 @@ from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan, larges
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B)?\s*$", re.IGNORECASE)
 _COUNT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KM]?)\s*$", re.IGNORECASE)
 ModelShape = ModelConfig
-
-
-def parse_size(text: str) -> int:
-    """Bytes for "80GiB", "80G", "80GB", "512MiB", "1.5TiB", "0" or "123".
-
-    Units are always binary, because device and host memory are sold and reported in
-    powers of two: K, KB and KiB all mean 2^10, G/GB/GiB 2^30, and so on up to P.
-    """
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit, e.g. 80GiB, 512MiB, 1.5TiB, 0")
-    value = Fraction(match.group(1)) * 1024 ** _UNITS[match.group(2).upper()]
-    if value.denominator != 1:
-        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
-    return int(value)
 
 
 def parse_count(text: str) -> int:

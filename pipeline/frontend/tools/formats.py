@@ -1,0 +1,293 @@
+"""How each model family writes tool calls: reading them from its output, and the grammar that makes
+it write them well-formed.
+
+One class per family, named as vLLM's ``--tool-call-parser`` names them:
+
+- ``hermes`` (Qwen2.5 / Qwen3, Hermes, and most chatml models):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
+- ``llama3_json`` (Llama 3.1+): ``{"name": ..., "parameters": {...}}`` as the whole answer, calls joined
+  by ``; `` (an optional ``<|python_tag|>`` first);
+- ``mistral`` (Mistral / Mixtral v3 tokenizers): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+- ``kimi_k2`` (Kimi-K2 / K2.5): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
+
+``parse`` reads a possibly unfinished output, so the same code serves whole answers and streams: the
+content that can no longer change, and each call's name and its arguments as far as written (the
+arguments are the model's own JSON text, so what a stream sends adds up to what a whole answer holds).
+
+``grammar`` is the Lark grammar (llguidance) of an answer the request allows: for ``required`` or a named
+function, only calls; for ``auto``, free text or calls, the calls triggered lazily by the family's opening
+marker. Either way a call, once begun, names a declared function and its arguments satisfy that function's
+parameters schema. A marker that is one added token of the checkpoint's tokenizer is written in the grammar
+by its id; one that is a special token makes the answer detokenize with special tokens kept, or the
+marker would vanish from the text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from strata.pipeline.frontend.structured import JSON_LAYOUT
+from strata.pipeline.frontend.tools.json_scan import object_members, skip_ws, value_end
+from strata.pipeline.frontend.tools.request import ToolFunction, ToolRequest
+
+TEXT_RULE = "TEXT: /(.|\\n)*/"
+
+
+@dataclass
+class ParsedCall:
+    name: str | None  # None until the name is fully written
+    arguments: str  # the arguments' JSON text as far as written
+    complete: bool = False
+    call_id: str | None = None  # the model's own id (Kimi-K2); otherwise the server makes one
+
+
+@dataclass
+class ParsedOutput:
+    content: str  # text outside the calls that can no longer change
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+class ToolFormat:
+    """One family's tool-call syntax, bound to a checkpoint's tokenizer (for its special tokens)."""
+
+    name: ClassVar[str]
+    start: ClassVar[str]  # the marker that opens the calls
+    markers: ClassVar[tuple[str, ...]]  # every marker the calls use (special tokens in some checkpoints)
+    signature: ClassVar[str]  # text in a chat template that says it writes calls this way
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        added = {str(tok): (int(i), bool(getattr(tok, "special", False)))
+                 for i, tok in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()}
+        # markers that are one added token: a grammar names them by id (llguidance keeps added tokens out of
+        # text), and those marked special are kept when the answer is detokenized
+        self.token_ids = {m: added[m][0] for m in self.markers if m in added}
+        self.special = {m for m in self.token_ids if added[m][1]}
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Some markers are special tokens: detokenize with them kept, or parse would not see them."""
+        return bool(self.special)
+
+    def lit(self, marker: str) -> str:
+        """A marker in Lark: its token by id, or the text."""
+        token = self.token_ids.get(marker)
+        return f"<[{token}]>" if token is not None else json.dumps(marker)
+
+    # ------------------------------------------------------------ reading
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        at = text.find(self.start)
+        if at < 0:
+            return ParsedOutput(text if final else _stable_text(text, self.start))
+        return ParsedOutput(text[:at].rstrip(), self._calls(text[at + len(self.start):]))
+
+    def _calls(self, rest: str) -> list[ParsedCall]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ enforcing
+    def grammar(self, req: ToolRequest) -> str:
+        after = self._after_start(req.callable_functions(), req.parallel)
+        lines = ["%llguidance {}", *after[1:]]
+        if req.choice in ("required", "function"):
+            lines.insert(1, f"start: {self.lit(self.start)} {after[0]}")
+        elif self.start in self.token_ids:  # an added token never appears in free text
+            lines[1:1] = [f"start: TEXT | TEXT {self.lit(self.start)} {after[0]}", TEXT_RULE]
+        else:  # free text until the marker, lazily: the text cannot run on through it
+            lines[1:1] = [f"start: TEXT | opening {after[0]}", f"opening[lazy]: TEXT {self.lit(self.start)}", TEXT_RULE]
+        return "\n".join(lines)
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        """What follows the opening marker: [the rule body, extra rule lines...]."""
+        raise NotImplementedError
+
+
+def _stable_text(text: str, marker: str) -> str:
+    """Text before any possible start of ``marker`` at its end, and before trailing whitespace (dropped
+    if a call follows): what a stream may send as content."""
+    for j in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:j]):
+            text = text[:-j]
+            break
+    return text.rstrip()
+
+
+def _json_schema(schema: dict[str, Any]) -> str:
+    """A schema in a grammar, laid out as ``json.dumps`` lays JSON out (``structured.JSON_LAYOUT``)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+
+
+def _call_object(functions: tuple[ToolFunction, ...], arguments_key: str) -> dict[str, Any]:
+    """{"name": <one of them>, <arguments_key>: <its parameters>}, name first (so it streams first)."""
+    options = [{"type": "object", "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+                "required": ["name", arguments_key], "additionalProperties": False} for f in functions]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _json_call(text: str, start: int, keys: tuple[str, ...]) -> ParsedCall | None:
+    """The call of a JSON object ``{"name": ..., <key>: {...}}`` at ``text[start]``, as far as written."""
+    if start >= len(text) or text[start] != "{":
+        return None
+    name, arguments, complete = None, "", False
+    for key, begin, end in object_members(text, start):
+        if key == "name" and end is not None:
+            try:
+                value = json.loads(text[begin:end])
+            except ValueError:
+                value = None
+            name = value if isinstance(value, str) else None
+        elif key in keys:
+            raw = text[begin:end] if end is not None else text[begin:]
+            if raw.startswith('"'):  # arguments written as a JSON string: whole, once it ends
+                arguments = _string_value(raw) if end is not None else ""
+            else:
+                arguments = raw
+            complete = end is not None
+    if not complete and value_end(text, start) is not None:  # a finished call without arguments
+        arguments, complete = arguments or "{}", True
+    return ParsedCall(name, arguments, complete)
+
+
+def _call_sequence(text: str, i: int, separator: str, keys: tuple[str, ...]) -> list[ParsedCall]:
+    """The calls of JSON objects from ``text[i]`` on, joined by ``separator``, as far as written."""
+    calls = []
+    while (call := _json_call(text, i, keys)) is not None:
+        calls.append(call)
+        end = value_end(text, i)
+        if end is None:
+            break
+        i = skip_ws(text, end)
+        if text[i:i + 1] != separator:
+            break
+        i = skip_ws(text, i + 1)
+    return calls
+
+
+def _string_value(raw: str) -> str:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return value if isinstance(value, str) else raw
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    markers = (start, end)
+    signature = "<tool_call>"
+
+    def _calls(self, rest: str) -> list[ParsedCall]:
+        calls = []
+        for block in rest.split(self.start):
+            call = _json_call(block, skip_ws(block, 0), ("arguments", "parameters"))
+            if call is not None:
+                calls.append(call)
+        return calls
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        one = f'"\\n" call_json "\\n" {self.lit(self.end)}'
+        more = f' ("\\n" {self.lit(self.start)} {one})*' if parallel else ""
+        return [f"{one}{more}", "call_json: " + _json_schema(_call_object(functions, "arguments"))]
+
+
+class Mistral(ToolFormat):
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+    markers = (start,)
+    signature = "[TOOL_CALLS]"
+
+    def _calls(self, rest: str) -> list[ParsedCall]:
+        i = skip_ws(rest, 0)
+        if i >= len(rest) or rest[i] != "[":
+            return []
+        return _call_sequence(rest, skip_ws(rest, i + 1), ",", ("arguments", "parameters"))
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        schema = {"type": "array", "items": _call_object(functions, "arguments"), "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ["calls_json", "calls_json: " + _json_schema(schema)]
+
+
+class Llama3Json(ToolFormat):
+    """No opening marker: an answer that is a JSON object (after an optional ``<|python_tag|>``) is calls."""
+
+    name = "llama3_json"
+    start = "<|python_tag|>"
+    markers = ()  # <|python_tag|> is skipped with the other special tokens; the JSON is the signal
+    signature = '"parameters"'
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        body = text.lstrip()
+        if body.startswith(self.start):
+            body = body[len(self.start):].lstrip()
+        if not body:
+            return ParsedOutput(text if final else "")
+        if not body.startswith("{"):
+            return ParsedOutput(text if final else _stable_text(text, ""))
+        return ParsedOutput("", _call_sequence(body, 0, ";", ("parameters", "arguments")))
+
+    def grammar(self, req: ToolRequest) -> str:
+        one = "call_json"
+        calls = f'{one} ("; " {one})*' if req.parallel else one
+        start = calls if req.choice in ("required", "function") else f"FREE | {calls}"
+        return "\n".join(["%llguidance {}", f"start: {start}", "FREE: /([^{](.|\\n)*)?/",
+                          "call_json: " + _json_schema(_call_object(req.callable_functions(), "parameters"))])
+
+
+class KimiK2(ToolFormat):
+    name = "kimi_k2"
+    start = "<|tool_calls_section_begin|>"
+    end = "<|tool_calls_section_end|>"
+    call_begin, argument_begin, call_end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+    markers = (start, end, call_begin, argument_begin, call_end)
+    signature = "<|tool_calls_section_begin|>"
+
+    def _calls(self, rest: str) -> list[ParsedCall]:
+        calls = []
+        for block in rest.split(self.call_begin)[1:]:
+            head, sep, arguments = block.partition(self.argument_begin)
+            if not sep:
+                break
+            call_id = head.strip()  # functions.NAME:IDX
+            name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
+            body, done, _ = arguments.partition(self.call_end)
+            calls.append(ParsedCall(name, body.strip() if done else _stable_text(body, self.call_end).lstrip(),
+                                    bool(done), call_id))
+        return calls
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        lines = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}", "INDEX: /[0-9]+/"]
+        for i, f in enumerate(functions):
+            lines.append(f"call_{i}: {self.lit(self.call_begin)} {json.dumps('functions.' + f.name + ':')} INDEX "
+                         f"{self.lit(self.argument_begin)} {_json_schema(f.parameters)} {self.lit(self.call_end)}")
+        return [f"{'call+' if parallel else 'call'} {self.lit(self.end)}", *lines]
+
+
+TOOL_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, KimiK2)}
+
+
+def detect_tool_format(chat_template: str | None) -> str | None:
+    """The family a chat template writes tool calls in (None: it renders no tools, or none we know)."""
+    if not chat_template or "tools" not in chat_template:
+        return None
+    for fmt in (KimiK2, Mistral, Hermes, Llama3Json):  # most specific marker first
+        if fmt.signature in chat_template:
+            return fmt.name
+    return None
+
+
+def tool_format_for(parser: str, hf_tokenizer: Any) -> ToolFormat | None:
+    """The tool-call format a server reads: ``parser`` names one, ``auto`` reads it off the chat template,
+    ``none`` turns tool calling off."""
+    if parser == "none":
+        return None
+    name = detect_tool_format(getattr(hf_tokenizer, "chat_template", None)) if parser == "auto" else parser
+    if name is None:
+        return None
+    if name not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call parser {name!r}; expected auto, none or one of {', '.join(TOOL_FORMATS)}")
+    return TOOL_FORMATS[name](hf_tokenizer)

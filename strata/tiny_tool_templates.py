@@ -1,0 +1,68 @@
+"""Tools-capable chat templates for the tiny text checkpoints, one per tool-call family.
+
+Each renders the tools into the prompt, the assistant's earlier calls in the family's own syntax and
+``role: tool`` results, in the tiny models' ``role: content`` layout. Markers are added to the tokenizer
+as real checkpoints have them: Hermes' ``<tool_call>`` as plain added tokens (as Qwen2.5), Mistral's
+``[TOOL_CALLS]`` and Kimi-K2's section markers as special tokens; Llama 3's JSON calls need none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TOOLS = (
+    "{%- if tools -%}{{- 'system: functions you may call:\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}{%- endif -%}"
+)
+_HEAD = "{{- '<s>' -}}" + _TOOLS + "{%- for message in messages -%}"
+_TAIL = ("{%- endfor -%}"
+         "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}")
+_TEXT = ("{{- message['role'] + ': ' + (message['content'] or '') -}}"
+         "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}{{- '\\n' -}}")
+
+
+def _with_calls(call: str, sep: str = "", before: str = "", after: str = "") -> str:
+    """Assistant turns with tool_calls render ``before`` + each call (joined by ``sep``) + ``after``."""
+    return ("{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}"
+            "{{- 'assistant: ' + (message['content'] or '') + '" + before + "' -}}"
+            "{%- for tc in message['tool_calls'] -%}{%- if not loop.first -%}{{- '" + sep + "' -}}{%- endif -%}"
+            + call + "{%- endfor -%}{{- '" + after + "</s>\\n' -}}"
+            "{%- elif message['role'] == 'tool' -%}{{- 'tool: ' + message['content'] + '\\n' -}}"
+            "{%- else -%}" + _TEXT + "{%- endif -%}")
+
+
+_ARGS = "(tc['function']['arguments'] | tojson)"
+TOOL_TEMPLATES: dict[str, str] = {
+    "hermes": _HEAD + _with_calls(
+        "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' + " + _ARGS
+        + " + '}\\n</tool_call>' -}}", sep="\\n") + _TAIL,
+    "llama3_json": _HEAD + _with_calls(
+        "{{- '{\"name\": \"' + tc['function']['name'] + '\", \"parameters\": ' + " + _ARGS + " + '}' -}}",
+        sep="; ") + _TAIL,
+    "mistral": _HEAD + _with_calls(
+        "{{- '{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' + " + _ARGS + " + '}' -}}",
+        sep=", ", before="[TOOL_CALLS][", after="]") + _TAIL,
+    "kimi_k2": _HEAD + _with_calls(
+        "{{- '<|tool_call_begin|>functions.' + tc['function']['name'] + ':' + (loop.index0 | string)"
+        " + '<|tool_call_argument_begin|>' + " + _ARGS + " + '<|tool_call_end|>' -}}",
+        before="<|tool_calls_section_begin|>", after="<|tool_calls_section_end|>") + _TAIL,
+}
+# the family's markers: (text, special)
+TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "hermes": (("<tool_call>", False), ("</tool_call>", False)),
+    "llama3_json": (),
+    "mistral": (("[TOOL_CALLS]", True),),
+    "kimi_k2": tuple((m, True) for m in ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                          "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+}
+
+
+def add_tool_template(tok: Any, family: str) -> None:
+    """Give a tiny tokenizer ``family``'s tool markers and tools-capable chat template."""
+    from tokenizers import AddedToken
+
+    if family not in TOOL_TEMPLATES:
+        raise ValueError(f"unknown tool-call family {family!r}; expected one of {', '.join(TOOL_TEMPLATES)}")
+    for text, special in TOOL_MARKERS[family]:
+        tok.add_tokens([AddedToken(text, special=special, normalized=False)], special_tokens=special)
+    tok.chat_template = TOOL_TEMPLATES[family]

@@ -1,0 +1,231 @@
+"""Tool calling in-process: each family's syntax read whole and streamed (the deltas add up to the whole
+message, however the text is cut), requests' tools and tool_choice checked, the format read off a chat
+template; then the engine, per family, on a tiny checkpoint whose template renders tools: ``required`` and
+a named function give calls that parse and satisfy the schemas, ``auto`` gives text or (steered by a
+logit bias onto the opening marker) one well-formed call; special-token markers survive detokenizing and
+the end-of-sequence token does not. Real weights: SmolLM2 with a tools template calls get_weather for
+Paris, and answers from the tool's result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from helpers import build, greedy
+
+from strata.pipeline.frontend.tools.calls import ToolCallDeltas, constrain, tool_calls_message
+from strata.pipeline.frontend.tools.formats import TOOL_FORMATS, detect_tool_format, tool_format_for
+from strata.pipeline.frontend.tools.request import tool_request
+from strata.tiny_text_models import build_tiny_text_model
+from strata.tiny_tool_templates import TOOL_TEMPLATES
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"],
+           "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+# two calls in each family's syntax, with text before them where the family allows it
+ANSWERS = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22}}\n</tool_call>', "Let me check."),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "add", "parameters": {"a": 1, "b": 22}}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 22}}]', None),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>'
+                '{"a": 1, "b": 22}<|tool_call_end|><|tool_calls_section_end|>', None),
+}
+EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 22})]
+
+
+@pytest.fixture(scope="module")
+def tool_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tool-models")
+    return {family: build_tiny_text_model("qwen2", root / family, tool_format=family) for family in TOOL_TEMPLATES}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tool_models: dict[str, Path]) -> dict:
+    from transformers import AutoTokenizer
+
+    return {family: AutoTokenizer.from_pretrained(str(path)) for family, path in tool_models.items()}
+
+
+def _streamed(fmt, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
+    """Content and calls as a client assembles them from the deltas of ``text`` arriving cut at ``cuts``."""
+    deltas, content, calls = ToolCallDeltas(fmt), "", []
+    ends = [*cuts, len(text)]
+    for end in ends:
+        delta = deltas.update(text[:end], final=end == len(text)) or {}
+        content += delta.get("content", "")
+        for entry in delta.get("tool_calls", []):
+            if "id" in entry:
+                assert entry["index"] == len(calls) and entry["type"] == "function"
+                calls.append({"id": entry["id"], "name": entry["function"]["name"], "arguments": ""})
+            calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    return content, calls
+
+
+@pytest.mark.parametrize("family", sorted(ANSWERS))
+def test_each_family_is_read_whole_and_streamed_alike(family: str, tokenizers: dict) -> None:
+    fmt = TOOL_FORMATS[family](tokenizers[family])
+    text, content = ANSWERS[family]
+    whole_content, calls = tool_calls_message(fmt, text)
+    assert whole_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == EXPECTED
+    assert all(c["type"] == "function" and c["id"] for c in calls)
+    for cuts in (list(range(1, len(text))), [len(text) // 3, len(text) // 2], []):  # every character; chunks; whole
+        streamed_content, streamed = _streamed(fmt, text, cuts)
+        assert streamed_content == (content or "")
+        assert [(c["name"], c["arguments"]) for c in streamed] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_text_without_calls_is_content_and_a_stream_holds_back_only_a_possible_marker(tokenizers: dict) -> None:
+    fmt = TOOL_FORMATS["hermes"](tokenizers["hermes"])
+    assert tool_calls_message(fmt, "Just text, <b>bold</b>.") == ("Just text, <b>bold</b>.", [])
+    deltas = ToolCallDeltas(fmt)
+    assert deltas.update("Hi <tool_c") == {"content": "Hi"}  # "<tool_c" may open a call: held back
+    assert deltas.update("Hi <tool_c!", final=True) == {"content": " <tool_c!"}
+    assert not deltas.has_calls
+
+
+def test_a_cut_call_keeps_what_was_written_and_a_nameless_one_stays_text(tokenizers: dict) -> None:
+    fmt = TOOL_FORMATS["hermes"](tokenizers["hermes"])
+    content, calls = tool_calls_message(fmt, '<tool_call>\n{"name": "add", "arguments": {"a": 4')
+    assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 4'}
+    assert tool_calls_message(fmt, '<tool_call>\n{"nam') == ('<tool_call>\n{"nam', [])
+    # arguments written as a JSON string (some models do) are its text
+    _, calls = tool_calls_message(fmt, '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize("tools, choice, parallel, message", [
+    ([{"type": "retrieval"}], None, None, "tools[0] must be"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], None, None, "tools[0].function.name"),
+    ([TOOLS[0], TOOLS[0]], None, None, "unique"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, None, "parameters"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "'nope', which is not among"),
+    (TOOLS, "sometimes", None, "tool_choice must be"),
+    (None, "required", None, "tool_choice needs tools"),
+    (TOOLS, "auto", "yes", "parallel_tool_calls"),
+    ([TOOLS[0]] * 129, None, None, "at most 128"),
+])
+def test_bad_tools_are_refused_by_name(tools, choice, parallel, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tool_request(tools, choice, parallel)
+
+
+def test_tool_choice_defaults_and_named_calls() -> None:
+    assert tool_request(None, None, None) is None and tool_request([], "none", None) is None
+    auto = tool_request(TOOLS, None, None)
+    assert auto.choice == "auto" and auto.parallel and auto.parses_calls
+    assert not tool_request(TOOLS, "none", None).parses_calls
+    named = tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
+    assert [f.name for f in named.callable_functions()] == ["add"] and not named.parallel
+    assert named.template_tools() == TOOLS  # the template still sees every tool
+
+
+def test_the_format_is_read_off_the_chat_template(tokenizers: dict) -> None:
+    for family, tok in tokenizers.items():
+        assert detect_tool_format(tok.chat_template) == family
+        assert tool_format_for("auto", tok).name == family
+    assert detect_tool_format("{{ messages[0]['content'] }}") is None  # renders no tools
+    assert tool_format_for("none", tokenizers["hermes"]) is None
+    assert tool_format_for("mistral", tokenizers["hermes"]).name == "mistral"  # named: taken as said
+
+
+def _run(engine, fmt, tools_request, max_tokens: int = 64, **params):
+    p = greedy(max_tokens, **params)
+    constrain(p, tools_request, fmt)
+    return engine.generate([{"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                             "params": p, "tools": tools_request.template_tools()}])[0]
+
+
+def _calls(fmt, text: str) -> list[tuple[str, dict]]:
+    _, calls = tool_calls_message(fmt, text)
+    out = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    for name, arguments in out:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(TOOL_TEMPLATES))
+def test_required_and_named_calls_parse_and_satisfy_the_schemas(family: str, tool_models: dict) -> None:
+    engine = build(tool_models[family])
+    fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)
+    out = _run(engine, fmt, tool_request(TOOLS, "required", False))
+    assert out.finish_reason == "stop" and len(_calls(fmt, out.text)) == 1
+    named = _run(engine, fmt, tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, None))
+    assert named.finish_reason == "stop" and [name for name, _ in _calls(fmt, named.text)] == ["add"]
+    if family == "llama3_json":
+        return  # its calls open with "{": no marker token to steer onto
+    text_only = _run(engine, fmt, tool_request(TOOLS, "auto", False), max_tokens=24)
+    assert _calls(fmt, text_only.text) == []  # a random model writes text; auto leaves it text
+    steered = _run(engine, fmt, tool_request(TOOLS, "auto", False), logit_bias={fmt.token_ids[fmt.start]: 100.0})
+    assert steered.finish_reason == "stop" and len(_calls(fmt, steered.text)) == 1
+
+
+def test_special_token_markers_are_text_and_the_end_token_is_not(tool_models: dict) -> None:
+    engine = build(tool_models["kimi_k2"])
+    fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)
+    assert fmt.keeps_special_tokens
+    out = _run(engine, fmt, tool_request(TOOLS, "required", False))
+    assert out.text.startswith("<|tool_calls_section_begin|><|tool_call_begin|>functions.")
+    eos = engine.intake.tokenizer.eos_token_ids[0]
+    ended = engine.generate([{"prompt": "hi", "params": greedy(8, skip_special_tokens=False,
+                                                                logit_bias={eos: 100.0})}])[0]
+    assert ended.output_token_ids == [eos] and ended.text == "" and ended.finish_reason == "stop"
+
+
+def test_tools_and_earlier_calls_are_rendered_by_the_template(tool_models: dict) -> None:
+    engine = build(tool_models["hermes"])
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "snow"}]
+    text = engine.intake.tokenizer.render_chat(messages, tools=TOOLS)
+    assert '"name": "get_weather"' in text and '{"city": "Oslo"}' in text and "tool: snow" in text
+    assert json.dumps(TOOLS[1]) in text
+
+
+def test_real_weights_call_a_tool_and_answer_from_its_result(smollm2: Path) -> None:
+    """SmolLM2-135M-Instruct, with a template that renders tools in Hermes style (tests/data), asked about
+    the weather in Paris: ``required`` gives get_weather(city="Paris"); ``auto`` lets it answer in text, token
+    for token what it writes with no tools (the auto grammar constrains a call once begun, nothing before);
+    given the tool's result, it answers from it. Its own template renders no tools: no format is found."""
+    engine = build(smollm2)
+    assert tool_format_for("auto", engine.intake.tokenizer.tokenizer) is None
+    engine.intake.tokenizer.tokenizer.chat_template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
+    fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"], "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    params = greedy(40)
+    constrain(params, tool_request(tools, "required", False), fmt)
+    out = engine.generate([{"messages": messages, "params": params, "tools": tools}])[0]
+    assert _named(fmt, out.text) == [("get_weather", {"city": "Paris"})]
+    params = greedy(30)
+    constrain(params, tool_request(tools, "auto", None), fmt)
+    auto = engine.generate([{"messages": messages, "params": params, "tools": tools}])[0]
+    plain = engine.generate([{"messages": messages, "params": greedy(30), "tools": tools}])[0]
+    assert auto.output_token_ids == plain.output_token_ids and "<tool_call>" not in plain.text
+    messages += [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    params = greedy(40)
+    constrain(params, tool_request(tools, "auto", None), fmt)
+    answer = engine.generate([{"messages": messages, "params": params, "tools": tools}])[0]
+    assert tool_calls_message(fmt, answer.text)[1] == [] and "sunny" in answer.text
+
+
+def _named(fmt, text: str) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls_message(fmt, text)[1]]
