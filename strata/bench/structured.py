@@ -1,8 +1,9 @@
 """`strata bench structured`: what structured output costs the batched sampler step.
 
 One step's sampling work for a batch of 32 (logits of the model's vocabulary, greedy), with 0, 1 and all
-32 rows constrained by a JSON schema: the grammar masks (llguidance, one matcher per row), the masked
-sampling and feeding each token back to its matcher. Every row's matcher is advanced along a fixed
+32 rows constrained by a JSON schema, and all 32 rows asking for tools (Hermes syntax): ``auto`` while the
+answer is text, and ``required`` while it writes a call. That is the grammar masks (llguidance, one matcher
+per row), the masked sampling and feeding each token back to its matcher. Every row's matcher is advanced along a fixed
 valid answer, so each step costs what a real constrained step costs at that point of the answer. The
 unconstrained batch is the baseline; rounds alternate the cases and medians are reported. The
 tokenizer is SmolLM2's (49,152 tokens) when its real weights are here, else the demo model's.
@@ -24,11 +25,18 @@ from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.engine_core import sample_rows
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.sampler import Sampler
+from strata.pipeline.frontend.tools.formats import Hermes
+from strata.pipeline.frontend.tools.request import tool_request
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                            "population_millions": {"type": "number"}},
           "required": ["city", "country", "population_millions"], "additionalProperties": False}
 ANSWER = '{"city": "Paris", "country": "France", "population_millions": 2.1}'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,29 +78,38 @@ def run(args: argparse.Namespace) -> int:
     tok, name = _tokenizer()
     vocab = len(tok)
     answer = tok(ANSWER, add_special_tokens=False)["input_ids"]
+    call = tok(CALL, add_special_tokens=False)["input_ids"]
     runner, sampler = GrammarRunner(lambda: tok, vocab), Sampler()
     plain = SamplingParams(max_tokens=64, temperature=0.0)
     constrained = SamplingParams(max_tokens=64, temperature=0.0, structured=("json", json.dumps(SCHEMA)))
+    hermes = Hermes(tok)
+    auto, required = (SamplingParams(max_tokens=64, temperature=0.0, structured=(
+        "lark", hermes.grammar(tool_request(TOOLS, choice, None)))) for choice in ("auto", "required"))
 
-    def batch(k: int) -> list[Any]:
-        return [SimpleNamespace(params=constrained if i < k else plain, token_ids=[], num_prompt_tokens=0,
+    def batch(k: int, params: SamplingParams = constrained) -> list[Any]:
+        return [SimpleNamespace(params=params if i < k else plain, token_ids=[], num_prompt_tokens=0,
                                 output_token_ids=[], token_counts=None, grammar_matcher=None, request_id=f"r{i}",
                                 generator=None)
                 for i in range(args.batch)]
 
-    cases = {"none constrained": batch(0), "1 constrained": batch(1), f"all {args.batch} constrained": batch(args.batch)}
-    _step_seconds(runner, sampler, cases[f"all {args.batch} constrained"], answer, vocab)  # warm-up (tokenizer trie)
+    n = args.batch
+    cases = {"none constrained": (batch(0), answer), "1 constrained": (batch(1), answer),
+             f"all {n} constrained": (batch(n), answer), f"all {n} tools, auto, text": (batch(n, auto), answer),
+             f"all {n} tools, required": (batch(n, required), call)}
+    for seqs, path in cases.values():  # warm-up (the tokenizer's trie, each grammar's first masks)
+        _step_seconds(runner, sampler, seqs, path, vocab)
     runs: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.rounds):
-        for label, seqs in cases.items():
-            runs[label].append(_step_seconds(runner, sampler, seqs, answer, vocab))
+        for label, (seqs, path) in cases.items():
+            runs[label].append(_step_seconds(runner, sampler, seqs, path, vocab))
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med["none constrained"]
     print(f"# strata bench structured: the sampler's step for a batch of {args.batch} over {name}'s {vocab:,}-token "
-          f"vocabulary (greedy), a JSON schema on 0 / 1 / all rows, llguidance masks; {len(answer)} steps of a "
-          f"valid answer, median of {args.rounds} alternating rounds, {torch.get_num_threads()} threads")
+          f"vocabulary (greedy), a JSON schema on 0 / 1 / all rows, then tools on all rows (Hermes; auto along a "
+          f"text answer, required along a call); llguidance masks; {len(answer)} steps of a valid answer ({len(call)} "
+          f"of the call), median of {args.rounds} alternating rounds, {torch.get_num_threads()} threads")
     for label, seconds in med.items():
-        print(f"  {label:<22} {seconds * 1e3:7.3f} ms/step  (+{(seconds - base) * 1e3:6.3f} ms over unconstrained)")
+        print(f"  {label:<26} {seconds * 1e3:7.3f} ms/step  (+{(seconds - base) * 1e3:6.3f} ms over unconstrained)")
     if args.json:
         args.json.write_text(json.dumps({"vocab": vocab, "tokenizer": name, "batch": args.batch,
                                          "ms_per_step": {k: v * 1e3 for k, v in med.items()}}, indent=2))
