@@ -99,5 +99,6 @@ def test_bench_vision_compares_packing_and_times_image_requests(tmp_path: Path, 
 def test_bench_structured_times_constrained_sampler_steps(tmp_path: Path, capsys) -> None:
     result, printed = _bench(tmp_path, capsys, "structured", "--batch", "4", "--rounds", "1")
     assert set(result["ms_per_step"]) == {"none constrained", "1 constrained", "all 4 constrained",
-                                          "all 4 tools, auto, text", "all 4 tools, required"}
+                                          "all 4 tools, auto, text", "all 4 tools, auto, 1-token marker",
+                                          "all 4 tools, required"}
     assert "over unconstrained" in printed

@@ -173,6 +173,36 @@ def test_required_and_named_calls_parse_and_satisfy_the_schemas(family: str, too
     assert steered.finish_reason == "stop" and len(_calls(fmt, steered.text)) == 1
 
 
+def test_auto_with_a_one_token_marker_leaves_text_alone_and_calls_start_at_it(tool_models: dict) -> None:
+    """A one-token opening marker is the grammar's trigger: text before it is the model's own, token for
+    token (no mask; the random model writes invalid UTF-8 a text grammar would refuse), and the call
+    grammar starts at it, also for requests preempted and computed again."""
+    engine = build(tool_models["hermes"])
+    fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)
+    marker = fmt.token_ids[fmt.start]
+    p = greedy(24, ignore_eos=True, logit_bias={marker: -100.0})
+    constrain(p, tool_request(TOOLS, "auto", None), fmt)
+    assert p.structured_trigger == marker
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    auto = engine.generate([{"messages": messages, "params": p, "tools": TOOLS}])[0]
+    plain = engine.generate([{"messages": messages, "params": greedy(24, ignore_eos=True, logit_bias={marker: -100.0}),
+                              "tools": TOOLS}])[0]
+    assert auto.output_token_ids == plain.output_token_ids
+
+    def steered(i: int) -> dict:
+        params = greedy(64, logit_bias={marker: 100.0})
+        constrain(params, tool_request(TOOLS, "auto", False), fmt)
+        return {"messages": [{"role": "user", "content": f"Request {i}: the weather in Paris and the sum of 2 and 3?"}],
+                "params": params, "tools": TOOLS}
+    alone = [engine.generate([steered(i)])[0].text for i in range(4)]
+    # preempting_engine's pool, sized for these longer prompts (the tools are rendered into each)
+    squeezed = build(tool_models["hermes"], num_kv_blocks=64, max_num_batched_tokens=64, prefill_chunk_tokens=32,
+                     enable_prefix_caching=False)
+    outs = squeezed.generate([steered(i) for i in range(4)])
+    assert [o.text for o in outs] == alone and squeezed.scheduler.num_preemptions > 0
+    assert all(len(_calls(fmt, text)) == 1 for text in alone)
+
+
 def test_special_token_markers_are_text_and_the_end_token_is_not(tool_models: dict) -> None:
     engine = build(tool_models["kimi_k2"])
     fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)

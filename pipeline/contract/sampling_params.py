@@ -36,6 +36,9 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM: no end-of-sequence or stop token before this many output tokens
     # structured output: (kind, source), kind json | regex | choice | lark (``frontend.structured``)
     structured: tuple[str, str] | None = None
+    # the grammar applies from this token on (a tool call's one-token opening marker): until the model samples
+    # it the row is unconstrained, and costs no mask
+    structured_trigger: int | None = None
     # vLLM: False keeps special tokens in the text (a tool-call format whose markers are special tokens);
     # the end-of-sequence or stop token that ends the answer is never text
     skip_special_tokens: bool = True
@@ -73,6 +76,9 @@ class SamplingParams:
         if self.structured is not None and (len(self.structured) != 2 or not all(isinstance(v, str) for v in self.structured)
                                             or self.structured[0] not in ("json", "regex", "choice", "lark")):
             raise ValueError(f"structured must be (json|regex|choice|lark, source), got {self.structured!r}")
+        if self.structured_trigger is not None and (isinstance(self.structured_trigger, bool) or not isinstance(
+                self.structured_trigger, int) or self.structured_trigger < 0 or self.structured is None):
+            raise ValueError(f"structured_trigger must be a token id, with structured set, got {self.structured_trigger!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \

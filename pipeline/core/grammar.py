@@ -4,7 +4,9 @@ back to its matcher.
 
 The matcher lives on the sequence where it runs; a sequence that arrives mid-generation (a prefill hand-off
 to decode) gets a fresh matcher fed with the tokens it has already produced, so the grammar's state is a
-function of the tokens, like everything else that crosses a process. The tokenizer wrapper llguidance
+function of the tokens, like everything else that crosses a process. A grammar with a trigger token
+(``SamplingParams.structured_trigger``: a tool call's opening marker) starts at that token: before it the
+row is unconstrained and no mask is computed for it, and its matcher is fed from the trigger on. The tokenizer wrapper llguidance
 needs (the vocabulary as a trie) is built once per engine, on first use.
 """
 
@@ -37,20 +39,32 @@ class GrammarRunner:
         return self._tokenizer
 
     def matcher(self, seq: Any) -> Any:
-        """The sequence's matcher, made (and fed its output so far) where it runs."""
+        """The sequence's matcher, made (and fed its output so far, from its trigger on) where it runs."""
         if seq.grammar_matcher is None:
             from llguidance import LLMatcher
 
             kind, value = seq.params.structured
             matcher = LLMatcher(self._llg_tokenizer(), grammar_for(kind, value))
-            for token in seq.output_token_ids:  # produced (and accepted) elsewhere: a hand-off, say
+            out = seq.output_token_ids
+            trigger = seq.params.structured_trigger
+            start = 0 if trigger is None else out.index(trigger) if trigger in out else len(out)
+            for token in out[start:]:  # produced (and accepted) elsewhere: a hand-off, say
                 matcher.consume_token(token)
             seq.grammar_matcher = matcher
         return seq.grammar_matcher
 
+    @staticmethod
+    def constrained(seq: Any) -> bool:
+        """The row's grammar applies now: it has one, and any trigger token it waits for has come."""
+        params = seq.params
+        if params.structured is None:
+            return False
+        trigger = params.structured_trigger
+        return trigger is None or seq.grammar_matcher is not None or trigger in seq.output_token_ids
+
     def mask(self, logits: torch.Tensor, seqs: Seq[Any]) -> torch.Tensor:
         """``logits`` with each constrained row limited to the tokens its grammar allows next."""
-        rows = [i for i, s in enumerate(seqs) if s.params.structured is not None]
+        rows = [i for i, s in enumerate(seqs) if self.constrained(s)]
         if not rows:
             return logits
         import llguidance.torch as lt
@@ -64,8 +78,9 @@ class GrammarRunner:
         return logits
 
     def accept(self, seq: Any, token: int) -> None:
-        """Feed a sampled token to the sequence's matcher (a token the mask allowed)."""
-        if seq.params.structured is None:
+        """Feed a sampled token to the sequence's matcher (a token the mask allowed); a grammar waiting for
+        its trigger starts at it."""
+        if not self.constrained(seq) and token != seq.params.structured_trigger:
             return
         matcher = self.matcher(seq)
         if not matcher.consume_token(token):

@@ -66,7 +66,9 @@ class Intake:
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
         vocab = self.tokenizer.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        trigger = [params.structured_trigger] if params.structured_trigger is not None else []
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("structured_trigger", trigger)):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise ValueError(f"{name} names token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")

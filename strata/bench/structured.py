@@ -2,7 +2,8 @@
 
 One step's sampling work for a batch of 32 (logits of the model's vocabulary, greedy), with 0, 1 and all
 32 rows constrained by a JSON schema, and all 32 rows asking for tools (Hermes syntax): ``auto`` while the
-answer is text, and ``required`` while it writes a call. That is the grammar masks (llguidance, one matcher
+answer is text (the opening marker as text, a lazy grammar; and as one added token, the grammar's trigger),
+and ``required`` while it writes a call. That is the grammar masks (llguidance, one matcher
 per row), the masked sampling and feeding each token back to its matcher. Every row's matcher is advanced along a fixed
 valid answer, so each step costs what a real constrained step costs at that point of the answer. The
 unconstrained batch is the baseline; rounds alternate the cases and medians are reported. The
@@ -25,6 +26,7 @@ from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.engine_core import sample_rows
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.sampler import Sampler
+from strata.pipeline.frontend.tools.calls import constrain
 from strata.pipeline.frontend.tools.formats import Hermes
 from strata.pipeline.frontend.tools.request import tool_request
 
@@ -92,24 +94,33 @@ def run(args: argparse.Namespace) -> int:
                                 generator=None)
                 for i in range(args.batch)]
 
+    # the same tokenizer with <tool_call> as one added token (as Qwen's): the marker is the grammar's trigger
+    marked = type(tok).from_pretrained(tok.name_or_path)
+    marked.add_tokens(["<tool_call>", "</tool_call>"])
+    triggered = SamplingParams(max_tokens=64, temperature=0.0)
+    constrain(triggered, tool_request(TOOLS, "auto", None), Hermes(marked))
+    marked_runner = GrammarRunner(lambda: marked, len(marked))
+
     n = args.batch
-    cases = {"none constrained": (batch(0), answer), "1 constrained": (batch(1), answer),
-             f"all {n} constrained": (batch(n), answer), f"all {n} tools, auto, text": (batch(n, auto), answer),
-             f"all {n} tools, required": (batch(n, required), call)}
-    for seqs, path in cases.values():  # warm-up (the tokenizer's trie, each grammar's first masks)
-        _step_seconds(runner, sampler, seqs, path, vocab)
+    cases = {"none constrained": (runner, batch(0), answer, vocab), "1 constrained": (runner, batch(1), answer, vocab),
+             f"all {n} constrained": (runner, batch(n), answer, vocab),
+             f"all {n} tools, auto, text": (runner, batch(n, auto), answer, vocab),
+             f"all {n} tools, auto, 1-token marker": (marked_runner, batch(n, triggered), answer, len(marked)),
+             f"all {n} tools, required": (runner, batch(n, required), call, vocab)}
+    for grammar, seqs, path, size in cases.values():  # warm-up (the tokenizer's trie, each grammar's first masks)
+        _step_seconds(grammar, sampler, seqs, path, size)
     runs: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.rounds):
-        for label, (seqs, path) in cases.items():
-            runs[label].append(_step_seconds(runner, sampler, seqs, path, vocab))
+        for label, (grammar, seqs, path, size) in cases.items():
+            runs[label].append(_step_seconds(grammar, sampler, seqs, path, size))
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med["none constrained"]
     print(f"# strata bench structured: the sampler's step for a batch of {args.batch} over {name}'s {vocab:,}-token "
           f"vocabulary (greedy), a JSON schema on 0 / 1 / all rows, then tools on all rows (Hermes; auto along a "
-          f"text answer, required along a call); llguidance masks; {len(answer)} steps of a valid answer ({len(call)} "
+          f"text answer with <tool_call> as text and as one token, required along a call); llguidance masks; {len(answer)} steps of a valid answer ({len(call)} "
           f"of the call), median of {args.rounds} alternating rounds, {torch.get_num_threads()} threads")
     for label, seconds in med.items():
-        print(f"  {label:<26} {seconds * 1e3:7.3f} ms/step  (+{(seconds - base) * 1e3:6.3f} ms over unconstrained)")
+        print(f"  {label:<36} {seconds * 1e3:7.3f} ms/step  (+{(seconds - base) * 1e3:6.3f} ms over unconstrained)")
     if args.json:
         args.json.write_text(json.dumps({"vocab": vocab, "tokenizer": name, "batch": args.batch,
                                          "ms_per_step": {k: v * 1e3 for k, v in med.items()}}, indent=2))

@@ -32,6 +32,9 @@ def constrain(params: SamplingParams, req: ToolRequest, fmt: ToolFormat | None) 
         if req.choice in ("required", "function"):
             raise ValueError("tool_choice required or a named function cannot be combined with response_format "
                              "or guided_* (both decide what the answer is)")
+    elif req.choice == "auto" and fmt.start in fmt.token_ids:  # the calls' grammar, from the marker token on
+        params.structured = ("lark", fmt.grammar(req, calls_only=True))
+        params.structured_trigger = fmt.token_ids[fmt.start]
     else:
         params.structured = ("lark", fmt.grammar(req))
     if fmt.keeps_special_tokens:

@@ -16,8 +16,10 @@ content that can no longer change, and each call's name and its arguments as far
 arguments are the model's own JSON text, so what a stream sends adds up to what a whole answer holds).
 
 ``grammar`` is the Lark grammar (llguidance) of an answer the request allows: for ``required`` or a named
-function, only calls; for ``auto``, free text or calls, the calls triggered lazily by the family's opening
-marker. Either way a call, once begun, names a declared function and its arguments satisfy that function's
+function, only calls; for ``auto``, free text or calls. With ``auto`` and an opening marker that is one token
+(Qwen's ``<tool_call>``, Mistral's, Kimi-K2's), ``calls.constrain`` makes that token the grammar's trigger:
+the text before it is unconstrained and costs no mask. Otherwise the calls are triggered lazily by the marker's
+text inside the grammar. Either way a call, once begun, names a declared function and its arguments satisfy that function's
 parameters schema. A marker that is one added token of the checkpoint's tokenizer is written in the grammar
 by its id; one that is a special token makes the answer detokenize with special tokens kept, or the
 marker would vanish from the text.
@@ -87,10 +89,12 @@ class ToolFormat:
         raise NotImplementedError
 
     # ------------------------------------------------------------ enforcing
-    def grammar(self, req: ToolRequest) -> str:
+    def grammar(self, req: ToolRequest, calls_only: bool = False) -> str:
+        """The answers ``req`` allows; ``calls_only`` as for ``required`` (a grammar that starts at its opening
+        marker, for ``auto`` with a one-token marker as the trigger)."""
         after = self._after_start(req.callable_functions(), req.parallel)
         lines = ["%llguidance {}", *after[1:]]
-        if req.choice in ("required", "function"):
+        if calls_only or req.choice in ("required", "function"):
             lines.insert(1, f"start: {self.lit(self.start)} {after[0]}")
         elif self.start in self.token_ids:  # an added token never appears in free text
             lines[1:1] = [f"start: TEXT | TEXT {self.lit(self.start)} {after[0]}", TEXT_RULE]
@@ -230,10 +234,10 @@ class Llama3Json(ToolFormat):
             return ParsedOutput(text if final else _stable_text(text, ""))
         return ParsedOutput("", _call_sequence(body, 0, ";", ("parameters", "arguments")))
 
-    def grammar(self, req: ToolRequest) -> str:
+    def grammar(self, req: ToolRequest, calls_only: bool = False) -> str:
         one = "call_json"
         calls = f'{one} ("; " {one})*' if req.parallel else one
-        start = calls if req.choice in ("required", "function") else f"FREE | {calls}"
+        start = calls if calls_only or req.choice in ("required", "function") else f"FREE | {calls}"
         return "\n".join(["%llguidance {}", f"start: {start}", "FREE: /([^{](.|\\n)*)?/",
                           "call_json: " + _json_schema(_call_object(req.callable_functions(), "parameters"))])
 
