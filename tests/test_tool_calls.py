@@ -13,8 +13,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from helpers import build, greedy
+from helpers import build, greedy, tokens_through_handoff
 
+from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.frontend.tools.calls import ToolCallDeltas, constrain, tool_calls_message
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS, detect_tool_format, tool_format_for
 from strata.pipeline.frontend.tools.request import tool_request
@@ -201,6 +202,20 @@ def test_auto_with_a_one_token_marker_leaves_text_alone_and_calls_start_at_it(to
     outs = squeezed.generate([steered(i) for i in range(4)])
     assert [o.text for o in outs] == alone and squeezed.scheduler.num_preemptions > 0
     assert all(len(_calls(fmt, text)) == 1 for text in alone)
+
+
+def test_a_triggered_call_continues_across_a_prefill_to_decode_hand_off(tool_models: dict, tmp_path: Path) -> None:
+    """Prefill samples the marker (its first token); decode, in another engine, starts the call's grammar from
+    it: the same tokens as one engine."""
+    model = tool_models["kimi_k2"]
+    engine = build(model)
+    fmt = tool_format_for("auto", engine.intake.tokenizer.tokenizer)
+    params = greedy(40, logit_bias={fmt.token_ids[fmt.start]: 100.0})
+    constrain(params, tool_request(TOOLS, "auto", False), fmt)
+    whole = engine.generate([{"prompt": "Weather in Oslo?", "params": params}])[0]
+    assert len(_calls(fmt, whole.text)) == 1
+    config = EngineConfig(host_kv_blocks=64, host_kv_dir=str(tmp_path / "host"))
+    assert tokens_through_handoff(model, config, engine, [], "Weather in Oslo?", params) == whole.output_token_ids
 
 
 def test_special_token_markers_are_text_and_the_end_token_is_not(tool_models: dict) -> None:
