@@ -6,10 +6,10 @@ disk gives a prefix cache that survives restarts.
 
 * One file per block, named by its hash, written to ``tmp/`` and renamed into place, so a
   reader sees a whole file or none.
-* A shared SQLite index (``index.db``, WAL mode) holds each block's last access time, the
-  block count and the pins. Its transactions serialize the capacity check and LRU choice
-  across processes, so the capacity holds whoever writes. It is rebuilt from the files at
-  start, so it can never claim blocks that are gone or miss blocks that are there.
+* A shared SQLite index (``tier_index``: ``index.db``, WAL mode) holds each block's last access
+  time, the block count and the pins. Its transactions serialize the capacity check and LRU
+  choice across processes, so the capacity holds whoever writes. It is reconciled with the files
+  at start, so it can never claim blocks that are gone or miss blocks that are there.
 * Reads go straight to the file (no index round trip); a missing, corrupt, truncated or
   foreign file is a miss: the file is removed and counted, the caller recomputes.
 * Pinned blocks (referenced by a running sequence somewhere) are never evicted. Pins carry
@@ -26,21 +26,16 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from strata.kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
 from strata.kvstore.layout import KVLayout
 from strata.kvstore.liveness import pid_alive
-from strata.kvstore.private_dir import private_dir, private_file
+from strata.kvstore.private_dir import private_dir
+from strata.kvstore.tier_index import TierIndex
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS blocks (hash BLOB PRIMARY KEY, last_access REAL NOT NULL) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(last_access);
-CREATE TABLE IF NOT EXISTS pins (hash BLOB NOT NULL, owner TEXT NOT NULL, PRIMARY KEY (hash, owner)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-"""
 _DEMOTE_BATCH = 16
 
 
@@ -89,44 +84,8 @@ class FileBlockStore:
         private_dir(self.root)
         private_dir(Path(self._blocks_dir))
         private_dir(Path(self._tmp_dir))
-        self._db = self._open_index()
+        self.index = TierIndex(self.root / "index.db", name)
         self.rebuild_index()
-
-    def _open_index(self) -> sqlite3.Connection:
-        """The shared index, recreated from scratch when the file is not a usable SQLite database (torn
-        by a crash, overwritten): it only caches what the block files say, so nothing is lost."""
-        path = self.root / "index.db"
-        for attempt in range(2):
-            db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-            try:
-                self._db = db
-                self._setup_db()
-                db.execute("SELECT count(*) FROM blocks").fetchone()
-                private_file(path)
-                return db
-            except sqlite3.DatabaseError as exc:
-                db.close()
-                if attempt:
-                    raise
-                log.warning("KV %s tier index at %s is unreadable (%s); rebuilding it from the block files",
-                            self.name, self.root, exc)
-                for suffix in ("", "-wal", "-shm"):
-                    _unlink(str(path) + suffix)
-        raise AssertionError("unreachable")
-
-    def _setup_db(self) -> None:
-        """WAL mode and schema. Switching the journal mode takes a lock that SQLite's busy timeout
-        does not wait for, so processes opening the store together retry it."""
-        for attempt in range(100):
-            try:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                break
-            except sqlite3.OperationalError:
-                if attempt == 99:
-                    raise
-                time.sleep(0.05)
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
 
     # ------------------------------------------------------------ paths
     def path(self, block_hash: bytes) -> str:
@@ -144,18 +103,8 @@ class FileBlockStore:
             pid = entry.name.split(".", 1)[0]
             if pid.isdigit() and not pid_alive(int(pid)):
                 _unlink(entry.path)
-        with self._lock, self._tx():  # scan under the write lock: no put can slip between scan and fix-up
-            present = self._scan_files()
-            indexed = {bytes(r[0]) for r in self._db.execute("SELECT hash FROM blocks")}
-            gone = indexed - present.keys()
-            self._db.executemany("DELETE FROM blocks WHERE hash=?", ((h,) for h in gone))
-            self._db.executemany(
-                "INSERT OR IGNORE INTO blocks VALUES (?, ?)", ((h, t) for h, t in present.items() if h not in indexed)
-            )
-            self._set_count(len(present))
-            owners = {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM pins")}
-            dead = [o for o in owners if o.split(":", 1)[0].isdigit() and not pid_alive(int(o.split(":", 1)[0]))]
-            self._db.executemany("DELETE FROM pins WHERE owner=?", ((o,) for o in dead))
+        with self._lock, self.index.transaction():  # scan under the write lock: no put slips between scan and fix-up
+            self.index.reconcile(self._scan_files())
 
     def _scan_files(self) -> dict[bytes, float]:
         present: dict[bytes, float] = {}
@@ -168,19 +117,9 @@ class FileBlockStore:
                         continue
         return present
 
-    def _tx(self) -> "_Transaction":
-        return _Transaction(self._db)
-
-    def _count(self) -> int:
-        row = self._db.execute("SELECT value FROM meta WHERE key='count'").fetchone()
-        return int(row[0]) if row else 0
-
-    def _set_count(self, n: int) -> None:
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('count', ?)", (n,))
-
     def __len__(self) -> int:
         with self._lock:
-            return self._count()
+            return self.index.count()
 
     # ------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, bytes | memoryview]], encoded: bool = False) -> list[bool]:
@@ -205,7 +144,7 @@ class FileBlockStore:
         placed: list[str] = []
         try:
             with self._lock:
-                with self._tx():
+                with self.index.transaction():
                     self._flush_unpins()
                     results = self._place(staged, victims, placed)
                 self._unpins.clear()
@@ -220,30 +159,27 @@ class FileBlockStore:
         into place. ``victims`` and ``placed`` record every file move, so a failed commit can undo them."""
         results: list[bool] = []
         now = time.time()
-        count = self._count()
+        index = self.index
+        count = index.count()
         for block_hash, tmp in staged:
-            if self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone():
+            if index.has(block_hash):
                 if os.path.exists(self.path(block_hash)):
-                    self._db.execute("UPDATE blocks SET last_access=? WHERE hash=?", (now, block_hash))
+                    index.touch([block_hash], now)
                     _unlink(tmp)  # same content is already there
                     results.append(True)
                     continue
                 # The index says present but the file is gone: believe the disk, store it again.
-                self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,))
+                index.delete(block_hash)
                 count -= 1
                 self.counters["reconciled"] += 1
             if count >= self.capacity:
-                row = self._db.execute(
-                    "SELECT hash FROM blocks WHERE NOT EXISTS (SELECT 1 FROM pins WHERE pins.hash=blocks.hash)"
-                    " ORDER BY last_access LIMIT 1"
-                ).fetchone()
-                if row is None:
+                victim = index.oldest_unpinned()
+                if victim is None:
                     _unlink(tmp)
                     self.counters["rejected"] += 1
                     results.append(False)
                     continue
-                victim = bytes(row[0])
-                self._db.execute("DELETE FROM blocks WHERE hash=?", (victim,))
+                index.delete(victim)
                 moved = self._tmp_path()
                 try:  # move it aside inside the transaction: a concurrent re-put cannot be unlinked by us
                     os.replace(self.path(victim), moved)
@@ -257,11 +193,11 @@ class FileBlockStore:
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
             os.replace(tmp, final)
             placed.append(final)
-            self._db.execute("INSERT INTO blocks VALUES (?, ?)", (block_hash, now))
+            index.insert(block_hash, now)
             count += 1
             self.counters["puts"] += 1
             results.append(True)
-        self._set_count(count)
+        index.set_count(count)
         return results
 
     def _undo(self, staged: list[tuple[bytes, str]], victims: list[tuple[bytes, str]], placed: list[str]) -> None:
@@ -358,23 +294,16 @@ class FileBlockStore:
         """Mark blocks as just used (LRU). If the index cannot take it, the LRU order is only staler."""
         now = time.time()
         hashes = list(hashes)
-        self._write_index("touch", lambda: self._db.executemany(
-            "UPDATE blocks SET last_access=? WHERE hash=?", ((now, h) for h in hashes)))
+        self._write_index("touch", lambda: self.index.touch(hashes, now))
 
     def remove(self, block_hash: bytes) -> None:
-        def drop() -> None:
-            if self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
-                self._set_count(self._count() - 1)
-
-        self._write_index("remove", drop)
+        self._write_index("remove", lambda: self.index.remove(block_hash))
         _unlink(self.path(block_hash))  # a bad file goes even when the index cannot say so (it is reconciled)
 
     def _forget(self, block_hash: bytes) -> None:
         """Drop the index entry of a block whose file is missing (unless someone just wrote it)."""
         def drop() -> None:
-            if not os.path.exists(self.path(block_hash)) and \
-                    self._db.execute("DELETE FROM blocks WHERE hash=?", (block_hash,)).rowcount:
-                self._set_count(self._count() - 1)
+            if not os.path.exists(self.path(block_hash)) and self.index.remove(block_hash):
                 self.counters["reconciled"] += 1
 
         self._write_index("reconcile", drop)
@@ -384,7 +313,7 @@ class FileBlockStore:
         """Keep blocks from eviction. If the index cannot record it the block may be evicted while read,
         which its reader sees as a lost block and recomputes: costlier, never wrong."""
         rows = [(h, owner or self.owner) for h in hashes]
-        self._write_index("pin", lambda: self._db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)", rows))
+        self._write_index("pin", lambda: self.index.add_pins(rows))
 
     def unpin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
         """Release pins. One the index cannot drop now is retried with every later index write, so a
@@ -393,11 +322,11 @@ class FileBlockStore:
             self._unpins.extend((h, owner or self.owner) for h in hashes)
         self._write_index("unpin", lambda: None)
 
-    def _write_index(self, what: str, change) -> bool:
+    def _write_index(self, what: str, change: Callable[[], object]) -> bool:
         """Run ``change`` in a write transaction (with any pending unpins); False if the index refused it."""
         with self._lock:
             try:
-                with self._tx():
+                with self.index.transaction():
                     self._flush_unpins()
                     change()
                 self._unpins.clear()
@@ -409,7 +338,7 @@ class FileBlockStore:
     def _flush_unpins(self) -> None:
         """Inside a write transaction (lock held): drop the pins earlier writes could not."""
         if self._unpins:
-            self._db.executemany("DELETE FROM pins WHERE hash=? AND owner=?", self._unpins)
+            self.index.delete_pins(self._unpins)
 
     def _index_failed(self, what: str, exc: Exception) -> None:
         self.counters["index_errors"] += 1
@@ -420,39 +349,11 @@ class FileBlockStore:
 
     def num_pinned(self) -> int:
         with self._lock:
-            return int(self._db.execute("SELECT COUNT(DISTINCT hash) FROM pins").fetchone()[0])
+            return self.index.num_pinned()
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self), "capacity": self.capacity, **self.counters}
 
     def close(self) -> None:
-        self._write_index("close", lambda: self._db.execute("DELETE FROM pins WHERE owner=?", (self.owner,)))
-        self._db.close()  # pins this left behind (a full index) belong to a dead pid: dropped at the next open
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error): takes the write lock up front, so the
-    read-check-write of a capacity decision cannot interleave with another process."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.db.execute("COMMIT")
-                return
-            except sqlite3.Error:  # e.g. "database or disk is full": SQLite may keep the transaction open
-                self._rollback()
-                raise
-        self._rollback()
-
-    def _rollback(self) -> None:
-        if self.db.in_transaction:
-            try:
-                self.db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
+        self._write_index("close", lambda: self.index.delete_owner(self.owner))
+        self.index.close()  # pins this left behind (a full index) belong to a dead pid: dropped at the next open

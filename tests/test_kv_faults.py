@@ -176,8 +176,8 @@ class _FullIndex:
 
 
 def _fill_index(s: FileBlockStore) -> _FullIndex:
-    s._db = _FullIndex(s._db)  # type: ignore[assignment]
-    return s._db  # type: ignore[return-value]
+    s.index.db = _FullIndex(s.index.db)  # type: ignore[assignment]
+    return s.index.db  # type: ignore[return-value]
 
 
 def _files(s: FileBlockStore) -> set[bytes]:
