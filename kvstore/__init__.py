@@ -5,7 +5,8 @@ from .block_pool import BlockPool, NoFreeBlocksError
 from .device_blocks import DeviceBlocks
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
-from .tiered_cache import KVBlockLostError, PrefixMatch, SpilledBlocks, TieredKVCache
+from .spilled_reads import KVBlockLostError, SpilledBlocks
+from .tiered_cache import PrefixMatch, TieredKVCache
 from .block_table import BlockTable, blocks_for_tokens, chunk_working_set_blocks
 from .hashing import (
     DIGEST_SIZE,

@@ -15,7 +15,7 @@ is preempted. The verbs, each on a sequence's :class:`BlockTable`:
 
 A context can outgrow the device: a sequence's oldest full blocks are *spilled* (dropped from the
 device, pinned in a lower tier) and attention streams them back layer by layer through a fixed
-staging buffer (:class:`SpilledBlocks`).
+staging buffer (``spilled_reads``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
@@ -32,15 +31,7 @@ from strata.kvstore.device_blocks import DeviceBlocks
 from strata.kvstore.layout import KVLayout
 from strata.kvstore.handle import HandleError, KVHandle
 from strata.kvstore.lower_tiers import LowerTiers
-from strata.kvstore.staging import StagingBuffers
-
-
-class KVBlockLostError(RuntimeError):
-    """A spilled block could not be read back from any tier (the sequence must be recomputed)."""
-
-    def __init__(self, block_hash: bytes) -> None:
-        super().__init__(f"KV block {block_hash.hex()[:16]}… is in no tier")
-        self.block_hash = block_hash
+from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader, bytes_view
 
 
 @dataclass(frozen=True)
@@ -54,11 +45,6 @@ class PrefixMatch:
     num_tokens: int = 0  # the tokens those blocks hold (their KV need not be computed)
 
 
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
-    """uint8 numpy view of a contiguous CPU tensor (works for bf16, which numpy lacks)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 class TieredKVCache:
     """Block pool (device tier) + optional host/disk chain + the staging buffer for streaming."""
 
@@ -67,18 +53,14 @@ class TieredKVCache:
                  blocks: DeviceBlocks | None = None) -> None:
         """``layout`` and ``blocks``: a tensor-parallel pool holds a share of the heads; ``layout`` is
         then the whole block's (what tiers and handles see) and ``blocks`` gathers and scatters."""
-        if staging_blocks < 1:
-            raise ValueError("staging_blocks must be >= 1")
         self.pool = pool
         self.lower = lower
         self.layout = layout or pool.layout
         self.blocks = blocks or DeviceBlocks(pool)
         self.fingerprint = fingerprint
         self.staging_blocks = staging_blocks
-        lay = self.layout
-        shape = (staging_blocks, lay.kv_parts, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        self._stage = StagingBuffers(shape, lay.dtype, pool.kv.device)
-        self._host_block = torch.empty(lay.block_shape(), dtype=lay.dtype)  # promotion scratch
+        self.reader = SpilledReader(pool, lower, self.layout, staging_blocks)  # attention over spilled blocks
+        self._host_block = torch.empty(self.layout.block_shape(), dtype=self.layout.dtype)  # promotion scratch
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
         self._pins: dict[bytes, int] = {}  # tables of this process reading each spilled block
         self.prefix_queried_blocks = 0
@@ -97,7 +79,7 @@ class TieredKVCache:
         return self.pool.kv
 
     def staging_nbytes(self) -> int:
-        return self._stage.nbytes()
+        return self.reader.nbytes()
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.layout.block_size)
@@ -183,7 +165,7 @@ class TieredKVCache:
             self.lower.store_behind(written)  # type: ignore[union-attr]
 
     def _block_bytes(self, block_id: int) -> memoryview:
-        return memoryview(_bytes_view(self.blocks.read(block_id)))
+        return memoryview(bytes_view(self.blocks.read(block_id)))
 
     def _ensure_lower(self, block_hash: bytes) -> bool:
         """Make sure a lower tier holds ``block_hash`` (writing it from the device if needed)."""
@@ -293,7 +275,7 @@ class TieredKVCache:
             block_id = self.pool.allocate()
         except NoFreeBlocksError:
             return None
-        if not self.lower.read_block(block_hash, _bytes_view(self._host_block)):
+        if not self.lower.read_block(block_hash, bytes_view(self._host_block)):
             self.pool.free(block_id)
             return None
         self.blocks.write(block_id, self._host_block)
@@ -392,45 +374,14 @@ class TieredKVCache:
         self.spilled_blocks += n
         self.peak_spilled_blocks = max(self.peak_spilled_blocks, self.spilled_blocks)
 
-    # ------------------------------------------------------------ streaming reads
+    # ------------------------------------------------------------ streaming reads (``spilled_reads``)
     def spilled(self, table: BlockTable) -> "SpilledBlocks | None":
         """The table's spilled blocks as attention reads them, or None when all are on the device."""
-        return SpilledBlocks(self, table.hashes[: table.num_spilled]) if table.num_spilled else None
+        return SpilledBlocks(self.reader, table.hashes[: table.num_spilled]) if table.num_spilled else None
 
     def load_spilled(self, hashes: Sequence[bytes], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for up to ``staging_blocks`` spilled blocks, as [n, bs, H, D] views
-        of a staging buffer (valid until the next load). A block still cached on the device is copied
-        from there; the rest is read from the first tier with a good copy. KVBlockLostError if a
-        block is in no tier."""
-        n = len(hashes)
-        if n > self.staging_blocks:
-            raise ValueError(f"{n} blocks exceed the staging buffer ({self.staging_blocks})")
-        on_device = {i: self.pool.lookup(h) for i, h in enumerate(hashes)}
-        on_device = {i: b for i, b in on_device.items() if b is not None}
-
-        def read(host: torch.Tensor) -> None:
-            for i, h in enumerate(hashes):
-                if i not in on_device:
-                    self._read_layer(h, host[i], layer)
-
-        def patch(dev: torch.Tensor) -> None:
-            for i, block_id in on_device.items():
-                dev[i].copy_(self.pool.kv[block_id, layer])
-
-        stage = self._stage.get((tuple(hashes), layer), n, read, patch)
-        return stage[:, 0], stage[:, -1]
-
-    def prefetch_spilled(self, hashes: Sequence[bytes], layer: int) -> None:
-        """Start staging a later segment (CUDA: file reads and the copy overlap the current compute)."""
-        def read_all(host: torch.Tensor) -> None:
-            for i, h in enumerate(hashes):
-                self._read_layer(h, host[i], layer)
-
-        self._stage.prefetch((tuple(hashes), layer), len(hashes), read_all)
-
-    def _read_layer(self, block_hash: bytes, out: torch.Tensor, layer: int) -> None:
-        if self.lower is None or not self.lower.read_layers(block_hash, _bytes_view(out), layer, 1):
-            raise KVBlockLostError(block_hash)
+        """K and V of one layer of spilled blocks (``SpilledReader.load``); KVBlockLostError if one is in no tier."""
+        return self.reader.load(hashes, layer)
 
     def stats(self) -> dict[str, object]:
         bs = self.layout.block_size
@@ -443,19 +394,3 @@ class TieredKVCache:
             "peak_spilled_blocks": self.peak_spilled_blocks,
             "staging_bytes": self.staging_nbytes(),
         }
-
-
-class SpilledBlocks:
-    """A sequence's spilled blocks as the attention kernels see them (``kernels.SpilledKV``)."""
-
-    def __init__(self, cache: TieredKVCache, hashes: Sequence[bytes]) -> None:
-        self.cache = cache
-        self.hashes = list(hashes)
-        self.num_blocks = len(self.hashes)
-        self.segment_blocks = cache.staging_blocks
-
-    def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.load_spilled(self.hashes[first_block : first_block + num_blocks], layer)
-
-    def prefetch(self, layer: int, first_block: int, num_blocks: int) -> None:
-        self.cache.prefetch_spilled(self.hashes[first_block : first_block + num_blocks], layer)
