@@ -316,7 +316,10 @@ def _tool_calls_hint(config: Any) -> str:
 
     from strata.pipeline.frontend.tools.formats import tool_format_for
 
-    tok = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    try:  # the replicas loaded it already; a banner line never stops a server that is up
+        tok = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    except Exception:
+        return "Tool calls:      not shown (the tokenizer could not be read from this process)"
     if config.chat_template is not None:
         tok.chat_template = config.chat_template
     fmt = tool_format_for(config.tool_call_parser, tok)

@@ -274,3 +274,14 @@ def test_real_weights_call_a_tool_and_answer_from_its_result(smollm2: Path) -> N
 
 def _named(fmt, text: str) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls_message(fmt, text)[1]]
+
+
+def test_a_response_format_stays_with_auto_and_conflicts_with_required(tokenizers: dict) -> None:
+    fmt = TOOL_FORMATS["hermes"](tokenizers["hermes"])
+    params = greedy(8, structured=("json", '{"type": "object"}'))
+    constrain(params, tool_request(TOOLS, "auto", None), fmt)
+    assert params.structured == ("json", '{"type": "object"}') and params.structured_trigger is None
+    with pytest.raises(ValueError, match="cannot be combined with response_format"):
+        constrain(greedy(8, structured=("json", "{}")), tool_request(TOOLS, "required", None), fmt)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        constrain(greedy(8), tool_request(TOOLS, "auto", None), None)
