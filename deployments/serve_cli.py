@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from strata.deployments.loopback import LOOPBACK_ENV
+from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "free port above it)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                                      "$STRATA_API_KEY; only its SHA-256 reaches the replicas)")
-    p.add_argument("--tool-call-parser", choices=("auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2"),
+    p.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_FORMATS),
                    help="how answers are read for tool calls (default auto: the syntax the chat template writes)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template replacing the checkpoint's (one that renders tools enables them)")

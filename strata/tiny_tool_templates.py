@@ -3,7 +3,7 @@
 Each renders the tools into the prompt, the assistant's earlier calls in the family's own syntax and
 ``role: tool`` results, in the tiny models' ``role: content`` layout. Markers are added to the tokenizer
 as real checkpoints have them: Hermes' ``<tool_call>`` as plain added tokens (as Qwen2.5), Mistral's
-``[TOOL_CALLS]`` and Kimi-K2's section markers as special tokens; Llama 3's JSON calls need none.
+``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers as special tokens; Llama 3's JSON calls need none.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ TOOL_TEMPLATES: dict[str, str] = {
         "{{- '<|tool_call_begin|>functions.' + tc['function']['name'] + ':' + (loop.index0 | string)"
         " + '<|tool_call_argument_begin|>' + " + _ARGS + " + '<|tool_call_end|>' -}}",
         before="<|tool_calls_section_begin|>", after="<|tool_calls_section_end|>") + _TAIL,
+    "deepseek_v3": _HEAD + _with_calls(
+        "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + tc['function']['name'] + '\\n```json\\n' + " + _ARGS
+        + " + '\\n```<｜tool▁call▁end｜>' -}}",
+        before="<｜tool▁calls▁begin｜>", after="<｜tool▁calls▁end｜>") + _TAIL,
 }
 # the family's markers: (text, special)
 TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -54,6 +58,8 @@ TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
     "mistral": (("[TOOL_CALLS]", True),),
     "kimi_k2": tuple((m, True) for m in ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                                           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+    "deepseek_v3": tuple((m, True) for m in ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                              "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
 }
 
 

@@ -42,6 +42,9 @@ ANSWERS = {
     "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
                 '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>'
                 '{"a": 1, "b": 22}<|tool_call_end|><|tool_calls_section_end|>', None),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
+                    '```json\n{"a": 1, "b": 22}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 22})]
 
@@ -141,6 +144,11 @@ def test_the_format_is_read_off_the_chat_template(tokenizers: dict) -> None:
     assert detect_tool_format("{{ messages[0]['content'] }}") is None  # renders no tools
     assert tool_format_for("none", tokenizers["hermes"]) is None
     assert tool_format_for("mistral", tokenizers["hermes"]).name == "mistral"  # named: taken as said
+    from typing import get_args
+
+    from strata.deployments.config import ServeConfig
+    allowed = set(get_args(ServeConfig.model_fields["tool_call_parser"].annotation))
+    assert allowed == {"auto", "none", *TOOL_FORMATS}  # the config offers every parser there is
 
 
 def _run(engine, fmt, tools_request, max_tokens: int = 64, **params):

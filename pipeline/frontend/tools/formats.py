@@ -9,7 +9,9 @@ One class per family, named as vLLM's ``--tool-call-parser`` names them:
   by ``; `` (an optional ``<|python_tag|>`` first);
 - ``mistral`` (Mistral / Mixtral v3 tokenizers): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
 - ``kimi_k2`` (Kimi-K2 / K2.5): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
-  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``;
+- ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and the arguments
+  in a fenced json block, ``<｜tool▁call▁end｜>``, ..., ``<｜tool▁calls▁end｜>``.
 
 ``parse`` reads a possibly unfinished output, so the same code serves whole answers and streams: the
 content that can no longer change, and each call's name and its arguments as far as written (the
@@ -264,21 +266,54 @@ class KimiK2(ToolFormat):
         return calls
 
     def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
-        lines = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}", "INDEX: /[0-9]+/"]
+        lines = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}", "INDEX: /[0-9]{1,4}/"]
         for i, f in enumerate(functions):
             lines.append(f"call_{i}: {self.lit(self.call_begin)} {json.dumps('functions.' + f.name + ':')} INDEX "
                          f"{self.lit(self.argument_begin)} {_json_schema(f.parameters)} {self.lit(self.call_end)}")
         return [f"{'call+' if parallel else 'call'} {self.lit(self.end)}", *lines]
 
 
-TOOL_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, KimiK2)}
+class DeepSeekV3(ToolFormat):
+    """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the
+    arguments in a fenced json block, ``<｜tool▁call▁end｜>``, ...,  ``<｜tool▁calls▁end｜>``."""
+
+    name = "deepseek_v3"
+    start, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    call_begin, sep, call_end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    markers = (start, end, call_begin, sep, call_end)
+    signature = "<｜tool▁calls▁begin｜>"
+    fence_open, fence_close = "```json\n", "\n```"
+
+    def _calls(self, rest: str) -> list[ParsedCall]:
+        calls = []
+        for block in rest.split(self.call_begin)[1:]:
+            _, found, after = block.partition(self.sep)
+            name, newline, body = after.partition("\n")
+            if not found or not newline:
+                break
+            arguments = body.split(self.call_end)[0].partition(self.fence_open.strip("\n"))[2]
+            arguments, closed, _ = arguments.partition(self.fence_close)
+            calls.append(ParsedCall(name.strip(), arguments.strip() if closed else
+                                    _stable_text(arguments, self.fence_close).lstrip(), bool(closed)))
+        return calls
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        lines = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}"]
+        for i, f in enumerate(functions):
+            lines.append(f"call_{i}: {self.lit(self.call_begin)} \"function\" {self.lit(self.sep)} "
+                         f"{json.dumps(f.name + chr(10) + self.fence_open)} {_json_schema(f.parameters)} "
+                         f"{json.dumps(self.fence_close)} {self.lit(self.call_end)}")
+        return [f"{'call+' if parallel else 'call'} {self.lit(self.end)}", *lines]
+
+
+TOOL_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, KimiK2, DeepSeekV3)}
 
 
 def detect_tool_format(chat_template: str | None) -> str | None:
     """The family a chat template writes tool calls in (None: it renders no tools, or none we know)."""
     if not chat_template or "tools" not in chat_template:
         return None
-    for fmt in (KimiK2, Mistral, Hermes, Llama3Json):  # most specific marker first
+    for fmt in (KimiK2, DeepSeekV3, Mistral, Hermes, Llama3Json):  # most specific marker first
         if fmt.signature in chat_template:
             return fmt.name
     return None
