@@ -13,16 +13,19 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from strata.deployments.openai_protocol import APIError, ChatMessage, LenientModel, split_chat
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.frontend.tools.request import tool_request
 
 MAX_DETOKENIZE = 1_000_000
 
 
 class TokenizeRequest(LenientModel):
-    """vLLM's body: a raw ``prompt`` or chat ``messages`` (rendered with the model's template)."""
+    """vLLM's body: a raw ``prompt`` or chat ``messages`` (rendered with the model's template, with
+    ``tools`` when given: what a chat completion with those tools would see)."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
@@ -42,8 +45,10 @@ def tokenize(req: TokenizeRequest, tokenizer: PromptTokenizer, max_model_len: in
             raise APIError(400, "tokenize counts text; send images to a completion to learn their tokens",
                            param="messages")
         try:
-            text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as exc:  # no chat template
+            tools = tool_request(req.tools, None, None)
+            text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                         tools=tools.template_tools() if tools is not None else None)
+        except ValueError as exc:  # no chat template, bad tools
             raise APIError(400, str(exc), param="messages") from None
         ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see
     else:

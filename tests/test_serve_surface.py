@@ -167,7 +167,8 @@ def test_structured_output_through_the_openai_client(keyed_server) -> None:
 
 def test_tool_calls_through_the_openai_client(keyed_server) -> None:
     """tool_choice required: a get_weather call for Paris with finish_reason tool_calls, streamed as OpenAI's
-    tool-call deltas that add up to it, both valid against OpenAI's schemas; auto with the tool's result
+    tool-call deltas that add up to it, both valid against OpenAI's schemas, its prompt counted by /tokenize
+    with the same tools; auto with the tool's result
     sent back as a ``tool`` message: the model answers from it; bad tools are 400s naming them."""
     client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -179,6 +180,8 @@ def test_tool_calls_through_the_openai_client(keyed_server) -> None:
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     _validator("CreateChatCompletionResponse").validate(whole.model_dump(exclude_unset=True))
+    counted = _post(keyed_server, "/tokenize", {"messages": messages, "tools": [WEATHER_TOOL]}).json()["count"]
+    assert whole.usage.prompt_tokens == counted  # /tokenize renders the tools as the completion did
 
     streamed = _post(keyed_server, "/v1/chat/completions", {**ask, "tool_choice": "required",
                                                             "parallel_tool_calls": False, "stream": True})
