@@ -44,7 +44,6 @@ TEXT_RULE = "TEXT: /(.|\\n)*/"
 class ParsedCall:
     name: str | None  # None until the name is fully written
     arguments: str  # the arguments' JSON text as far as written
-    complete: bool = False
     call_id: str | None = None  # the model's own id (Kimi-K2); otherwise the server makes one
 
 
@@ -151,8 +150,8 @@ def _json_call(text: str, start: int, keys: tuple[str, ...]) -> ParsedCall | Non
                 arguments = raw
             complete = end is not None
     if not complete and value_end(text, start) is not None:  # a finished call without arguments
-        arguments, complete = arguments or "{}", True
-    return ParsedCall(name, arguments, complete)
+        arguments = arguments or "{}"
+    return ParsedCall(name, arguments)
 
 
 def _call_sequence(text: str, i: int, separator: str, keys: tuple[str, ...]) -> list[ParsedCall]:
@@ -262,7 +261,7 @@ class KimiK2(ToolFormat):
             name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
             body, done, _ = arguments.partition(self.call_end)
             calls.append(ParsedCall(name, body.strip() if done else _stable_text(body, self.call_end).lstrip(),
-                                    bool(done), call_id))
+                                    call_id))
         return calls
 
     def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
@@ -294,7 +293,7 @@ class DeepSeekV3(ToolFormat):
             arguments = body.split(self.call_end)[0].partition(self.fence_open.strip("\n"))[2]
             arguments, closed, _ = arguments.partition(self.fence_close)
             calls.append(ParsedCall(name.strip(), arguments.strip() if closed else
-                                    _stable_text(arguments, self.fence_close).lstrip(), bool(closed)))
+                                    _stable_text(arguments, self.fence_close).lstrip()))
         return calls
 
     def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
