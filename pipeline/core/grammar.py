@@ -55,12 +55,20 @@ class GrammarRunner:
 
     @staticmethod
     def constrained(seq: Any) -> bool:
-        """The row's grammar applies now: it has one, and any trigger token it waits for has come."""
+        """The row's grammar applies now: it has one, and any trigger token it waits for has come. The
+        output is searched for the trigger once per sequence object (one that arrived by a hand-off may
+        carry it); after that ``accept`` starts the matcher when the trigger is sampled, so a waiting
+        row costs nothing per step."""
         params = seq.params
         if params.structured is None:
             return False
         trigger = params.structured_trigger
-        return trigger is None or seq.grammar_matcher is not None or trigger in seq.output_token_ids
+        if trigger is None or seq.grammar_matcher is not None:
+            return True
+        if getattr(seq, "trigger_searched", False):  # (getattr: the bench's rows are plain namespaces)
+            return False
+        seq.trigger_searched = True
+        return trigger in seq.output_token_ids
 
     def mask(self, logits: torch.Tensor, seqs: Seq[Any]) -> torch.Tensor:
         """``logits`` with each constrained row limited to the tokens its grammar allows next."""

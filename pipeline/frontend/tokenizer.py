@@ -62,6 +62,7 @@ class PromptTokenizer:
                     tools: list[dict[str, Any]] | None = None) -> str:
         """Apply the checkpoint's chat template (with ``tools``, OpenAI function tools, for it to render);
         image parts are placed where the template puts them."""
+        from jinja2 import TemplateError
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a raw prompt instead")
         if not self.takes_images:
@@ -69,9 +70,7 @@ class PromptTokenizer:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # a template that raises (Jinja's raise_exception) or cannot render these messages
-            if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError", "TypeError"):
-                raise
+        except (TemplateError, TypeError) as exc:  # a template that raises (raise_exception) or cannot render these
             raise ValueError(f"the chat template cannot render these messages: {str(exc).splitlines()[0]}") from None
 
     def render_user_prompt(self, text: str, num_images: int = 0) -> str:
