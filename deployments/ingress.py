@@ -81,6 +81,7 @@ class Ingress:
         self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir), self.config.chat_template)
         self.tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.tokenizer)
         intake = Intake(self.tokenizer, self.config.engine)
+        threading.Thread(target=intake.warm_grammars, name="grammar-sandbox-start", daemon=True).start()
         stage = self.config.stages["llm" if prefill is None else "ingress"]
         self.admission_limit = stage.max_ongoing_requests + stage.max_queued_requests
         self.retry_after_s = stage.retry_after_s
@@ -119,7 +120,10 @@ class Ingress:
                 self.service = EngineProcess(str(model_dir), engine_config.to_dict(), interval,
                                              self.config.startup_timeout_s)
             else:
-                self.service = EngineService(build_engine(model_dir, engine_config, RayWorkers, group_host()), interval)
+                engine = build_engine(model_dir, engine_config, RayWorkers, group_host())
+                if engine.core.grammar is not None:
+                    engine.core.grammar.warm()  # the vocabulary's trie, before any stream could wait on it
+                self.service = EngineService(engine, interval)
             self.flow.service = self.service  # type: ignore[attr-defined]
         except Exception as exc:  # reported by /health and to every request; never a hang
             log.exception("loading the model failed")
@@ -222,7 +226,8 @@ class Ingress:
             except (LoopStopped, EngineProcessError) as exc:  # being replaced: reported, not a failed page
                 engine = {"unavailable": type(exc).__name__}
             out["prefill"] = out["decode"] = engine
-        out["ingress"] = {"ongoing_requests": self.responder.ongoing, "mode": self.config.mode}
+        out["ingress"] = {"ongoing_requests": self.responder.ongoing, "mode": self.config.mode,
+                          "grammars": self.flow.intake.grammar_stats()}
         return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

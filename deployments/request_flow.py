@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from strata.deployments import metrics
@@ -30,12 +31,15 @@ class RequestFlow:
     """Intake and image embedding (shared by both modes); subclasses say where tokens come from.
 
     Rendering the chat template and tokenizing run on worker threads, two at a time, so a huge prompt
-    never blocks the replica's event loop (other requests keep streaming) and cannot pile up work."""
+    never blocks the replica's event loop (other requests keep streaming) and cannot pile up work. A
+    structured-output grammar is compiled (in the grammar sandbox: seconds the first time) before that,
+    on threads of its own, so requests without one never wait behind it."""
 
     def __init__(self, intake: Intake, preprocess: Any, encode: Any) -> None:
         self.intake = intake
         self.preprocess, self.encode = preprocess, encode
         self._tokenizing = asyncio.Semaphore(2)
+        self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
                       mm_processor_kwargs: dict[str, Any] | None = None, **prompt: Any) -> Request:
@@ -48,6 +52,8 @@ class RequestFlow:
         processed = await self._preprocess(images, mm_processor_kwargs) if images and not tok.num_image_tokens else None
         counts = [p.num_tokens for p in processed] if processed is not None else None
         try:
+            if params.structured is not None:
+                await asyncio.get_running_loop().run_in_executor(self._grammars, self.intake.check_grammar, params)
             async with self._tokenizing:
                 request, offsets = await asyncio.to_thread(
                     self.intake.make_request, request_id, params, len(images), image_tokens=counts,

@@ -65,6 +65,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     """The serve config from ``--config`` and the flags; ``default_model`` (the entry room's demo
     checkpoint) when neither names a model."""
     from strata.deployments.config import ServeConfig, check_tensor_parallel
+    from strata.stages.preflight import check_checkpoint
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
@@ -94,6 +95,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         if default_model is None:
             raise ValueError("no model: give --model or \"model_dir\" in the config")
         config.model_dir = str(default_model())
+    check_checkpoint(config.model_dir, config.chat_template, config.engine.chat_template_timeout_s)
     check_tensor_parallel(config, config.model_dir)
     if config.engine.kv_cache_memory is not None:
         config.engine = _sized_kv_pool(config.engine, config.model_dir, getattr(args, "address", None))

@@ -12,6 +12,7 @@ import httpx
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from strata.deployments.openai_protocol import APIError, ChatMessage, LenientModel, split_chat
+from strata.pipeline.frontend.intake import MAX_CHARS_PER_TOKEN
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.frontend.tools.request import tool_request
 
@@ -47,7 +48,8 @@ def tokenize(req: TokenizeRequest, tokenizer: PromptTokenizer, max_model_len: in
         try:
             tools = tool_request(req.tools, None, None)
             text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                         tools=tools.template_tools() if tools is not None else None)
+                                         tools=tools.template_tools() if tools is not None else None,
+                                         max_chars=4 * max_model_len * MAX_CHARS_PER_TOKEN)
         except ValueError as exc:  # no chat template, bad tools
             raise APIError(400, str(exc), param="messages") from None
         ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from typing import Any
 import msgspec
 
 from strata.pipeline.contract.request import Request, TokenEvent, pack_events, unpack_events
+from strata.pipeline.contract.socket_child import child_main
 from strata.stages.engine_service import INTERNAL_ERROR, EngineStreams
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,8 @@ def serve(conn: Connection) -> int:
         conn.send_bytes(_pack(["failed", f"{type(exc).__name__}: {exc}"]))
         return 1
     conn.send_bytes(_pack(["ready"]))
+    if engine.core.grammar is not None:
+        engine.core.grammar.warm()  # the vocabulary's trie, before any stream could wait on it
     failures = 0
     try:
         while True:
@@ -228,14 +230,5 @@ def serve(conn: Connection) -> int:
         engine.close()
 
 
-def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
-    conn = Connection(int(sys.argv[1]))
-    try:
-        return serve(conn)
-    finally:
-        conn.close()
-
-
 if __name__ == "__main__":
-    os._exit(main())  # not sys.exit: no lingering non-daemon thread may keep a replica's child alive
+    child_main(serve, "engine-process")

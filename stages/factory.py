@@ -104,11 +104,14 @@ class LanguageStage:
             self.tp.close()
             self.tp = None
 
-    def core(self) -> EngineCore:
-        """A scheduler + sampler loop over this stage's runner and KV cache."""
+    def core(self, warm_grammar: bool = False) -> EngineCore:
+        """A scheduler + sampler loop over this stage's runner and KV cache (``warm_grammar``: a serving stage
+        builds the structured-output tokenizer now, in the background, not beside its first request)."""
         scheduler = Scheduler(self.config, self.kv)
         tokenizer = self.tokenizer
-        grammar = GrammarRunner(lambda: tokenizer.tokenizer, tokenizer.vocab_size)
+        grammar = GrammarRunner(lambda: tokenizer.tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        if warm_grammar:
+            grammar.warm()
         return EngineCore(scheduler, self.runner, tokenizer.decode, tokenizer.eos_token_ids,
                           self.config.request_timeout_s, grammar)
 
@@ -137,7 +140,7 @@ def build_prefill_service(model_dir: str | Path, config: EngineConfig, launcher:
     """A prefill stage for its own process: it hands off to decoders on other pools (host tier)."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
-    service = PrefillService(Prefiller(stage.core(), release_on_handoff=True))
+    service = PrefillService(Prefiller(stage.core(warm_grammar=True), release_on_handoff=True))
     service.on_close = stage.close
     service.healthy = stage.alive
     return service
@@ -148,7 +151,7 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     """A decode stage for its own process: adopts handles from any prefill replica via the host tier."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
-    service = DecodeService(Decoder(stage.core()))
+    service = DecodeService(Decoder(stage.core(warm_grammar=True)))
     service.on_close = stage.close
     service.healthy = stage.alive
     return service

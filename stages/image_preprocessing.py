@@ -18,7 +18,7 @@ def image_preprocessor(model_dir: str | Path, model_config: ModelConfig, max_pix
     """Native resolution (Kimi-K2.5, Qwen-VL: the checkpoint's processor, a grid per image), anyres tiles
     (LLaVA-OneVision), or fixed-size (CLIP: resize and crop, reproduced bit for bit)."""
     if model_config.native_resolution:
-        return NativeResolutionPreprocessor(model_dir, max_pixels, pixel_budget)
+        return NativeResolutionPreprocessor(model_dir, max_pixels, pixel_budget, model_config.vision)
     if model_config.anyres:
         return AnyresPreprocessor(model_dir, model_config, max_pixels, pixel_budget)
     return Preprocessor.from_model_dir(model_dir, max_pixels=max_pixels, pixel_budget=pixel_budget)

@@ -57,10 +57,28 @@ class CheckpointImageProcessor:
                 del image
 
 
+def check_processor(processor: Any, vision: Any) -> None:
+    """The processor cuts images into the patches the tower's weights take: its patch size, frames per
+    patch and merge size agree with the vision config (a ``temporal_patch_size: 0`` would otherwise be a
+    shape error on every image). ModelConfigError naming the field, at start."""
+    from strata.pipeline.models.config_errors import ModelConfigError
+
+    merge = getattr(vision, "spatial_merge_size", None) or (vision.merge_kernel[0] if hasattr(vision, "merge_kernel") else None)
+    for key, want in (("patch_size", vision.patch_size), ("temporal_patch_size", getattr(vision, "temporal_patch_size", None)),
+                      ("merge_size", merge)):
+        got = getattr(processor, key, None)
+        if want is not None and got is not None and got != want:
+            raise ModelConfigError(f"the image processor's {key} is {got!r}, but the vision tower takes {want} "
+                                   "(processor_config.json / preprocessor_config.json against config.json)")
+
+
 class NativeResolutionPreprocessor(CheckpointImageProcessor):
     def __init__(self, model_dir: str | Path, max_pixels: int = 4096 * 4096,
-                 pixel_budget: PixelBudget | None = None) -> None:
+                 pixel_budget: PixelBudget | None = None, vision: Any = None) -> None:
+        """``vision``: the model's vision config, which the processor's patch geometry must match."""
         super().__init__(model_dir, max_pixels, pixel_budget)
+        if vision is not None:
+            check_processor(self.processor, vision)
         merge = int(getattr(self.processor, "merge_size", 2))
         self.group = merge**2
         size = getattr(self.processor, "size", None)

@@ -32,7 +32,7 @@ TEXT_VARIANTS = {
 }
 
 
-SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server"}
+SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server", "keyed_server"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -152,6 +152,33 @@ def aggregated_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     workdir = tmp_path_factory.mktemp("serve-aggregated")
     yield from _serve(llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
                                            "max_image_bytes": 200_000})
+
+
+@pytest.fixture(scope="session")
+def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real `strata serve` of real weights (SmolLM2-135M-Instruct, aggregated) started with an API key
+    (``helpers.SMOLLM2_KEY``, through ``STRATA_API_KEY`` as --api-key sets it), a Hermes-style tools template
+    (``data/smollm2_tools.jinja``, which renders chats without tools exactly as the model's own) and a
+    fault directory (``server.faults``: files there make its processes fail at named points)."""
+    from helpers import SMOLLM2_KEY
+    from serve_process import ServeProcess
+
+    workdir = tmp_path_factory.mktemp("keyed")
+    faults = workdir / "faults"
+    faults.mkdir()
+    template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
+    server = ServeProcess(smollm2, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
+                                             "chat_template": template},
+                          env={"STRATA_API_KEY": SMOLLM2_KEY, "STRATA_FAULT_DIR": str(faults)})
+    server.faults = faults
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    # Ctrl-C is a clean stop: nothing printed after "strata: shutting down" (Ray's graceful_shutdown retry
+    # warning included) but strata's own lines, even after the faults its tests made
+    assert server.shutdown_errors() == [], server.shutdown_errors()
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

@@ -23,6 +23,7 @@ from strata.pipeline.core.sequence import Sequence
 REPO = Path(__file__).resolve().parents[1]
 BS = 16  # block size the kernel tests use
 MODEL_NAME = "strata-test"  # the model id the shared test server serves
+SMOLLM2_KEY = "sk-strata-test-9f3c"  # the API key of the shared SmolLM2 server (conftest's keyed_server)
 # The attention backend engines built by `build` use unless a test names one; the
 # `attention_backend` fixture runs a whole module once per backend by setting it.
 DEFAULT_BACKEND = {"name": "auto"}

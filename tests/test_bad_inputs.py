@@ -57,6 +57,9 @@ def request_bytes(case: dict[str, Any]) -> bytes:
         body["padding"] = "x" * case["padded_to_bytes"]
         return json.dumps(body).encode()
     body = _fill_images(case["json"])
+    if "guided" in case:
+        kind, n = case["guided"]
+        body.update(_guided(kind, n))
     if "deepen" in case:
         field, levels = case["deepen"]
         value: Any = "x"
@@ -64,6 +67,21 @@ def request_bytes(case: dict[str, Any]) -> bytes:
             value = [value]
         body[field] = value
     return json.dumps(body).encode()
+
+
+def _guided(kind: str, n: int) -> dict[str, Any]:
+    """A structured-output spec too large to write out in the corpus (see its ``_about``)."""
+    if kind == "ref_chain":
+        defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+        defs[f"d{n}"] = {"type": "integer"}
+        return {"guided_json": {"$defs": defs, "$ref": "#/$defs/d0"}}
+    if kind == "rule_chain":
+        rules = "\n".join(f"r{i}: r{i + 1}" for i in range(n))
+        return {"guided_grammar": f'start: r0\n{rules}\nr{n}: "x"\n'}
+    if kind == "choices":
+        return {"guided_choice": [f"choice {i}" for i in range(n)]}
+    assert kind == "deep_json", kind
+    return {"guided_json": "[" * n + "]" * n}
 
 
 def _raw_post(base_url: str, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
@@ -105,6 +123,8 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(any_server, 
     assert "Traceback" not in err["message"] and "/work/" not in err["message"]
     if "code" in case:
         assert err["code"] == case["code"]
+    if "message" in case:
+        assert case["message"] in err["message"], err["message"]
     ok = httpx.post(any_server.base_url + "/v1/chat/completions", timeout=60,
                     json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import build, greedy, run_python
+from helpers import build, greedy
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import Request
 from strata.stages.engine_process import ENGINE_GONE, EngineProcess, EngineProcessError

@@ -17,14 +17,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import MODEL_NAME
-from serve_process import ServeProcess
+from helpers import MODEL_NAME, SMOLLM2_KEY
 
-pytestmark = pytest.mark.serve  # one real server of its own (started with an API key)
+pytestmark = pytest.mark.serve  # the session's real SmolLM2 server, started with an API key
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_response_schemas.json").read_text())
-KEY = "sk-strata-test-9f3c"
-TOOLS_TEMPLATE = Path(__file__).parent / "data" / "smollm2_tools.jinja"
+KEY = SMOLLM2_KEY  # the shared SmolLM2 server's (conftest's ``keyed_server``)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -39,22 +37,6 @@ def _events(response: httpx.Response) -> list[dict]:
     lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
-
-
-@pytest.fixture(scope="module")
-def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = ServeProcess(smollm2, tmp_path_factory.mktemp("keyed"), {"mode": "aggregated",
-                                                                      "engine": {"max_model_len": 2048},
-                                                                      "chat_template": TOOLS_TEMPLATE.read_text()},
-                          env={"STRATA_API_KEY": KEY})  # what --api-key sets (the CLI test covers the flag)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    # Ctrl-C is a clean stop: nothing printed after "strata: shutting down" (Ray's graceful_shutdown retry
-    # warning included) but strata's own lines
-    assert server.shutdown_errors() == [], server.shutdown_errors()
 
 
 def _post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:

@@ -95,6 +95,10 @@ class EngineConfig(ConfigModel):
     max_images_per_request: int = Field(8, ge=0)
     request_timeout_s: float = Field(600.0, ge=0, description="a request still running after this long ends "
                                                                "with an error (0: never)")
+    chat_template_timeout_s: float = Field(5.0, gt=0, description="the longest the chat template may take to render "
+                                           "one request's messages; past it the request is a 400")
+    grammar_timeout_s: float = Field(10.0, gt=0, description="the longest a structured-output grammar may take to "
+                                     "compile in the front door's sandbox; past it the request is a 400")
 
     @field_validator("kv_cache_memory")
     @classmethod

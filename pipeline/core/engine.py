@@ -162,7 +162,7 @@ class Engine:
         idle = 0
         while self.has_unfinished():
             events = self.step()
-            idle = 0 if (events or self.last_step_tokens) else idle + 1
+            idle = 0 if (events or self.last_step_tokens or self.scheduler.num_held) else idle + 1
             if idle > 100:
                 raise RuntimeError("no progress for 100 steps: the KV pool is too small for the queued requests")
             yield from events

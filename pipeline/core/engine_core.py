@@ -49,6 +49,8 @@ class EngineCore:
         self.detokenize = detokenize
         self.eos_token_ids = eos_token_ids
         self.grammar = grammar  # structured output (None: requests with a grammar fail)
+        if grammar is not None:  # a constrained sequence runs once its grammar is compiled (off this loop)
+            scheduler.ready = grammar.ready
         self.steps = 0
         self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
         self.failed: list[Emitted] = []  # error events of sequences failed outside a step's result
@@ -61,6 +63,8 @@ class EngineCore:
         out = self.scheduler.schedule(budget)
         self.last_num_tokens = 0
         if not out.chunks:
+            if self.grammar is not None and self.scheduler.num_held:  # only compiling grammars left: wait a little
+                self.grammar.wait(0.005)
             return events + self._take_failed()
         self.last_num_tokens = out.num_tokens
         try:
@@ -75,16 +79,21 @@ class EngineCore:
             self.scheduler.commit(chunk)
         sampling = [c.seq for c in chunks if c.samples]
         params = [s.params for s in sampling]
-        tokens = sample_rows(self.sampler, self.grammar, logits, sampling, self.eos_token_ids)
+        tokens, grammar_failed = sample_rows(self.sampler, self.grammar, logits, sampling, self.eos_token_ids)
         logprobs = self.sampler.logprobs(logits, tokens, params)  # of the model's own distribution, as vLLM's
         self.steps += 1
         for i, (seq, tok) in enumerate(zip(sampling, tokens)):
-            if tok == INVALID:
-                self.fail(seq, "the model produced invalid values (NaN or inf) for this request")
+            why = grammar_failed.get(i)
+            if why is None and tok == INVALID:
+                why = "the model produced invalid values (NaN or inf) for this request"
+            if why is None and self.grammar is not None:
+                why = self.grammar.accept(seq, tok)
+            if why is not None:
+                log.warning("request %s: %s", seq.request_id, why)
+                self.fail(seq, why)
             else:
-                if self.grammar is not None:
-                    self.grammar.accept(seq, tok)
-                events.append(self._append(seq, tok, logprobs, i))
+                stops = self.grammar.stop_applies(seq, tok) if self.grammar is not None else True
+                events.append(self._append(seq, tok, logprobs, i, stops))
         return events + self._take_failed()
 
     def _take_failed(self) -> list[Emitted]:
@@ -145,17 +154,23 @@ class EngineCore:
             else:
                 self.scheduler.preempt(seq)
 
-    def _append(self, seq: Sequence, token: int, logprobs: Logprobs | None = None, row: int = 0) -> Emitted:
+    def _append(self, seq: Sequence, token: int, logprobs: Logprobs | None = None, row: int = 0,
+                stops: bool = True) -> Emitted:
+        """``stops``: a stop token (EOS, ``stop_token_ids``) ends the answer here; False where a grammar took it
+        as content (its language was not complete yet)."""
         prev_len = len(seq.text)
         seq.token_ids.append(token)
         output_ids = seq.output_token_ids
         decode, text_ids = self.detokenize, output_ids
-        if not seq.params.skip_special_tokens:  # special tokens are text, but the token that ends it is not
+        if not seq.params.skip_special_tokens:
             decode = functools.partial(self.detokenize, skip_special_tokens=False)
-            if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
-                text_ids = output_ids[:-1]
+        ends = stops and (token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos))
+        # special tokens kept as text: the token that ends the answer is not; and a constrained answer's text is
+        # its grammar's language, which the stop token ending it is outside of
+        if ends and (not seq.params.skip_special_tokens or seq.grammar_stop):
+            text_ids = output_ids[:-1]
         text = seq.text + seq.detokenizer.step(decode, text_ids)
-        result = check_stop(output_ids, self.eos_token_ids, seq.params, text, prev_len)
+        result = check_stop(output_ids, self.eos_token_ids, seq.params, text, prev_len, stop_tokens=stops)
         if result.finish_reason is None and self.grammar is not None and self.grammar.finished(seq):
             result = StopResult(FINISH_STOP, result.text)  # the grammar is complete: nothing more may follow
         finished = result.finish_reason is not None
@@ -204,14 +219,29 @@ class EngineCore:
 
 
 def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.Tensor, seqs: list[Sequence],
-                eos_token_ids: tuple[int, ...]) -> list[int]:
-    """One token per sampling row: the requests' logits processors and grammars, then the sampler. A row is
-    invalid (:data:`INVALID`) only for the model's own non-finite values, never for the -inf a mask puts."""
+                eos_token_ids: tuple[int, ...]) -> tuple[list[int], dict[int, str]]:
+    """One token per sampling row: the requests' logits processors and grammars, then the sampler; and the
+    rows whose grammar failed (row -> why; their tokens mean nothing). A row is invalid (:data:`INVALID`)
+    only for the model's own non-finite values, never for the -inf a mask puts. Where ``min_tokens`` would
+    leave a constrained row no token at all (the grammar allows only stop tokens), the grammar wins: that
+    row is masked again without it."""
     processed = apply_logits_processors(logits, seqs, eos_token_ids)
+    failed: dict[int, str] = {}
     if grammar is not None:
-        processed = grammar.mask(processed, seqs)
+        processed, failed = grammar.mask(processed, seqs)
+        dead = [i for i in (~torch.isfinite(processed).any(dim=-1)).nonzero().flatten().tolist()
+                if i not in failed and grammar.constrained(seqs[i])] if processed is not logits and processed.numel() else []
+        if dead:
+            rows = [seqs[i] for i in dead]
+            again, why = grammar.mask(apply_logits_processors(logits[dead], rows, eos_token_ids, min_tokens=False), rows)
+            processed[dead] = again
+            for j, i in enumerate(dead):
+                if j in why or not bool(torch.isfinite(again[j]).any()):
+                    failed[i] = why.get(j, "the output grammar allows no token here")
+        if failed:  # their rows are sampled from zeros, so the sampler's arithmetic never sees them
+            processed[list(failed)] = 0.0
     finite = torch.isfinite(logits).all(dim=-1) if processed is not logits and logits.numel() else None
-    return sampler.sample(processed, [s.params for s in seqs], [s.generator for s in seqs], finite)
+    return sampler.sample(processed, [s.params for s in seqs], [s.generator for s in seqs], finite), failed
 
 
 def eos_ids_from(*candidates: object) -> tuple[int, ...]:

@@ -49,10 +49,11 @@ def needs_processing(params: SamplingParams) -> bool:
                 or params.logit_bias or params.min_tokens)
 
 
-def apply_logits_processors(logits: torch.Tensor, seqs: Seq, eos_token_ids: Collection[int]) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, seqs: Seq, eos_token_ids: Collection[int],
+                            min_tokens: bool = True) -> torch.Tensor:
     """``logits`` [rows, vocab] of the sampling sequences ``seqs`` (objects with ``params``, ``token_ids``,
     ``num_prompt_tokens`` and a ``token_counts`` slot), processed for the rows that ask; the same tensor
-    when none does."""
+    when none does. ``min_tokens=False`` leaves that one out (a grammar that allows only stop tokens)."""
     rows = [i for i, s in enumerate(seqs) if needs_processing(s.params)]
     if not rows:
         return logits
@@ -76,7 +77,7 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq, eos_token_ids: Coll
             ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.int64, device=row.device)
             bias = torch.tensor([v for t, v in p.logit_bias.items() if t < vocab], dtype=row.dtype, device=row.device)
             row = row.index_add(0, ids, bias)
-        if p.min_tokens and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
+        if min_tokens and p.min_tokens and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
             banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < vocab]
             if banned:
                 row = row.index_fill(0, torch.tensor(banned, dtype=torch.int64, device=row.device), float("-inf"))

@@ -188,20 +188,22 @@ def check_stop(
     params: SamplingParams,
     text: str,
     prev_text_len: int = 0,
+    stop_tokens: bool = True,
 ) -> StopResult:
     """Decide whether a request is finished after appending its newest token.
 
     `output_token_ids` are all generated ids, the last one being the new token; `text` is the detokenized
     output so far. `prev_text_len` is how long `text` was before this step: only the tail that could contain
     a new match is searched, keeping the per-step cost independent of output length.
-    Precedence: eos / stop token, then stop string, then max_tokens.
+    Precedence: eos / stop token, then stop string, then max_tokens. ``stop_tokens=False``: the new token is
+    content even if it is a stop token (a grammar took it as such).
     """
     if not output_token_ids:
         return StopResult(None, text)
     new_token = output_token_ids[-1]
-    if new_token in params.stop_token_ids:
+    if stop_tokens and new_token in params.stop_token_ids:
         return StopResult(FINISH_STOP, text, new_token)
-    if not params.ignore_eos and new_token in eos_token_ids:
+    if stop_tokens and not params.ignore_eos and new_token in eos_token_ids:
         return StopResult(FINISH_STOP, text)
     match = _find_stop_string(text, params.stop, prev_text_len)
     if match is not None:

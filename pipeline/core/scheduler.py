@@ -58,6 +58,10 @@ class Scheduler:
         # Blocks to leave free when admitting new prompts (e.g. one per sequence decoding
         # elsewhere on the same pool), so admissions do not starve running decodes.
         self.admission_watermark: Callable[[], int] = lambda: 0
+        # Whether a sequence may run now (False: its grammar is still compiling; it keeps its place and its
+        # blocks while the others step). ``num_held``: how many this step held back.
+        self.ready: Callable[[Sequence], bool] = lambda seq: True
+        self.num_held = 0
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------
@@ -93,12 +97,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens if budget is None else budget
         scheduled: set[int] = set()
+        held: list[Sequence] = []
         order = sorted(self.running, key=lambda s: s.is_prefilling)  # stable: decodes first
         for seq in order:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not self.ready(seq):
+                held.append(seq)
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
             if n <= 0:
                 continue
@@ -107,7 +115,11 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(id(seq))
             budget -= n
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            if not self.ready(self.waiting[0]):  # held in its place; the ones behind it may go
+                skipped.append(self.waiting.popleft())
+                continue
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
@@ -116,6 +128,8 @@ class Scheduler:
             self.running.append(chunk.seq)
             out.chunks.append(chunk)
             budget -= chunk.num_tokens
+        self.waiting.extendleft(reversed(skipped))
+        self.num_held = len(held) + len(skipped)
         self._prefetch_waiting()
         return out
 

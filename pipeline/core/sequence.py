@@ -53,6 +53,8 @@ class Sequence:
         self.mrope_layout: MRopeLayout | None = None  # M-RoPE models: built from the images where it runs
         self.token_counts: TokenCounts | None = None  # penalties: kept by the logits processors where it runs
         self.grammar_matcher: Any = None  # structured output: llguidance's matcher, made where it runs
+        self.grammar_template: Any = None  # its compiled grammar, once ready there (``core.grammar``)
+        self.grammar_stop = False  # a stop token came where its grammar was complete: the answer ends
         self.trigger_searched = False  # its output was searched for the grammar's trigger token (``core.grammar``)
         self.kv_losses = 0
         self.arrival_time = time.time()  # when the request arrived (wall clock; travels with hand-offs)

@@ -7,6 +7,7 @@ or through the encoder deployments).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 from typing import Sequence as Seq
@@ -17,9 +18,11 @@ from strata.kvstore import blocks_for_tokens, chunk_working_set_blocks
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import ImageEmbedding, Request
 from strata.pipeline.contract.sampling_params import SamplingParams
-from strata.pipeline.frontend.structured import grammar_for
+from strata.pipeline.frontend.grammar_sandbox import GrammarSandbox, sandbox_for
+from strata.pipeline.frontend.structured import check_limits, tokenizer_spec
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, EncodedPrompt, PromptTokenizer
 
+log = logging.getLogger(__name__)
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer packs more than this into one token; longer texts cannot fit
 
 
@@ -56,8 +59,7 @@ class Intake:
         if max_tokens_default:
             params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
-        if params.structured is not None:  # compiled and checked here, off the step loop: a bad one is a 400
-            grammar_for(*params.structured)
+        self.check_grammar(params)
         encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
@@ -74,6 +76,34 @@ class Intake:
                 raise ValueError(f"{name} names token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")
         return Request(request_id, encoded.token_ids, params), encoded.image_offsets
 
+    def check_grammar(self, params: SamplingParams) -> None:
+        """A structured-output spec measured here (``grammar_limits``), then compiled in the grammar sandbox
+        against the vocabulary, once per spec: a ValueError (400) for one that is bad, too big, or crashes
+        or outlasts ``grammar_timeout_s`` there. The first sight of a spec may take that long; the server
+        calls this before it takes a tokenizing slot, so other requests are not held up behind it."""
+        if params.structured is None:
+            return
+        check_limits(*params.structured)
+        self._sandbox().check(*params.structured)
+
+    def warm_grammars(self) -> None:
+        """Start the grammar sandbox now (a server's front door does, on a thread of its own, at start)."""
+        try:
+            self._sandbox().start()
+        except Exception:  # noqa: BLE001 - the first constrained request reports it
+            log.warning("the grammar sandbox did not start ahead; structured output will try again", exc_info=True)
+
+    def _sandbox(self) -> GrammarSandbox:
+        tok = self.tokenizer
+        return sandbox_for(tok.model_dir, tok.vocab_size, self.config.grammar_timeout_s,
+                           lambda: tokenizer_spec(tok.tokenizer))
+
+    def grammar_stats(self) -> dict[str, int]:
+        """What the grammar sandbox has done (``/strata/stats``): specs compiled and refused, its crashes
+        and deadlines missed."""
+        box = self._sandbox()
+        return {"compiled": box.compiled, "refused": box.refused, "crashes": box.crashes, "timeouts": box.timeouts}
+
     def _encode(self, params: SamplingParams, num_images: int, image_tokens: Seq[int] | None, prompt: str | None,
                 messages: list[dict[str, Any]] | None, raw_prompt: str | None,
                 prompt_token_ids: list[int] | None, tools: list[dict[str, Any]] | None = None) -> EncodedPrompt:
@@ -86,16 +116,19 @@ class Intake:
         tok = self.tokenizer
         if prompt_token_ids is not None:
             return tok.expand_ids(list(prompt_token_ids), num_images, image_tokens)
+        limit = self.config.max_model_len * MAX_CHARS_PER_TOKEN
+        # a render may write a few times the prompt limit before it is stopped (the length check below names
+        # an over-long prompt as such; the bound stops a template that runs away)
+        bounds = {"timeout_s": self.config.chat_template_timeout_s, "max_chars": 4 * limit}
         if prompt is not None:
             if not prompt.strip() and not num_images:
                 raise ValueError("prompt is empty")
-            text = tok.render_user_prompt(prompt, num_images)
+            text = tok.render_user_prompt(prompt, num_images, **bounds)
         elif messages is not None:
-            text = tok.render_chat(messages, tools=tools)
+            text = tok.render_chat(messages, tools=tools, **bounds)
         else:
             assert raw_prompt is not None
             text = raw_prompt
-        limit = self.config.max_model_len * MAX_CHARS_PER_TOKEN
         if len(text) > limit:  # refused before tokenizing: a huge prompt costs nothing
             raise PromptTooLongError(f"prompt has {len(text)} characters; the limit is {limit} "
                                      f"({MAX_CHARS_PER_TOKEN} per token of max_model_len {self.config.max_model_len})")

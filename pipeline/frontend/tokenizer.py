@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from strata.pipeline.models.model_config import ModelConfig
+from strata.pipeline.frontend.template_bounds import TemplateBoundError, render_bounded
+from strata.pipeline.models.model_config import ModelConfig, ModelConfigError
 
 
 NO_IMAGES = "this model takes no images: it is a text-only LLM (send text content only)"
+RENDER_TIMEOUT_S = 5.0  # a chat template's render, at most (``EngineConfig.chat_template_timeout_s``)
+RENDER_MAX_CHARS = 64 * 1024 * 1024  # and its output (the front door passes its prompt limit)
+PROBE_CHAT = [{"role": "user", "content": "Hello!"}]  # what every chat template must render
 
 
 @dataclass
@@ -26,7 +30,12 @@ class PromptTokenizer:
         """``chat_template``: a Jinja template replacing the checkpoint's (``strata serve --chat-template``)."""
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.model_dir = str(model_dir)  # where the tokenizer's files are (the grammar sandbox loads them too)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except Exception as exc:  # transformers raises TypeError, ValueError, OSError ... for a bad tokenizer
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelConfigError(f"the tokenizer cannot be loaded (tokenizer.json, tokenizer_config.json): {first}") from None
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.image_token_id = cfg.image_token_id  # None for a text-only model
@@ -59,26 +68,42 @@ class PromptTokenizer:
         return tuple(dict.fromkeys(int(i) for i in ids))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, *, timeout_s: float = RENDER_TIMEOUT_S,
+                    max_chars: int = RENDER_MAX_CHARS) -> str:
         """Apply the checkpoint's chat template (with ``tools``, OpenAI function tools, for it to render);
-        image parts are placed where the template puts them."""
-        from jinja2 import TemplateError
+        image parts are placed where the template puts them. The render is bounded (``template_bounds``):
+        past ``timeout_s`` or ``max_chars``, or if the template raises, recurses or runs out of memory, a
+        ValueError (a 400 for this request alone)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a raw prompt instead")
         if not self.takes_images:
             messages = [_flatten_text(m) for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except (TemplateError, TypeError) as exc:  # a template that raises (raise_exception) or cannot render these
-            raise ValueError(f"the chat template cannot render these messages: {str(exc).splitlines()[0]}") from None
+            return render_bounded(lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt),
+                timeout_s, max_chars)
+        except TemplateBoundError:
+            raise
+        except Exception as exc:  # raise_exception, a sandbox refusal, a type it cannot render: these messages'
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"the chat template cannot render these messages: {first}") from None
 
-    def render_user_prompt(self, text: str, num_images: int = 0) -> str:
+    def check_template(self, timeout_s: float = RENDER_TIMEOUT_S) -> None:
+        """Render a one-message conversation, as a server does before it starts: a template that cannot (or
+        not within its bounds) is refused once, by name, instead of failing every request. No template: fine."""
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                self.render_chat(PROBE_CHAT, timeout_s=timeout_s)
+            except ValueError as exc:
+                raise ValueError(f"the chat template fails on a one-message conversation: {exc}") from None
+
+    def render_user_prompt(self, text: str, num_images: int = 0, **bounds: Any) -> str:
+        """One user message (text after its images), rendered as :meth:`render_chat` renders (``bounds``: its)."""
         if not self.takes_images:
-            return self.render_chat([{"role": "user", "content": text}])
+            return self.render_chat([{"role": "user", "content": text}], **bounds)
         content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
         content.append({"type": "text", "text": text})
-        return self.render_chat([{"role": "user", "content": content}])
+        return self.render_chat([{"role": "user", "content": content}], **bounds)
 
     def encode(self, text: str, num_images: int, image_tokens: Sequence[int] | None = None) -> EncodedPrompt:
         """Tokenize and expand each image token into the span the vision features fill."""

@@ -8,9 +8,9 @@ import torch
 
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
-from strata.pipeline.models.model_config import ModelConfig, load_model_config
+from strata.pipeline.models.model_config import ModelConfig, ModelConfigError, load_model_config
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
-from strata.pipeline.models.weights import LoadStats, load_weights
+from strata.pipeline.models.weights import LoadStats, load_weights, weight_map
 from strata.pipeline.parallel.shard_plan import ShardPlan
 from strata.pipeline.parallel.tp_group import TPGroup
 
@@ -23,11 +23,29 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """The decoder's layer count is one the checkpoint's tensors hold (read from the index or the shard
+    headers, before anything is built): a config that asks for more layers than were shipped is refused by
+    name. More is fine: DeepSeek's multi-token-prediction layer sits past ``num_hidden_layers``."""
+    held: set[int] = set()
+    for name in weight_map(Path(model_dir)):
+        target = cfg.arch.map_name(name)
+        if target is not None and target[0] == "text" and target[1].startswith("layers."):
+            index = target[1].split(".", 2)[1]
+            if index.isdigit():
+                held.add(int(index))
+    missing = next((i for i in range(cfg.text.num_layers) if i not in held), None)
+    if missing is not None:
+        raise ModelConfigError(f"config.json says {cfg.text.num_layers} decoder layers, but the weights hold "
+                               f"{len(held)} (layer {missing} is missing)")
+
+
 def load_language_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: ModelConfig | None = None
 ) -> tuple[LanguageModel, LoadStats]:
     """The prefill/decode stages' model: the decoder only, never the vision tower."""
     cfg = cfg or load_model_config(model_dir)
+    check_layers_in_weights(model_dir, cfg)
     with torch.device("meta"):
         model = LanguageModel(cfg.text)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch)
@@ -42,6 +60,7 @@ def load_parallel_language_model(
     """This rank's shard of the decoder, reading only its slices of the checkpoint. Rank 0 checks
     the SHA-256 manifest (which reads whole shard files); the other ranks trust it."""
     cfg = cfg or load_model_config(model_dir)
+    check_layers_in_weights(model_dir, cfg)
     plan = ShardPlan(cfg.text, group.rank, group.size)
     with torch.device("meta"):
         model = ParallelLanguageModel(plan, group)

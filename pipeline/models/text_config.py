@@ -11,6 +11,7 @@ from typing import Any
 
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
 from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
 
 TEXT_MODEL_TYPES = tuple(TEXT_FAMILIES)
 
@@ -153,23 +154,27 @@ def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
 
 def _mla(tc: dict[str, Any]) -> MLAConfig:
     q_rank = tc.get("q_lora_rank")
-    return MLAConfig(q_lora_rank=int(q_rank) if q_rank else None, kv_lora_rank=int(tc["kv_lora_rank"]),
-                     qk_nope_head_dim=int(tc["qk_nope_head_dim"]), qk_rope_head_dim=int(tc["qk_rope_head_dim"]),
-                     v_head_dim=int(tc["v_head_dim"]))
+    return MLAConfig(q_lora_rank=checked_size(q_rank, "q_lora_rank") if q_rank else None,
+                     kv_lora_rank=size(tc, "kv_lora_rank"), qk_nope_head_dim=size(tc, "qk_nope_head_dim"),
+                     qk_rope_head_dim=size(tc, "qk_rope_head_dim"), v_head_dim=size(tc, "v_head_dim"))
 
 
 def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
-    experts = int(next((tc[k] for k in family.experts_keys if tc.get(k)), 0))
-    if family.router is None or experts == 0:
+    key = next((k for k in family.experts_keys if tc.get(k)), None)
+    if family.router is None or key is None:
         return None, ()
+    experts = checked_size(tc[key], key)
+    per_token = size(tc, "num_experts_per_tok")
+    if per_token > experts:
+        raise ModelConfigError(f"config.json: num_experts_per_tok ({per_token}) exceeds {key} ({experts})")
     if family.router == "softmax" and family.always_renormalize:  # Mixtral: experts as wide as the dense MLP
-        moe = MoEConfig(experts, int(tc["num_experts_per_tok"]), int(tc["intermediate_size"]))
+        moe = MoEConfig(experts, per_token, size(tc, "intermediate_size"))
         return moe, (True,) * layers
     sigmoid = family.router == "sigmoid-grouped"
     moe = MoEConfig(
         num_experts=experts,
-        experts_per_tok=int(tc["num_experts_per_tok"]),
-        intermediate_size=int(tc["moe_intermediate_size"]),
+        experts_per_tok=per_token,
+        intermediate_size=size(tc, "moe_intermediate_size"),
         router=family.router,
         norm_topk_prob=family.renormalize_topk or bool(tc.get("norm_topk_prob", sigmoid)),
         routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0) or 1.0) if sigmoid else 1.0,
@@ -192,9 +197,16 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     family = TEXT_FAMILIES.get(model_type)
     if family is None:
         raise ModelConfigError(f"unsupported text model_type {model_type!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
-    heads = int(tc["num_attention_heads"])
-    head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
-    layers = int(tc["num_hidden_layers"])
+    heads = size(tc, "num_attention_heads")
+    hidden = size(tc, "hidden_size")
+    if tc.get("head_dim"):
+        head_dim = checked_size(tc["head_dim"], "head_dim")
+    else:
+        divides(heads, "num_attention_heads", hidden, "hidden_size")
+        head_dim = hidden // heads
+    layers = size(tc, "num_hidden_layers", maximum=MAX_LAYERS)
+    kv_heads = size(tc, "num_key_value_heads", None) if tc.get("num_key_value_heads") is not None else heads
+    divides(kv_heads, "num_key_value_heads", heads, "num_attention_heads")
     qkv_bias = family.qkv_bias or bool(tc.get("attention_bias", False))
     act = tc.get("hidden_act", "silu")
     if act != "silu":
@@ -205,16 +217,16 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     moe, moe_layers = _moe(tc, family, layers)
     return TextConfig(
         model_type=model_type,
-        vocab_size=int(tc["vocab_size"]),
-        hidden_size=int(tc["hidden_size"]),
-        intermediate_size=int(tc["intermediate_size"]),
+        vocab_size=size(tc, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=size(tc, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=heads if mla else int(tc.get("num_key_value_heads") or heads),
+        num_kv_heads=heads if mla else kv_heads,
         head_dim=mla.v_head_dim if mla else int(head_dim),
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
         rope_parameters=_rope_parameters(tc),
-        max_position_embeddings=int(tc.get("max_position_embeddings", 4096)),
+        max_position_embeddings=size(tc, "max_position_embeddings", 4096),
         attention_bias=qkv_bias,
         o_bias=not family.qkv_bias and bool(tc.get("attention_bias", False)),
         mlp_bias=bool(tc.get("mlp_bias", False)),

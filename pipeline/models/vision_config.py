@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, size
+
+W = "vision_config"  # where a bad size is named
 
 
 @dataclass(frozen=True)
@@ -105,27 +108,28 @@ def parse_qwen_vision_config(vc: dict[str, Any], variant: str) -> QwenVisionConf
     act = vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
     if not qwen3 and act != "silu":
         raise ModelConfigError(f"unsupported vision hidden_act {act!r} (Qwen2.5-VL's tower is SwiGLU: silu)")
-    positions = int(vc.get("num_position_embeddings", 2304)) if qwen3 else 0
+    positions = size(vc, "num_position_embeddings", 2304, where=W) if qwen3 else 0
     if qwen3 and math.isqrt(positions) ** 2 != positions:
         raise ModelConfigError(f"num_position_embeddings {positions} is not a square grid")
-    hidden = int(vc.get("hidden_size", 1152 if qwen3 else 1280))
-    depth = int(vc.get("depth", vc.get("num_hidden_layers", 27 if qwen3 else 32)))
+    hidden = size(vc, "hidden_size", 1152 if qwen3 else 1280, where=W)
+    depth = checked_size(vc.get("depth", vc.get("num_hidden_layers", 27 if qwen3 else 32)), "depth", maximum=MAX_LAYERS,
+                         where=W)
     deepstack = tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
     if any(not 0 <= i < depth for i in deepstack):
         raise ModelConfigError(f"deepstack_visual_indexes {list(deepstack)} must be blocks of the {depth}-block tower")
     return QwenVisionConfig(
         variant=variant,
         hidden_size=hidden,
-        intermediate_size=int(vc.get("intermediate_size", 3420)),
+        intermediate_size=size(vc, "intermediate_size", 3420, where=W),
         num_layers=depth,
-        num_heads=int(vc.get("num_heads", vc.get("num_attention_heads", 16))),
-        patch_size=int(vc.get("patch_size", 16 if qwen3 else 14)),
-        temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
-        in_channels=int(vc.get("in_channels", vc.get("in_chans", 3))),
-        spatial_merge_size=int(vc.get("spatial_merge_size", 2)),
-        window_size=0 if qwen3 else int(vc.get("window_size", 112)),  # 0: every block attends over the whole image
+        num_heads=checked_size(vc.get("num_heads", vc.get("num_attention_heads", 16)), "num_heads", where=W),
+        patch_size=size(vc, "patch_size", 16 if qwen3 else 14, where=W),
+        temporal_patch_size=size(vc, "temporal_patch_size", 2, where=W),
+        in_channels=checked_size(vc.get("in_channels", vc.get("in_chans", 3)), "in_channels", where=W),
+        spatial_merge_size=size(vc, "spatial_merge_size", 2, where=W),
+        window_size=0 if qwen3 else size(vc, "window_size", 112, where=W),  # 0: every block attends over the whole image
         fullatt_block_indexes=() if qwen3 else tuple(int(i) for i in vc.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        out_hidden_size=int(vc.get("out_hidden_size", 3584)),
+        out_hidden_size=size(vc, "out_hidden_size", 3584, where=W),
         hidden_act=act,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         num_position_embeddings=positions,
@@ -140,17 +144,17 @@ def parse_moonvit_config(vc: dict[str, Any], raw: dict[str, Any]) -> MoonViTConf
     rope = vc.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ModelConfigError(f"vision rope_type {rope.get('rope_type')!r} is not supported (only axial)")
-    hidden = int(vc.get("hidden_size", 1152))
+    hidden = size(vc, "hidden_size", 1152, where=W)
     if int(raw.get("projection_hidden_size") or hidden) != hidden:
         raise ModelConfigError("projection_hidden_size must equal the vision hidden size")
     return MoonViTConfig(
         hidden_size=hidden,
-        intermediate_size=int(vc.get("intermediate_size", 4304)),
-        num_layers=int(vc.get("num_hidden_layers", 27)),
-        num_heads=int(vc.get("num_attention_heads", 16)),
-        patch_size=int(vc.get("patch_size", 14)),
-        pos_emb_height=int(vc.get("pos_emb_height", 64)),
-        pos_emb_width=int(vc.get("pos_emb_width", 64)),
+        intermediate_size=size(vc, "intermediate_size", 4304, where=W),
+        num_layers=size(vc, "num_hidden_layers", 27, maximum=MAX_LAYERS, where=W),
+        num_heads=size(vc, "num_attention_heads", 16, where=W),
+        patch_size=size(vc, "patch_size", 14, where=W),
+        pos_emb_height=size(vc, "pos_emb_height", 64, where=W),
+        pos_emb_width=size(vc, "pos_emb_width", 64, where=W),
         merge_kernel=(2, 2),
         hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -161,13 +165,13 @@ def parse_moonvit_config(vc: dict[str, Any], raw: dict[str, Any]) -> MoonViTConf
 def parse_vision_config(vc: dict[str, Any]) -> VisionConfig:
     kind = "siglip" if vc.get("model_type") == "siglip_vision_model" else "clip"
     return VisionConfig(
-        hidden_size=int(vc.get("hidden_size", 1024)),
-        intermediate_size=int(vc.get("intermediate_size", 4096)),
-        num_layers=int(vc.get("num_hidden_layers", 24)),
-        num_heads=int(vc.get("num_attention_heads", 16)),
-        image_size=int(vc.get("image_size", 336)),
-        patch_size=int(vc.get("patch_size", 14)),
-        num_channels=int(vc.get("num_channels", 3)),
+        hidden_size=size(vc, "hidden_size", 1024, where=W),
+        intermediate_size=size(vc, "intermediate_size", 4096, where=W),
+        num_layers=size(vc, "num_hidden_layers", 24, maximum=MAX_LAYERS, where=W),
+        num_heads=size(vc, "num_attention_heads", 16, where=W),
+        image_size=size(vc, "image_size", 336, where=W),
+        patch_size=size(vc, "patch_size", 14, where=W),
+        num_channels=size(vc, "num_channels", 3, where=W),
         layer_norm_eps=float(vc.get("layer_norm_eps", 1e-5)),
         hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh" if kind == "siglip" else "quick_gelu"),
         kind=kind,

@@ -28,9 +28,16 @@ def set_fault_rank(rank: int) -> None:
 
 def fault_point(name: str, rank: int | None = None) -> None:
     """Raise :class:`InjectedFault` if a fault is armed for this point and rank."""
+    if armed(name, rank):
+        raise InjectedFault(f"fault injected at {name} on rank {_rank if rank is None else rank}")
+
+
+def armed(name: str, rank: int | None = None) -> bool:
+    """Whether a fault is armed for this point and rank (and consume one): for points where the fault is
+    not an exception (a process that crashes or hangs)."""
     root = os.environ.get(ENV)
     if not root:
-        return
+        return False
     path = os.path.join(root, f"{name}.rank{_rank if rank is None else rank}")
     try:
         with open(path, "r+") as fh:
@@ -41,10 +48,10 @@ def fault_point(name: str, rank: int | None = None) -> None:
                 fh.truncate()
                 fh.write(str(left))
     except (FileNotFoundError, ValueError, OSError):
-        return
+        return False
     if left <= 0:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    raise InjectedFault(f"fault injected at {name} on rank {_rank if rank is None else rank}")
+    return True

@@ -66,7 +66,7 @@ def _step_seconds(runner: GrammarRunner, sampler: Sampler, seqs: list[Any], answ
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(len(seqs), vocab, generator=gen)
     for seq in seqs:
-        seq.grammar_matcher, seq.token_ids = None, []
+        seq.grammar_matcher, seq.grammar_template, seq.token_ids = None, None, []
     start = time.perf_counter()
     for token in answer:
         sample_rows(sampler, runner, logits, seqs, ())  # what the engine core runs each step
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     def batch(k: int, params: SamplingParams = constrained) -> list[Any]:
         return [SimpleNamespace(params=params if i < k else plain, token_ids=[], num_prompt_tokens=0,
-                                output_token_ids=[], token_counts=None, grammar_matcher=None, request_id=f"r{i}",
+                                output_token_ids=[], token_counts=None, grammar_matcher=None, grammar_template=None,
+                                request_id=f"r{i}",
                                 generator=None)
                 for i in range(args.batch)]
 
