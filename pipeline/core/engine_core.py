@@ -20,7 +20,7 @@ from strata.pipeline.contract.request import TokenEvent
 from strata.pipeline.core.logits_processors import apply_logits_processors
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.grammar import GrammarRunner
-from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop
+from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop, row_is_finite
 from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
@@ -229,8 +229,10 @@ def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.T
     failed: dict[int, str] = {}
     if grammar is not None:
         processed, failed = grammar.mask(processed, seqs)
-        dead = [i for i in (~torch.isfinite(processed).any(dim=-1)).nonzero().flatten().tolist()
-                if i not in failed and grammar.constrained(seqs[i])] if processed is not logits and processed.numel() else []
+        # only min_tokens can leave a constrained row nothing (the grammar alone always allows a token or errs)
+        held = [i for i, s in enumerate(seqs) if i not in failed and s.params.min_tokens and grammar.constrained(s)]
+        dead = [held[j] for j in (processed[held].amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()] \
+            if held else []
         if dead:
             rows = [seqs[i] for i in dead]
             again, why = grammar.mask(apply_logits_processors(logits[dead], rows, eos_token_ids, min_tokens=False), rows)
@@ -240,7 +242,7 @@ def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.T
                     failed[i] = why.get(j, "the output grammar allows no token here")
         if failed:  # their rows are sampled from zeros, so the sampler's arithmetic never sees them
             processed[list(failed)] = 0.0
-    finite = torch.isfinite(logits).all(dim=-1) if processed is not logits and logits.numel() else None
+    finite = row_is_finite(logits) if processed is not logits and logits.numel() else None  # the model's own values
     return sampler.sample(processed, [s.params for s in seqs], [s.generator for s in seqs], finite), failed
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from strata.kernels.token_bitmask import apply_token_bitmask
 from strata.pipeline.frontend.structured import grammar_for, llg_tokenizer, parser_limits, tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -210,9 +211,7 @@ class GrammarRunner:
             elif matcher.is_accepting():
                 _allow(bitmask, j, self._stop_tokens(seqs[i]))
         logits = logits.clone()
-        index = torch.tensor(rows, device=logits.device)
-        allowed = _unpack(bitmask, logits.shape[-1]).to(logits.device)
-        logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
         return logits, failed
 
     def accept(self, seq: Any, token: int) -> str | None:
@@ -255,19 +254,6 @@ class GrammarRunner:
         matcher = seq.grammar_matcher
         return seq.params.structured is not None and matcher is not None and matcher.is_stopped() and \
             not matcher.is_error()
-
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def _unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
-    """An llguidance bitmask [rows, words] as booleans [rows, width]: bit t % 32 of word t // 32 allows token t
-    (tokens past the mask's vocabulary are not allowed). Eager torch: llguidance's own applier is a
-    ``torch.compile`` kernel whose first call compiles for seconds, which would land on the step loop."""
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).reshape(bitmask.shape[0], -1).bool()
-    if bits.shape[1] >= width:
-        return bits[:, :width]
-    return torch.cat([bits, bits.new_zeros(bits.shape[0], width - bits.shape[1])], dim=1)
 
 
 def _allow(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
