@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from strata.deployments import metrics
+from strata.deployments.admission import Admission
 from strata.deployments.api_key import CHALLENGE, DIGEST_ENV, UNAUTHORIZED, authorized
 from strata.deployments.config import ServeConfig
 from strata.deployments.http_input import read_json
@@ -40,6 +41,7 @@ from strata.deployments.openai_protocol import (
 )
 from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
 from strata.deployments.parallel_sampling import ManyChoices, children
+from strata.deployments.request_end import RequestEndMiddleware
 from strata.deployments.responder import Responder, client_error, error_response
 from strata.deployments.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize)
@@ -53,6 +55,7 @@ from strata.stages.stage_loop import LoopStopped
 
 log = logging.getLogger("strata.ingress")
 app = FastAPI(title="Strata", description="OpenAI-compatible vision-language model serving")
+app.add_middleware(RequestEndMiddleware)  # a request's end-of-request work (its admission slot, its stream's close)
 
 
 @app.middleware("http")
@@ -83,11 +86,10 @@ class Ingress:
         intake = Intake(self.tokenizer, self.config.engine)
         threading.Thread(target=intake.warm_grammars, name="grammar-sandbox-start", daemon=True).start()
         stage = self.config.stages["llm" if prefill is None else "ingress"]
-        self.admission_limit = stage.max_ongoing_requests + stage.max_queued_requests
+        self.admission = Admission(stage.max_ongoing_requests + stage.max_queued_requests)
         self.retry_after_s = stage.retry_after_s
         self.responder = Responder(self.model_name, self.tokenizer.decode, self.retry_after_s,
                                    self.config.engine.request_timeout_s)
-        self._preparing = 0
         self._deltas = metrics.CounterDelta()
         self.service: Any = None
         self._load_error: str | None = None
@@ -226,12 +228,12 @@ class Ingress:
             except (LoopStopped, EngineProcessError) as exc:  # being replaced: reported, not a failed page
                 engine = {"unavailable": type(exc).__name__}
             out["prefill"] = out["decode"] = engine
-        out["ingress"] = {"ongoing_requests": self.responder.ongoing, "mode": self.config.mode,
+        out["ingress"] = {"ongoing_requests": self.admission.held, "mode": self.config.mode,
                           "grammars": self.flow.intake.grammar_stats()}
         return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        signals = {"ongoing_requests": float(self.responder.ongoing)}
+        signals = {"ongoing_requests": float(self.admission.held)}
         if self.service is not None:
             try:
                 stats = await self.service.stats()
@@ -258,10 +260,9 @@ class Ingress:
             body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s)
         except APIError as exc:
             return error_response(exc, endpoint)
-        if self.responder.ongoing + self._preparing >= self.admission_limit:
+        if not self.admission.admit():  # a slot until this request ends, however it ends
             return error_response(APIError(429, "the server is busy; retry shortly", type_="rate_limit_error",
                                            code="rate_limit_exceeded", retry_after_s=self.retry_after_s), endpoint)
-        self._preparing += 1
         try:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
@@ -285,8 +286,6 @@ class Ingress:
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        finally:
-            self._preparing -= 1
         calls = self.tool_format if reads_calls else None  # the answer is read for tool calls
         if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.parallel_sampling)
             kids = children(prepared, req.n)

@@ -26,6 +26,7 @@ from strata.deployments.openai_protocol import usage
 from strata.deployments.openai_responses import (chat_chunk, chat_completion, completion, completion_chunk,
                                                  openai_finish_reason, sse, usage_chunk, with_tool_calls)
 from strata.deployments.responder import GenerationFailed, Responder, Timed, client_error, error_response
+from strata.deployments.request_end import at_request_end
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN
 from strata.pipeline.frontend.tools.calls import ToolCallDeltas
@@ -84,6 +85,7 @@ class ManyChoices:
     async def _consume(self, kids: list[Request], start: Start, endpoint: str, t0: float) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
         queue: asyncio.Queue = asyncio.Queue()
         feeder = asyncio.create_task(_children_batches(kids, start, endpoint, t0, self.responder.deadline_s, queue))
+        at_request_end(feeder.cancel)  # the choices stop generating when the HTTP request ends, however it ends
         live = len(kids)
         try:
             while live:
@@ -105,7 +107,6 @@ class ManyChoices:
                     tools: ToolFormat | None = None) -> Response:
         endpoint = "chat" if chat else "completions"
         r = self.responder
-        r.ongoing += 1
         collected: list[list[TokenEvent]] = [[] for _ in kids]
         try:
             async for i, batch in self._consume(kids, start, endpoint, t0):
@@ -117,8 +118,6 @@ class ManyChoices:
         except Exception as exc:
             log.warning("request %s failed: %r", kids[0].request_id, exc)
             return error_response(client_error(exc, r.retry_after_s), endpoint)
-        finally:
-            r.ongoing -= 1
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
         cached = max((e.num_cached_tokens for e in collected[0]), default=0)
         use = usage(kids[0].num_prompt_tokens, sum(len(c) for c in collected), cached)
@@ -164,7 +163,6 @@ class ManyChoices:
                 body["choices"][0]["logprobs"] = r.chat_logprobs([ev]) if chat else r.completion_logprobs([ev], offset)
             return sse(body)
 
-        r.ongoing += 1
         status, total, offsets, cached = "499", 0, [0] * len(kids), 0
         try:
             if chat:
@@ -208,5 +206,4 @@ class ManyChoices:
             status, lines = r.stream_failure(rid, exc)
             yield lines
         finally:
-            r.ongoing -= 1
             metrics.requests().inc(tags={"endpoint": endpoint, "status": status})

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 log = logging.getLogger(__name__)
 _ENDS: ContextVar[list[Callable[[], Any]] | None] = ContextVar("strata_request_end", default=None)
@@ -32,9 +33,30 @@ def at_request_end(fn: Callable[[], Any]) -> bool:
     return True
 
 
-class RequestEndMiddleware:
-    """Pure ASGI middleware: every HTTP request's end-of-request work, in its ``finally`` (newest first).
+@asynccontextmanager
+async def request_scope() -> AsyncIterator[None]:
+    """One request's lifetime: the work registered inside it runs (newest first) when it is left, however.
     Awaitable work is left to run on its own task, so a cancelled request still gets it done."""
+    ends: list[Callable[[], Any]] = []
+    token = _ENDS.set(ends)
+    try:
+        yield
+    finally:
+        _ENDS.reset(token)
+        for fn in reversed(ends):
+            try:
+                result = fn()
+            except Exception:  # noqa: BLE001 - one cleanup's failure must not skip the others
+                log.exception("a request's end-of-request work failed")
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                _closing.add(task)
+                task.add_done_callback(_closing.discard)
+
+
+class RequestEndMiddleware:
+    """Pure ASGI middleware: every HTTP request's call runs in a :func:`request_scope`."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -43,19 +65,5 @@ class RequestEndMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ends: list[Callable[[], Any]] = []
-        token = _ENDS.set(ends)
-        try:
+        async with request_scope():
             await self.app(scope, receive, send)
-        finally:
-            _ENDS.reset(token)
-            for fn in reversed(ends):
-                try:
-                    result = fn()
-                except Exception:  # noqa: BLE001 - one cleanup's failure must not skip the others
-                    log.exception("a request's end-of-request work failed")
-                    continue
-                if inspect.isawaitable(result):
-                    task = asyncio.ensure_future(result)
-                    _closing.add(task)
-                    task.add_done_callback(_closing.discard)

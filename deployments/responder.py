@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.deployments import metrics
 from strata.deployments.openai_protocol import APIError, usage
+from strata.deployments.request_end import at_request_end
 from strata.deployments.openai_responses import (
     ContentChunks,
     chat_chunk,
@@ -117,7 +118,9 @@ class Timed:
         metrics.e2e().observe(time.perf_counter() - self.t0, tags=self.tags)
 
     async def close(self) -> None:
-        aclose = getattr(self.batches, "aclose", None)
+        """Stop the event stream (its stages abort the request); once, however often it is called."""
+        aclose, self.batches_closed = (None if getattr(self, "batches_closed", False) else
+                                       getattr(self.batches, "aclose", None)), True
         if aclose is not None:
             await aclose()
 
@@ -130,7 +133,6 @@ class Responder:
         self.decode = decode
         self.retry_after_s = retry_after_s
         self.deadline_s = deadline_s  # per request, from its arrival (0: none)
-        self.ongoing = 0
 
     # ------------------------------------------------------------ logprobs in OpenAI's two shapes
     def _token(self, token_id: int) -> str:
@@ -165,7 +167,7 @@ class Responder:
         """``tools``: the answer is read for tool calls in that format (a chat request with tools)."""
         endpoint = "chat" if chat else "completions"
         timed = Timed(events, endpoint, t0, self.deadline_s)
-        self.ongoing += 1
+        at_request_end(timed.close)  # a client gone mid-answer stops its generation in every stage
         collected: list[TokenEvent] = []
         try:
             while (batch := await timed.next()) is not None:
@@ -179,8 +181,6 @@ class Responder:
         except Exception as exc:  # the request cannot be completed: say so without internals
             log.warning("request %s failed: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        finally:
-            self.ongoing -= 1
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
         text = "".join(ev.text_delta for ev in collected)
         cached = max((ev.num_cached_tokens for ev in collected), default=0)
@@ -205,6 +205,9 @@ class Responder:
         failed) still gets its status and JSON error; later failures are reported in-band."""
         endpoint = "chat" if chat else "completions"
         timed = Timed(events, endpoint, t0, self.deadline_s)
+        # the stream's generator may never run its finally (a client gone between chunks leaves it suspended,
+        # for the garbage collector): its generation is stopped when the HTTP request ends
+        at_request_end(timed.close)
         try:
             first = await timed.next()
         except Exception as exc:
@@ -221,7 +224,6 @@ class Responder:
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
         content = ContentChunks(rid, model, created, chat)
-        self.ongoing += 1
         status = "499"  # until the last event is written: a stream that ends early was cancelled by the client
         n, cached, reason, offset, text = 0, 0, None, 0, ""
         try:
@@ -264,7 +266,6 @@ class Responder:
             status, lines = self.stream_failure(rid, exc)
             yield lines
         finally:
-            self.ongoing -= 1
             metrics.requests().inc(tags={"endpoint": endpoint, "status": status})
             await timed.close()
 

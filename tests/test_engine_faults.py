@@ -66,6 +66,43 @@ def test_nan_logits_fail_their_own_sequence(llama_dir: Path, expected, monkeypat
     assert [e.token_id for e in events if e.request_id == good] == expected[0]
 
 
+@pytest.mark.parametrize("where", ["sampler", "stop rules"])
+def test_a_row_whose_sampling_or_stop_rules_raise_fails_alone(llama_dir: Path, expected, monkeypatch, where: str) -> None:
+    """A fault that belongs to one row after the forward (its sampler, its logits processor, its stop rules)
+    ends that row with an error event; the rows batched with it keep exactly their tokens."""
+    import strata.pipeline.core.engine_core as engine_core
+    from strata.pipeline.core.sampler import Sampler
+
+    engine = build(llama_dir)
+    if where == "sampler":
+        original = Sampler._sample
+
+        def poisoned(self, logits, params, generators):
+            if any(p.seed == 666 for p in params):
+                raise RuntimeError("a bug that only this request's sampling triggers")
+            return original(self, logits, params, generators)
+
+        monkeypatch.setattr(Sampler, "_sample", poisoned)
+    else:
+        check = engine_core.check_stop
+
+        def poisoned_stop(output_ids, eos, params, *args, **kwargs):
+            if params.seed == 666 and len(output_ids) == 3:
+                raise RuntimeError("a bug in this request's stop rules")
+            return check(output_ids, eos, params, *args, **kwargs)
+
+        monkeypatch.setattr(engine_core, "check_stop", poisoned_stop)
+    ids = [engine.add_request(prompt=p, params=greedy(10)) for p in PROMPTS[:2]]
+    engine.add_request(prompt=PROMPTS[2], params=greedy(10, seed=666), request_id="poison")
+    ids += [engine.add_request(prompt=PROMPTS[3], params=greedy(10))]
+    events = list(engine.run())
+    poison = [e for e in events if e.request_id == "poison"]
+    assert poison[-1].finish_reason == "error" and poison[-1].error == "an internal error stopped this request"
+    got = {i: [e.token_id for e in events if e.request_id == i] for i in ids}
+    assert [got[i] for i in ids] == [expected[0], expected[1], expected[3]]
+    assert engine.kv.pool.stats()["in_use"] == 0
+
+
 def test_a_vanishing_temperature_behaves_as_greedy_and_stalls_nothing(llama_dir: Path, expected) -> None:
     engine = build(llama_dir)
     outs = engine.generate([{"prompt": PROMPTS[0], "params": SamplingParams(max_tokens=10, temperature=1e-300)},

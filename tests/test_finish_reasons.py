@@ -22,6 +22,8 @@ from strata.deployments.openai_responses import (
     IncompleteFinish,
     openai_finish_reason,
 )
+from strata.deployments.admission import Admission
+from strata.deployments.request_end import request_scope
 from strata.deployments.responder import Responder
 from strata.pipeline.core import sampler
 from strata.pipeline.contract.request import Request, TokenEvent
@@ -119,12 +121,15 @@ def _respond(last: TokenEvent, stream: bool, chat: bool) -> tuple[int, str]:
         prepared = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
         events = _events([[TokenEvent("r", 8, "a")], [TokenEvent("r", 9, "b"), last]])
         method = responder.stream if stream else responder.whole
-        resp = await method(req, prepared, events, chat, time.perf_counter())
-        if hasattr(resp, "body_iterator"):
-            text = "".join([c if isinstance(c, str) else c.decode() async for c in resp.body_iterator])
-        else:
-            text = resp.body.decode()
-        assert responder.ongoing == 0
+        admission = Admission(4)
+        async with request_scope():  # what RequestEndMiddleware gives every HTTP request
+            assert admission.admit()
+            resp = await method(req, prepared, events, chat, time.perf_counter())
+            if hasattr(resp, "body_iterator"):
+                text = "".join([c if isinstance(c, str) else c.decode() async for c in resp.body_iterator])
+            else:
+                text = resp.body.decode()
+        assert admission.held == 0  # the request's slot came back as it ended
         return resp.status_code, text
 
     return asyncio.run(go())

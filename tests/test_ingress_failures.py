@@ -17,6 +17,8 @@ from ray.serve.exceptions import BackPressureError
 
 from strata.deployments.openai_protocol import APIError, ChatCompletionRequest, parse_request
 from strata.deployments.request_flow import StageFlow
+from strata.deployments.admission import Admission
+from strata.deployments.request_end import request_scope
 from strata.deployments.responder import Responder
 from strata.pipeline.contract.handoff import Handoff, SequenceState
 from strata.pipeline.contract.request import Request, TokenEvent, pack_events
@@ -90,15 +92,18 @@ def _run(prefill: FakePrefill, decode: FakeDecode, stream: bool) -> tuple[int, d
                                                     "messages": [{"role": "user", "content": "hi"}]})
         prepared = Request("chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=4))
         events = flow.events(prepared)
-        if stream:
-            resp = await responder.stream(req, prepared, events, True, time.perf_counter())
-        else:
-            resp = await responder.whole(req, prepared, events, True, time.perf_counter())
-        if hasattr(resp, "body_iterator"):
-            body = "".join([c if isinstance(c, str) else c.decode() async for c in resp.body_iterator])
-        else:
-            body = resp.body.decode()
-        assert responder.ongoing == 0
+        admission = Admission(4)
+        async with request_scope():  # what RequestEndMiddleware gives every HTTP request
+            assert admission.admit()
+            if stream:
+                resp = await responder.stream(req, prepared, events, True, time.perf_counter())
+            else:
+                resp = await responder.whole(req, prepared, events, True, time.perf_counter())
+            if hasattr(resp, "body_iterator"):
+                body = "".join([c if isinstance(c, str) else c.decode() async for c in resp.body_iterator])
+            else:
+                body = resp.body.decode()
+        assert admission.held == 0  # the request's slot came back as it ended
         return resp.status_code, dict(resp.headers), body
 
     return asyncio.run(go())

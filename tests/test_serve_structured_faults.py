@@ -136,3 +136,35 @@ def test_n_sampled_answers_that_stop_all_validate(keyed_server) -> None:
     assert stops
     for text in stops:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_request_whose_constraints_leave_no_token_ends_alone(keyed_server) -> None:
+    """Beside three plain streams: a regex whose only token is also a stop token with min_tokens 3 at
+    temperature 1, and a named tool call with min_tokens past its length and a stop token inside its
+    syntax. Each is a clean finish in its own language; the three streams end as they would have."""
+    ids = httpx.post(keyed_server.base_url + "/tokenize", headers=HEADERS, timeout=30,
+                     json={"prompt": "a}", "add_special_tokens": False}).json()["tokens"]
+    a, brace = ids
+    streams = [PlainStream(keyed_server, 80) for _ in range(3)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.started()
+    only = _post(keyed_server, _chat("Say a", max_tokens=8, temperature=1.0, seed=3, min_tokens=3,
+                                     stop_token_ids=[a], guided_regex="a"))
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    call = _post(keyed_server, _chat("Weather in Paris?", max_tokens=80, min_tokens=60, stop_token_ids=[brace],
+                                     tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    for s in streams:
+        s.join(120)
+    assert only.status_code == 200, only.text
+    assert (only.json()["choices"][0]["finish_reason"], only.json()["choices"][0]["message"]["content"]) == ("stop", "a")
+    assert call.status_code == 200, call.text
+    choice = call.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"]["name"] == "get_weather" and isinstance(json.loads(made["function"]["arguments"])["city"], str)
+    for s in streams:
+        assert s.finish == "length" and not s.errors and len(s.arrivals) >= 80

@@ -30,6 +30,7 @@ Detokenize = Callable[..., str]  # (ids, skip_special_tokens=True) -> text
 Emitted = tuple[Sequence, TokenEvent]  # an event and the sequence it came from (stages need both)
 log = logging.getLogger(__name__)
 MAX_KV_LOSSES = 16  # lost spilled blocks a sequence may recompute past before it fails
+INTERNAL_ERROR = "an internal error stopped this request"  # a fault of ours in one row: no internals in it
 
 
 class EngineCore:
@@ -78,23 +79,50 @@ class EngineCore:
         for chunk in chunks:
             self.scheduler.commit(chunk)
         sampling = [c.seq for c in chunks if c.samples]
-        params = [s.params for s in sampling]
-        tokens, grammar_failed = sample_rows(self.sampler, self.grammar, logits, sampling, self.eos_token_ids)
-        logprobs = self.sampler.logprobs(logits, tokens, params)  # of the model's own distribution, as vLLM's
+        tokens, failed, logprobs = self._sample(logits, sampling)
         self.steps += 1
         for i, (seq, tok) in enumerate(zip(sampling, tokens)):
-            why = grammar_failed.get(i)
-            if why is None and tok == INVALID:
-                why = "the model produced invalid values (NaN or inf) for this request"
-            if why is None and self.grammar is not None:
-                why = self.grammar.accept(seq, tok)
-            if why is not None:
+            try:
+                why = failed.get(i)
+                if why is None and tok == INVALID:
+                    why = "the model produced invalid values (NaN or inf) for this request"
+                if why is None and self.grammar is not None:
+                    why = self.grammar.accept(seq, tok)
+                if why is None:
+                    stops = self.grammar.stop_applies(seq, tok) if self.grammar is not None else True
+                    events.append(self._append(seq, tok, logprobs, i, stops))
+                    continue
                 log.warning("request %s: %s", seq.request_id, why)
-                self.fail(seq, why)
-            else:
-                stops = self.grammar.stop_applies(seq, tok) if self.grammar is not None else True
-                events.append(self._append(seq, tok, logprobs, i, stops))
+            except Exception:  # this row's stop rules, detokenizing or grammar: it fails alone
+                log.exception("request %s: finishing its step failed", seq.request_id)
+                why = INTERNAL_ERROR
+            self.fail(seq, why)
         return events + self._take_failed()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str], Logprobs | None]:
+        """Tokens, the rows that failed (row -> why) and logprobs of one step's sampling rows. The batch is
+        sampled at once; if that raises (one row's logits processor, grammar or sampler), each row is
+        sampled on its own, so only the rows that still raise fail."""
+        try:
+            tokens, failed = sample_rows(self.sampler, self.grammar, logits, seqs, self.eos_token_ids)
+            return tokens, failed, self.sampler.logprobs(logits, tokens, [s.params for s in seqs])
+        except Exception:
+            log.exception("sampling a step of %d rows failed; sampling them one by one", len(seqs))
+        tokens, failed, chosen, top = [], {}, [], []
+        for i, seq in enumerate(seqs):
+            row = logits[i : i + 1]
+            try:
+                (token,), why = sample_rows(self.sampler, self.grammar, row, [seq], self.eos_token_ids)
+                one = self.sampler.logprobs(row, [token], [seq.params])
+            except Exception:
+                log.exception("request %s: sampling its row failed", seq.request_id)
+                token, why, one = INVALID, {0: INTERNAL_ERROR}, None
+            tokens.append(token)
+            if 0 in why:
+                failed[i] = why[0]
+            chosen.append(one.chosen[0] if one is not None else None)
+            top.append(one.top[0] if one is not None else None)
+        return tokens, failed, Logprobs(chosen, top)
 
     def _take_failed(self) -> list[Emitted]:
         failed, self.failed = self.failed, []
@@ -112,7 +140,7 @@ class EngineCore:
                 continue
             except Exception:
                 log.exception("request %s: its step failed", chunk.seq.request_id)
-                self.fail(chunk.seq, "an internal error stopped this request")
+                self.fail(chunk.seq, INTERNAL_ERROR)
                 continue
             good.append(chunk)
             if chunk.samples:
@@ -229,20 +257,22 @@ def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.T
     failed: dict[int, str] = {}
     if grammar is not None:
         processed, failed = grammar.mask(processed, seqs)
-        # only min_tokens can leave a constrained row nothing (the grammar alone always allows a token or errs)
-        held = [i for i, s in enumerate(seqs) if i not in failed and s.params.min_tokens and grammar.constrained(s)]
-        dead = [held[j] for j in (processed[held].amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()] \
-            if held else []
-        if dead:
-            rows = [seqs[i] for i in dead]
-            again, why = grammar.mask(apply_logits_processors(logits[dead], rows, eos_token_ids, min_tokens=False), rows)
-            processed[dead] = again
-            for j, i in enumerate(dead):
-                if j in why or not bool(torch.isfinite(again[j]).any()):
-                    failed[i] = why.get(j, "the output grammar allows no token here")
-        if failed:  # their rows are sampled from zeros, so the sampler's arithmetic never sees them
-            processed[list(failed)] = 0.0
     finite = row_is_finite(logits) if processed is not logits and logits.numel() else None  # the model's own values
+    if finite is not None:
+        empty = [i for i in ((processed.amax(dim=-1) == float("-inf")) & finite).nonzero().flatten().tolist()
+                 if i not in failed]
+        # min_tokens holds stop tokens off; where a grammar allows nothing else, the grammar wins
+        again = [i for i in empty if grammar is not None and seqs[i].params.min_tokens and grammar.constrained(seqs[i])]
+        if again:
+            rows = [seqs[i] for i in again]
+            remasked, why = grammar.mask(apply_logits_processors(logits[again], rows, eos_token_ids, min_tokens=False), rows)  # type: ignore[union-attr]
+            processed[again] = remasked
+            failed.update({again[j]: reason for j, reason in why.items()})
+        for i in empty:  # a row its constraints leave no token at all ends, alone
+            if i not in failed and not bool(torch.isfinite(processed[i]).any()):
+                failed[i] = "this request's constraints allow no token at all"
+    if failed:  # their rows are sampled from zeros, so the sampler's arithmetic never sees them
+        processed[list(failed)] = 0.0
     return sampler.sample(processed, [s.params for s in seqs], [s.generator for s in seqs], finite), failed
 
 
