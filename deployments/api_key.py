@@ -2,8 +2,10 @@
 
 Every route but ``/health`` (what load balancers and Serve's own probes call) needs
 ``Authorization: Bearer <key>``; anything else is a 401 with an OpenAI-style body. The key itself never
-leaves the CLI process: the serve config carries its SHA-256, replicas compare the SHA-256 of what a
-client sends against it with ``hmac.compare_digest`` (constant time), and error bodies never echo it.
+leaves the CLI process: ``serve_cli`` takes it out of the environment and ``sys.argv`` as it reads it
+(before Ray starts: Ray's processes inherit the one, and Ray records the other), the serve config carries
+its SHA-256, replicas compare the SHA-256 of what a client sends against it with ``hmac.compare_digest``
+(constant time), and error bodies never echo it.
 """
 
 from __future__ import annotations

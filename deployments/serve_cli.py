@@ -42,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first port of the replicas' own HTTP endpoints (fast path; default: 30000, or the first "
                         "free port above it)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                                     "$STRATA_API_KEY; only its SHA-256 reaches the replicas)")
+                                     "$STRATA_API_KEY; only its SHA-256 reaches the replicas). A key on the command "
+                                     "line is visible to other users of this machine: prefer --api-key-file")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="read the API key from FILE ('-': standard input), its first line; the safe way to give it")
     p.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_FORMATS),
                    help="how answers are read for tool calls (default auto: the syntax the chat template writes)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
@@ -86,7 +89,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.tool_call_parser = args.tool_call_parser
     if getattr(args, "chat_template", None) is not None:
         config.chat_template = _read_template(args.chat_template)
-    key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)
+    key = _api_key(args)
     if key is not None:
         from strata.deployments.api_key import key_digest
 
@@ -102,6 +105,30 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     if asked_len:  # the default is a budget, not a request: only a length someone asked for is checked
         check_model_len(config.engine.max_model_len, config.model_dir)
     return config
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key-file``, ``--api-key`` or ``$STRATA_API_KEY``, taken out of this process's
+    environment and ``sys.argv`` as it is read: Ray's processes inherit the environment (the raylet, every
+    replica and worker would hold the raw key), and Ray records the driver's command line. Only the key's
+    SHA-256 goes on."""
+    env_key = os.environ.pop(API_KEY_ENV, None)
+    flag = getattr(args, "api_key", None)
+    path = getattr(args, "api_key_file", None)
+    if flag is not None:
+        sys.argv[:] = ["<redacted>" if arg == flag else arg.replace(flag, "<redacted>") for arg in sys.argv]
+    if path is not None and flag is not None:
+        raise ValueError("give one of --api-key and --api-key-file")
+    if path is None:
+        return flag if flag is not None else env_key
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    key = (text.splitlines() or [""])[0]
+    if not key.strip():
+        raise ValueError(f"--api-key-file: {path} holds no key")
+    return key
 
 
 def _sized_kv_pool(engine: Any, model_dir: str, address: str | None) -> Any:

@@ -258,6 +258,40 @@ def test_the_api_key_reaches_the_replicas_only_as_its_digest(llama_dir: Path, mo
         load_config(parser.parse_args(["--model", str(llama_dir), "--api-key", " padded "]))
 
 
+def test_the_raw_key_leaves_the_environment_and_the_command_line_as_it_is_read(llama_dir: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """Ray's processes inherit the CLI's environment and Ray records the driver's command line: once read,
+    the key is in neither. ``--api-key-file`` (or ``-``, standard input) keeps it off the command line."""
+    import argparse
+    import hashlib
+    import io
+    import os
+    import sys
+
+    from strata.deployments.serve_cli import add_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("STRATA_API_KEY", "sk-env-9")
+    assert load_config(parser.parse_args(["--model", str(llama_dir)])).api_key_sha256 == hashlib.sha256(b"sk-env-9").hexdigest()
+    assert "STRATA_API_KEY" not in os.environ
+    monkeypatch.setattr(sys, "argv", ["strata", "serve", "--api-key", "sk-argv-7", "--port=1"])
+    load_config(parser.parse_args(["--model", str(llama_dir), "--api-key", "sk-argv-7"]))
+    assert "sk-argv-7" not in " ".join(sys.argv)
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-file-5\n")
+    key_file.chmod(0o600)
+    digest = load_config(parser.parse_args(["--model", str(llama_dir), "--api-key-file", str(key_file)])).api_key_sha256
+    assert digest == hashlib.sha256(b"sk-file-5").hexdigest()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("sk-stdin-3\n"))
+    digest = load_config(parser.parse_args(["--model", str(llama_dir), "--api-key-file", "-"])).api_key_sha256
+    assert digest == hashlib.sha256(b"sk-stdin-3").hexdigest()
+    for args, message in ((["--api-key-file", str(tmp_path / "missing")], "cannot read"),
+                          (["--api-key-file", str(key_file), "--api-key", "x"], "one of --api-key and --api-key-file")):
+        with pytest.raises(ValueError, match=message):
+            load_config(parser.parse_args(["--model", str(llama_dir), *args]))
+
+
 def test_a_second_server_gets_the_next_free_direct_port_and_a_busy_one_asked_for_is_refused(capsys) -> None:
     import argparse
     import socket

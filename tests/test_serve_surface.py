@@ -92,6 +92,22 @@ def test_the_api_key_guards_every_route_but_health(keyed_server) -> None:
         openai.OpenAI(base_url=base + "/v1", api_key="not-it", max_retries=0).models.list()
 
 
+def test_the_raw_key_is_in_no_process_but_the_cli_it_was_handed_to(keyed_server) -> None:
+    """Started with STRATA_API_KEY: no process of the server (raylet, GCS, every replica, their workers and
+    children) holds the raw key in its environment or command line; the CLI, which was handed it, does."""
+    import psutil
+
+    holders = []
+    for proc in psutil.process_iter():
+        try:
+            env, cmdline = proc.environ(), proc.cmdline()
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        if any(KEY in value for value in env.values()) or any(KEY in arg for arg in cmdline):
+            holders.append(proc.pid)
+    assert holders == [keyed_server.proc.pid]
+
+
 def test_tokenize_and_detokenize_use_the_models_tokenizer(keyed_server, smollm2: Path) -> None:
     from transformers import AutoTokenizer
 
