@@ -30,11 +30,12 @@ from strata.deployments import metrics
 from strata.deployments.admission import Admission
 from strata.deployments.api_key import CHALLENGE, DIGEST_ENV, UNAUTHORIZED, authorized
 from strata.deployments.config import ServeConfig
-from strata.deployments.http_input import read_json
+from strata.deployments.http_input import off_loop, read_json
 from strata.deployments.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_prompt_size,
     new_id,
     parse_request,
     split_chat,
@@ -195,15 +196,17 @@ class Ingress:
 
     @app.post("/detokenize")
     async def detokenize_route(self, request: HTTPRequest) -> Response:
-        return await self._token_route(request, DetokenizeRequest, lambda r: detokenize(r, self.tokenizer))
+        return await self._token_route(request, DetokenizeRequest,
+                                       lambda r: detokenize(r, self.tokenizer, self.config.engine.max_model_len))
 
     async def _token_route(self, request: HTTPRequest, model: type, run: Any) -> Response:
         try:
             body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s)
-            req = parse_request(model, body)
+            req = await off_loop(request, parse_request, model, body)
             if req.model is not None:
                 self._check_model(req.model)
-            return JSONResponse(await asyncio.to_thread(run, req))
+            async with self.flow.tokenizing:  # the completions' two slots: a flood of these cannot pile up work
+                return JSONResponse(await asyncio.to_thread(run, req))
         except APIError as exc:
             return error_response(exc, "tokenize")
 
@@ -257,14 +260,15 @@ class Ingress:
         t0, rid = time.perf_counter(), new_id("chatcmpl" if chat else "cmpl")
         endpoint = "chat" if chat else "completions"
         try:  # the body first, under its own deadline: a stalled upload is never counted as admitted work
-            body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s)
+            body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s,
+                                   lambda b: check_prompt_size(b, self.config.engine.max_model_len))
         except APIError as exc:
             return error_response(exc, endpoint)
         if not self.admission.admit():  # a slot until this request ends, however it ends
             return error_response(APIError(429, "the server is busy; retry shortly", type_="rate_limit_error",
                                            code="rate_limit_exceeded", retry_after_s=self.retry_after_s), endpoint)
         try:
-            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+            req = await off_loop(request, parse_request, ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
             params = req.sampling_params(default_max_tokens=1)
             tools = req.tool_request() if chat else None
@@ -276,7 +280,7 @@ class Ingress:
                     raise APIError(400, str(exc), param="tools") from None
             await self._engine_ready()
             if chat:
-                messages, images = split_chat(req.messages, self.config.max_image_bytes)
+                messages, images = await off_loop(request, split_chat, req.messages, self.config.max_image_bytes)
                 prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages,
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)

@@ -38,7 +38,7 @@ class RequestFlow:
     def __init__(self, intake: Intake, preprocess: Any, encode: Any) -> None:
         self.intake = intake
         self.preprocess, self.encode = preprocess, encode
-        self._tokenizing = asyncio.Semaphore(2)
+        self.tokenizing = asyncio.Semaphore(2)  # /tokenize and /detokenize take these slots too
         self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
     async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
@@ -54,7 +54,7 @@ class RequestFlow:
         try:
             if params.structured is not None:
                 await asyncio.get_running_loop().run_in_executor(self._grammars, self.intake.check_grammar, params)
-            async with self._tokenizing:
+            async with self.tokenizing:
                 request, offsets = await asyncio.to_thread(
                     self.intake.make_request, request_id, params, len(images), image_tokens=counts,
                     max_tokens_default=default_max_tokens, **prompt)

@@ -12,7 +12,8 @@ import httpx
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from strata.deployments.openai_protocol import APIError, ChatMessage, LenientModel, split_chat
-from strata.pipeline.frontend.intake import MAX_CHARS_PER_TOKEN
+from strata.pipeline.frontend.intake import PromptTooLongError, check_prompt_chars
+from strata.pipeline.frontend.template_bounds import TemplateBoundError
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.frontend.tools.request import tool_request
 
@@ -37,28 +38,42 @@ class DetokenizeRequest(LenientModel):
 
 
 def tokenize(req: TokenizeRequest, tokenizer: PromptTokenizer, max_model_len: int, max_image_bytes: int) -> dict[str, Any]:
-    """Token ids of a prompt as the server would see it (text only: an image's count is known once sent)."""
+    """Token ids of a prompt as the server would see it (text only: an image's count is known once sent), under
+    the completions' prompt limit, checked before rendering or tokenizing (a 10 MB prompt used to come back
+    as 5 M tokens, and the replica kept the memory)."""
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if req.messages is not None:
-        messages, images = split_chat(req.messages, max_image_bytes)
-        if images:
-            raise APIError(400, "tokenize counts text; send images to a completion to learn their tokens",
-                           param="messages")
-        try:
+    param = "prompt" if req.prompt is not None else "messages"
+    try:
+        if req.messages is not None:
+            messages, images = split_chat(req.messages, max_image_bytes)
+            if images:
+                raise APIError(400, "tokenize counts text; send images to a completion to learn their tokens",
+                               param="messages")
+            limit = check_prompt_chars(max_model_len, messages=messages)
             tools = tool_request(req.tools, None, None)
             text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                          tools=tools.template_tools() if tools is not None else None,
-                                         max_chars=4 * max_model_len * MAX_CHARS_PER_TOKEN)
-        except ValueError as exc:  # no chat template, bad tools
-            raise APIError(400, str(exc), param="messages") from None
-        ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see
-    else:
-        ids = tokenizer.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+                                         max_chars=4 * limit)
+            check_prompt_chars(max_model_len, text)
+            ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see
+        else:
+            check_prompt_chars(max_model_len, req.prompt)
+            ids = tokenizer.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    except (PromptTooLongError, TemplateBoundError) as exc:
+        if isinstance(exc, TemplateBoundError) and exc.bound != "output":
+            raise APIError(400, str(exc), param=param) from None
+        raise APIError(400, str(exc), code="context_length_exceeded", param=param) from None
+    except ValueError as exc:  # no chat template, bad tools, a template that cannot render these messages
+        raise APIError(400, str(exc), param=param) from None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
-def detokenize(req: DetokenizeRequest, tokenizer: PromptTokenizer) -> dict[str, Any]:
+def detokenize(req: DetokenizeRequest, tokenizer: PromptTokenizer, max_model_len: int) -> dict[str, Any]:
+    """The text of token ids, at most ``max_model_len`` of them (no sequence here is longer)."""
+    if len(req.tokens) > max_model_len:
+        raise APIError(400, f"{len(req.tokens)} tokens; at most max_model_len ({max_model_len})",
+                       code="context_length_exceeded", param="tokens")
     vocab = tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:

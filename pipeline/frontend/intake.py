@@ -20,6 +20,7 @@ from strata.pipeline.contract.request import ImageEmbedding, Request
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.grammar_sandbox import GrammarSandbox, sandbox_for
 from strata.pipeline.frontend.structured import check_limits, tokenizer_spec
+from strata.pipeline.frontend.template_bounds import TemplateBoundError
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, EncodedPrompt, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -116,23 +117,49 @@ class Intake:
         tok = self.tokenizer
         if prompt_token_ids is not None:
             return tok.expand_ids(list(prompt_token_ids), num_images, image_tokens)
-        limit = self.config.max_model_len * MAX_CHARS_PER_TOKEN
+        limit = check_prompt_chars(self.config.max_model_len, prompt if prompt is not None else raw_prompt, messages)
         # a render may write a few times the prompt limit before it is stopped (the length check below names
         # an over-long prompt as such; the bound stops a template that runs away)
         bounds = {"timeout_s": self.config.chat_template_timeout_s, "max_chars": 4 * limit}
-        if prompt is not None:
-            if not prompt.strip() and not num_images:
-                raise ValueError("prompt is empty")
-            text = tok.render_user_prompt(prompt, num_images, **bounds)
-        elif messages is not None:
-            text = tok.render_chat(messages, tools=tools, **bounds)
-        else:
+        try:
+            if prompt is not None:
+                if not prompt.strip() and not num_images:
+                    raise ValueError("prompt is empty")
+                text = tok.render_user_prompt(prompt, num_images, **bounds)
+            elif messages is not None:
+                text = tok.render_chat(messages, tools=tools, **bounds)
+        except TemplateBoundError as exc:
+            if exc.bound == "output":  # what it wrote is already longer than any prompt may be
+                raise PromptTooLongError(f"the rendered prompt is longer than {limit} characters ({MAX_CHARS_PER_TOKEN} "
+                                         f"per token of max_model_len {self.config.max_model_len})") from None
+            raise
+        if prompt is None and messages is None:
             assert raw_prompt is not None
             text = raw_prompt
         if len(text) > limit:  # refused before tokenizing: a huge prompt costs nothing
             raise PromptTooLongError(f"prompt has {len(text)} characters; the limit is {limit} "
                                      f"({MAX_CHARS_PER_TOKEN} per token of max_model_len {self.config.max_model_len})")
         return tok.encode(text, num_images, image_tokens)
+
+
+def check_prompt_chars(max_model_len: int, text: str | None = None, messages: list[dict[str, Any]] | None = None) -> int:
+    """The prompt's character limit (``max_model_len`` x :data:`MAX_CHARS_PER_TOKEN`), and a PromptTooLongError
+    when ``text``, or the text of ``messages`` (what any template renders at least), is over it: checked
+    before rendering or tokenizing, so a huge prompt costs nothing."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    size = len(text) if text is not None else sum(_text_chars(m.get("content")) for m in messages or ())
+    if size > limit:
+        raise PromptTooLongError(f"prompt has {size} characters; the limit is {limit} "
+                                 f"({MAX_CHARS_PER_TOKEN} per token of max_model_len {max_model_len})")
+    return limit
+
+
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def attach_images(request: Request, offsets: list[int], features: Seq[np.ndarray], hashes: Seq[bytes],

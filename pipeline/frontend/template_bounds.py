@@ -22,7 +22,12 @@ TEMPLATE_FILE = "<template>"  # jinja's name for the code of a compiled template
 
 
 class TemplateBoundError(ValueError):
-    """A chat template's render went past a bound (an HTTP 400; the message names the bound)."""
+    """A chat template's render went past a bound (an HTTP 400; the message names the bound). ``bound``:
+    time, output, recursion or memory."""
+
+    def __init__(self, message: str, bound: str) -> None:
+        super().__init__(message)
+        self.bound = bound
 
 
 class _Stop(Exception):
@@ -34,27 +39,27 @@ def render_bounded(render: Callable[[], T], timeout_s: float, max_chars: int) ->
     output, or when it recurses or runs out of memory: TemplateBoundError saying which."""
     deadline = time.monotonic() + timeout_s
     written = 0
-    reason: list[str] = []
+    reason: list[tuple[str, str]] = []  # (what it did, which bound)
 
-    def stop(why: str) -> None:
-        reason.append(why)
+    def stop(why: str, bound: str) -> None:
+        reason.append((why, bound))
         raise _Stop(why)
 
     def in_template(frame: FrameType, event: str, arg: Any) -> Any:
         nonlocal written
         if event == "line":
             if time.monotonic() > deadline:
-                stop(f"took longer than {timeout_s:g} s")
+                stop(f"took longer than {timeout_s:g} s", "time")
         elif event == "return" and isinstance(arg, str):  # a generator's yield: a piece of the output
             written += len(arg)
             if written > max_chars:
-                stop(f"wrote more than {max_chars} characters")
+                stop(f"wrote more than {max_chars} characters", "output")
         return in_template
 
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "call" and frame.f_code.co_filename == TEMPLATE_FILE:
             if time.monotonic() > deadline:
-                stop(f"took longer than {timeout_s:g} s")
+                stop(f"took longer than {timeout_s:g} s", "time")
             return in_template
         return None
 
@@ -63,12 +68,13 @@ def render_bounded(render: Callable[[], T], timeout_s: float, max_chars: int) ->
     try:
         return render()
     except RecursionError:
-        raise TemplateBoundError("the chat template recursed too deeply rendering these messages") from None
+        raise TemplateBoundError("the chat template recursed too deeply rendering these messages", "recursion") from None
     except MemoryError:
-        raise TemplateBoundError("the chat template ran out of memory rendering these messages") from None
+        raise TemplateBoundError("the chat template ran out of memory rendering these messages", "memory") from None
     except Exception as exc:
         if reason:  # our stop, perhaps wrapped by the code in between: the bound is what matters
-            raise TemplateBoundError(f"the chat template {reason[0]} rendering these messages") from None
+            why, bound = reason[0]
+            raise TemplateBoundError(f"the chat template {why} rendering these messages", bound) from None
         raise exc
     finally:
         sys.settrace(previous)
