@@ -51,6 +51,9 @@ from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.frontend.tools.calls import constrain
 from strata.pipeline.frontend.tools.formats import tool_format_for
 from strata.pipeline.models.model_config import load_model_config
+from strata.pipeline.models.model_loader import resolve_dtype
+from strata.stages.image_preprocessing import image_preprocessor
+from strata.stages.kv_budget import kv_layout
 from strata.stages.engine_process import EngineProcessError
 from strata.stages.stage_loop import LoopStopped
 
@@ -85,6 +88,10 @@ class Ingress:
         self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir), self.config.chat_template)
         self.tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.tokenizer)
         intake = Intake(self.tokenizer, self.config.engine)
+        model_config = load_model_config(model_dir)
+        # an image whose token count depends on it is counted here, from its header, before it is sent anywhere
+        counter = image_preprocessor(model_dir, model_config, max_pixels=self.config.engine.max_image_pixels) \
+            if model_config.image_tokens_vary else None
         threading.Thread(target=intake.warm_grammars, name="grammar-sandbox-start", daemon=True).start()
         stage = self.config.stages["llm" if prefill is None else "ingress"]
         self.admission = Admission(stage.max_ongoing_requests + stage.max_queued_requests)
@@ -98,13 +105,15 @@ class Ingress:
         self._all_ready = False
         if prefill is None:
             self.stage_handles = {"encode": encode} if encode is not None else {}
-            self.flow: RequestFlow = LocalFlow(intake, preprocess, encode, None)
+            self.flow: RequestFlow = LocalFlow(intake, preprocess, encode, None, counter)
             threading.Thread(target=self._load_engine, args=(model_dir,), name="engine-load", daemon=True).start()
         else:
             self.stage_handles = {"prefill": prefill, "decode": decode}
             if encode is not None:
                 self.stage_handles["encode"] = encode
-            self.flow = StageFlow(intake, preprocess, encode, prefill, decode)
+            block_bytes = kv_layout(model_config.text, self.config.engine.block_size,
+                                    resolve_dtype(self.config.engine.dtype)).bytes_per_block()
+            self.flow = StageFlow(intake, preprocess, encode, prefill, decode, counter, block_bytes)
             self._loaded.set()
         self.readiness_handles = {**({"preprocess": preprocess} if preprocess is not None else {}), **self.stage_handles}
 
@@ -232,7 +241,7 @@ class Ingress:
                 engine = {"unavailable": type(exc).__name__}
             out["prefill"] = out["decode"] = engine
         out["ingress"] = {"ongoing_requests": self.admission.held, "mode": self.config.mode,
-                          "grammars": self.flow.intake.grammar_stats()}
+                          "grammars": self.flow.intake.grammar_stats(), "flows": self.flow.traces.recent()}
         return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

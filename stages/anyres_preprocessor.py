@@ -20,7 +20,7 @@ from strata.pipeline.models.anyres import anyres_grid
 from strata.pipeline.models.model_config import ModelConfig
 from strata.stages.native_preprocessor import CheckpointImageProcessor
 from strata.stages.pixel_budget import PixelBudget
-from strata.stages.preprocessor import ImageError, PreprocessedImage
+from strata.stages.preprocessor import ImageCost, ImageError, PreprocessedImage, _open
 
 
 class AnyresPreprocessor(CheckpointImageProcessor):
@@ -33,13 +33,20 @@ class AnyresPreprocessor(CheckpointImageProcessor):
             raise ValueError("the image processor's image_grid_pinpoints differ from config.json's: token counts "
                              "would not match the model's features")
 
+    def cost(self, image_bytes: bytes, mm_processor_kwargs: dict[str, Any] | None = None) -> ImageCost:
+        """Tokens and pixels (base view and tiles) of one image from its header alone."""
+        if mm_processor_kwargs:
+            raise ImageError(f"mm_processor_kwargs: this model's image processor takes none, got {sorted(mm_processor_kwargs)}")
+        width, height = _open(image_bytes, self.max_pixels).size
+        rows, cols = self.grid.tiles(height, width)
+        return ImageCost(self.grid.token_count(height, width), max(width * height, (1 + rows * cols) * self.grid.tile ** 2))
+
     def process(self, image_bytes: bytes, deadline: float | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImage:
         """Base view and tiles [1 + tiles, 3, S, S], the image's size and token count; ImageError for
         unusable input (and for mm_processor_kwargs: the tiling is the checkpoint's)."""
-        if mm_processor_kwargs:
-            raise ImageError(f"mm_processor_kwargs: this model's image processor takes none, got {sorted(mm_processor_kwargs)}")
-        out = self.run_processor(image_bytes, deadline)
+        cost = self.cost(image_bytes, mm_processor_kwargs)
+        out = self.run_processor(image_bytes, deadline, cost.pixels)
         h, w = (int(v) for v in out["image_sizes"][0].tolist())
         rows, cols = self.grid.tiles(h, w)
         tiles = out["pixel_values"][0][: 1 + rows * cols]  # a batch pads to its largest image's tile count

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from strata.stages.pixel_budget import PixelBudget
-from strata.stages.preprocessor import ImageError, PreprocessedImage, _load, _open, _to_chw_uint8
+from strata.stages.preprocessor import ImageCost, ImageError, PreprocessedImage, _load, _open, _to_chw_uint8
 
 
 class CheckpointImageProcessor:
@@ -41,11 +41,14 @@ class CheckpointImageProcessor:
         self.max_pixels = max_pixels
         self.pixel_budget = pixel_budget
 
-    def run_processor(self, image_bytes: bytes, deadline: float | None, **kwargs: Any) -> Any:
-        """The processor's output for one image (``kwargs`` go to the call); ImageError for unusable input."""
+    def run_processor(self, image_bytes: bytes, deadline: float | None, pixels: int = 0, **kwargs: Any) -> Any:
+        """The processor's output for one image (``kwargs`` go to the call); ImageError for unusable input.
+        ``pixels``: what the processor will hold for it beyond the decoded image (its :class:`ImageCost`),
+        reserved in the pixel budget with it."""
         header = _open(image_bytes, self.max_pixels)
         width, height = header.size
-        reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(width * height, deadline)
+        hold = max(width * height, pixels)
+        reserve = nullcontext() if self.pixel_budget is None else self.pixel_budget.hold(hold, deadline)
         with reserve:  # the full-size image is dropped before the reservation is given back
             image = _to_chw_uint8(_load(header), True)
             del header
@@ -108,14 +111,28 @@ class NativeResolutionPreprocessor(CheckpointImageProcessor):
             raise ValueError(f"mm_processor_kwargs: min_pixels ({lo}) exceeds max_pixels ({hi})")
         return {"shortest_edge": lo, "longest_edge": hi}
 
+    def _size(self, mm_processor_kwargs: dict[str, Any] | None) -> dict[str, int] | None:
+        try:
+            return self.resolution(mm_processor_kwargs)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
+
+    def cost(self, image_bytes: bytes, mm_processor_kwargs: dict[str, Any] | None = None) -> ImageCost:
+        """Tokens and pixels of one image from its header and the processor's own arithmetic
+        (``get_number_of_image_patches``, what vLLM asks it), before anything is decoded."""
+        size = self._size(mm_processor_kwargs)
+        width, height = _open(image_bytes, self.max_pixels).size
+        kwargs = {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]} if size else {}
+        patches = int(self.processor.get_number_of_image_patches(height, width, kwargs))
+        patch = int(getattr(self.processor, "patch_size", 14))
+        return ImageCost(patches // self.group, max(width * height, patches * patch * patch))
+
     def process(self, image_bytes: bytes, deadline: float | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImage:
         """Patches, grid and token count of one image; raises ImageError for unusable input or settings."""
-        try:
-            size = self.resolution(mm_processor_kwargs)
-        except ValueError as exc:
-            raise ImageError(str(exc)) from None
-        out = self.run_processor(image_bytes, deadline, **({"size": size} if size else {}))
+        size = self._size(mm_processor_kwargs)
+        cost = self.cost(image_bytes, mm_processor_kwargs)
+        out = self.run_processor(image_bytes, deadline, cost.pixels, **({"size": size} if size else {}))
         grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
         pixels = np.ascontiguousarray(out["pixel_values"].numpy().astype(np.float32, copy=False))
         content_hash = hashlib.blake2b(image_bytes + b"grid=%d,%d,%d" % grid, digest_size=16).digest()

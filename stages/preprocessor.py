@@ -68,6 +68,17 @@ class PreprocessedImage:
     image_size: tuple[int, int] | None = None  # anyres (LLaVA-OneVision): the image's (height, width) before tiling
 
 
+@dataclass(frozen=True)
+class ImageCost:
+    """What an image will cost, from its header and the processor's settings alone (nothing decoded): the
+    tokens it becomes, so a prompt too long for its images is refused before any pixel exists, and the most
+    pixels preprocessing holds for it at once (decoded or resized, whichever is more: a 64x48 PNG resized
+    to 16.7 M pixels costs the latter), which it reserves in the replica's pixel budget."""
+
+    num_tokens: int
+    pixels: int
+
+
 class Preprocessor:
     """Turns raw image bytes into model pixel values exactly as the checkpoint's processor config says."""
 

@@ -101,19 +101,19 @@ class Engine:
     def prepare(self, request_id: str, params: SamplingParams, images: list[bytes],
                 mm_processor_kwargs: dict[str, Any] | None = None, **prompt: Any) -> Request:
         """Intake with images embedded: tokenize with every placeholder expanded to its image's span,
-        preprocess and encode the images. A fixed-size model's prompt is checked before its images are
-        touched; a native-resolution model's images are preprocessed first, because their token counts
-        are part of the prompt. ``prompt``: exactly one of Intake's prompt forms."""
+        preprocess and encode the images. The prompt is checked before its images are decoded (a
+        native-resolution image's token count is read off its header: ``cost``). ``prompt``: exactly one
+        of Intake's prompt forms."""
         if images and self.preprocessor is None:
             raise ValueError(NO_IMAGES)
         native = bool(images) and self.model_config.image_tokens_vary
-        process = lambda b: self.preprocessor.process(b, None, mm_processor_kwargs)  # type: ignore[union-attr]  # noqa: E731
-        processed = [process(b) for b in images] if native else []
-        counts = [p.num_tokens for p in processed] if native else None
+        # a native-resolution image's token count follows from its header: the prompt's length is checked
+        # before any pixel is decoded
+        counts = [self.preprocessor.cost(b, mm_processor_kwargs).num_tokens for b in images] if native else None  # type: ignore[union-attr]
         request, offsets = self.intake.make_request(request_id, params, len(images), image_tokens=counts, **prompt)
         if images:
             assert self.preprocessor is not None and self.encoder is not None
-            processed = processed or [process(b) for b in images]
+            processed = [self.preprocessor.process(b, None, mm_processor_kwargs) for b in images]
             attach_images(request, offsets, self.encoder.encode(processed), [p.content_hash for p in processed],
                           [p.grid_thw for p in processed])
         return request

@@ -13,9 +13,18 @@ class PreprocessedImageLike(Protocol):
     content_hash: bytes
 
 
+class ImageCostLike(Protocol):
+    num_tokens: int
+    pixels: int
+
+
 class PreprocessorLike(Protocol):
     def process(self, image_bytes: bytes, deadline: float | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None) -> PreprocessedImageLike: ...
+
+    def cost(self, image_bytes: bytes, mm_processor_kwargs: dict[str, Any] | None = None) -> ImageCostLike:
+        """Tokens and pixels an image will cost, from its header (the preprocessors whose counts vary)."""
+        ...
 
 
 class EncoderLike(Protocol):
