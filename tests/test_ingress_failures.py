@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 import pytest
@@ -72,6 +73,9 @@ class FakePrefill:
         self.handoff = b""
         self.prefill = _Call(prefill)
 
+    def options(self, **_: Any) -> "FakePrefill":
+        return self
+
 
 class FakeDecode:
     def __init__(self, frames: list[bytes], then: BaseException | None = None) -> None:
@@ -83,10 +87,13 @@ class FakeDecode:
         return self
 
 
+_INTAKE = SimpleNamespace(config=SimpleNamespace(block_size=16))  # all StageFlow reads of its intake here
+
+
 def _run(prefill: FakePrefill, decode: FakeDecode, stream: bool) -> tuple[int, dict[str, str], str]:
     """One chat request through StageFlow + Responder: (status, headers, body text)."""
     async def go() -> tuple[int, dict[str, str], str]:
-        flow = StageFlow(intake=None, preprocess=None, encode=None, prefill=prefill, decode=decode)  # type: ignore[arg-type]
+        flow = StageFlow(intake=_INTAKE, preprocess=None, encode=None, prefill=prefill, decode=decode)  # type: ignore[arg-type]
         responder = Responder("m", lambda ids: "x" * len(ids), retry_after_s=2.0, deadline_s=30.0)
         req = parse_request(ChatCompletionRequest, {"model": "m", "stream": stream,
                                                     "messages": [{"role": "user", "content": "hi"}]})

@@ -16,8 +16,10 @@ from typing import Any, AsyncIterator
 import pytest
 from starlette.requests import Request as HTTPRequest
 
+from strata.deployments.admission import Admission
 from strata.deployments.config import ServeConfig
 from strata.deployments.ingress import Ingress
+from strata.deployments.request_end import request_scope
 from strata.deployments.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import MAX_TOKENS, SamplingParams
@@ -51,7 +53,7 @@ def _ingress(flow: FakeFlow) -> Any:
     ingress = object.__new__(_Ingress)
     config = ServeConfig()
     ingress.config, ingress.model_name, ingress.flow, ingress.service = config, MODEL, flow, None
-    ingress.retry_after_s, ingress.admission_limit, ingress._preparing = 1.0, 16, 0
+    ingress.retry_after_s, ingress.admission = 1.0, Admission(16)
     ingress.responder = Responder(MODEL, lambda ids: "x" * len(ids), 1.0, 30.0)
     ingress._loaded, ingress._load_error = threading.Event(), None
     ingress._loaded.set()
@@ -70,7 +72,9 @@ def _post(body: dict[str, Any], chat: bool = True) -> tuple[int, dict[str, Any],
     async def go() -> tuple[int, dict[str, Any], FakeFlow]:
         flow = FakeFlow()
         ingress = _ingress(flow)
-        resp = await ingress._complete(HTTPRequest(scope, receive), chat=chat)
+        async with request_scope():  # what RequestEndMiddleware gives every HTTP request
+            resp = await ingress._complete(HTTPRequest(scope, receive), chat=chat)
+        assert ingress.admission.held == 0
         return resp.status_code, json.loads(resp.body), flow
 
     return asyncio.run(go())

@@ -59,8 +59,12 @@ def _leave(server, i: int) -> None:
         pass
 
 
+def _stats(server) -> dict:
+    return httpx.get(server.base_url + "/strata/stats", timeout=30).json()
+
+
 def _held(server) -> int:
-    return httpx.get(server.base_url + "/strata/stats", timeout=30).json()["ingress"]["ongoing_requests"]
+    return _stats(server)["ingress"]["ongoing_requests"]
 
 
 def test_clients_leaving_at_any_point_leave_no_admission_slot_behind(any_server) -> None:
@@ -87,18 +91,26 @@ def test_big_bodies_are_parsed_off_the_loop_that_serves_the_streams(aggregated_s
     url = aggregated_server.direct_url
     assert url is not None
     arrivals: list[float] = []
+    ended: list[str] = []  # how the stream ended, if it did: what a failure below reports
 
     def stream() -> None:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "tell a story"}], "max_tokens": 300,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    arrivals.append(time.monotonic())
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                ended.append(f"HTTP {r.status_code} after {len(arrivals)} chunks")
+        except httpx.HTTPError as exc:
+            ended.append(f"{type(exc).__name__}: {exc}")
 
     streaming = threading.Thread(target=stream)
     streaming.start()
-    wait_until(lambda: len(arrivals) >= 5, 60, "the stream to start")
+    deadline = time.monotonic() + 60
+    while len(arrivals) < 5 and not ended and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(arrivals) >= 5, f"the stream has not started ({ended or 'still open'}); {_stats(aggregated_server)}"
     big = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x " * 5_000_000}], "max_tokens": 4})
 
     def post(_: int) -> httpx.Response:
