@@ -54,6 +54,26 @@ class ServeProcess(LocalServer):
             return "/health is 200 but the CLI never printed its endpoints (\"Ctrl-C stops\")"
         return f"/health {r.status_code}: {body}"
 
+    def live_direct_url(self, deployment: str = "LLM") -> str:
+        """The direct port of the ``deployment`` replica running now. The banner's ``Direct endpoint`` names
+        the port of the replica that ran at start; a replica Serve replaced (an earlier test kills one)
+        listens on another, so a test that must reach the replica asks the running one."""
+        import psutil
+
+        apps = httpx.get(self.dashboard_url + "/api/serve/applications/", timeout=30).json()["applications"]
+        pids = [r["pid"] for r in apps["strata"]["deployments"][deployment]["replicas"] if r["state"] == "RUNNING"]
+        for pid in pids:
+            for conn in psutil.Process(pid).net_connections(kind="tcp"):
+                if conn.status != psutil.CONN_LISTEN or conn.laddr.port == self.port:
+                    continue
+                url = f"http://127.0.0.1:{conn.laddr.port}"
+                try:  # its gRPC port refuses HTTP/1.1; the HTTP one answers /health
+                    if httpx.get(url + "/health", timeout=5).status_code in (200, 503):
+                        return url
+                except httpx.HTTPError:
+                    continue
+        raise AssertionError(f"no running {deployment} replica serves HTTP on a port of its own")
+
     def shutdown_errors(self) -> list[str]:
         """What the server printed after Ctrl-C besides its own ``strata:`` lines: a clean stop prints nothing
         else (no ERROR line, traceback, or Ray's "graceful_shutdown failed ... retries" warning)."""

@@ -88,8 +88,7 @@ def _replica_rss(server) -> int:
 def test_big_bodies_are_parsed_off_the_loop_that_serves_the_streams(aggregated_server) -> None:
     """On the replica's own endpoint (the fast path: what this server's code serves, with no Ray proxy
     relaying the 40 MB in between)."""
-    url = aggregated_server.direct_url
-    assert url is not None
+    url = aggregated_server.live_direct_url()
     arrivals: list[float] = []
     ended: list[str] = []  # how the stream ended, if it did: what a failure below reports
 
