@@ -156,13 +156,13 @@ def check_tensor_parallel(config: ServeConfig, model_dir: str | Path) -> None:
     """Refuse (ShardingError, a ValueError) a stage's tp the model cannot be split into, before any
     cluster starts."""
     from strata.pipeline.models.model_config import load_model_config
-    from strata.pipeline.parallel.shard_plan import ShardPlan
+    from strata.pipeline.models.model_loader import check_tensor_parallel_split
 
     wanted = sorted({config.tp(stage) for stage in LANGUAGE_STAGES} - {1})
     if wanted:
-        text = load_model_config(model_dir).text
+        cfg = load_model_config(model_dir)
         for tp in wanted:
-            ShardPlan(text, 0, tp)
+            check_tensor_parallel_split(model_dir, cfg, tp)
 
 
 def default_serve_config() -> ServeConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.tp_workers import Launcher, LocalWorkers, Workers, WorkerSpec
 from strata.pipeline.models.model_config import ModelConfig
-from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.models.model_loader import check_tensor_parallel_split, load_parallel_language_model, resolve_dtype
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weights import LoadStats
 from strata.pipeline.parallel.shard_plan import ShardPlan
@@ -51,7 +51,7 @@ def shm_slot_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
 def open_group(model_dir: Path, config: EngineConfig, cfg: ModelConfig, launcher: Launcher | None = None,
                host: str = "127.0.0.1") -> TPGroupHandle:
     """Start and join ``config.tp`` ranks; raises (with the workers stopped) if they cannot form."""
-    ShardPlan(cfg.text, 0, config.tp)  # a model that does not split fails here, before anything starts
+    check_tensor_parallel_split(model_dir, cfg, config.tp)  # a model that does not split fails before anything starts
     address = GroupAddress.free_local(host, shm_slot_bytes(config, cfg))
     workers = (launcher or LocalWorkers)(WorkerSpec(str(model_dir), config.to_dict(), address, config.tp))
     try:

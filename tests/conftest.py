@@ -32,7 +32,7 @@ TEXT_VARIANTS = {
 }
 
 
-SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server", "keyed_server"}
+SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server", "keyed_server", "qwen_vl_server"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -71,6 +71,32 @@ def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, (arch, overrides) in TEXT_VARIANTS.items():
         models[name] = build_tiny_text_model(arch, root / name, overrides=overrides)
     return models
+
+
+# Checkpoints as models are released, quantized by compressed-tensors (``strata.quantized_checkpoint``):
+# (base family, its config overrides, format, routed experts only). Blocks of 16 leave partial blocks
+# (kv_a_proj_with_mqa: 40 rows) and still split on block boundaries at tp=2.
+QUANTIZED = {
+    "deepseek_v3-fp8": ("deepseek_v3", {}, "fp8-block", False),  # DeepSeek-V3 / Kimi-K2 as released
+    "kimi_k25-int4": ("deepseek_v3", {}, "int4", True),  # Kimi-K2.5's text model: INT4 routed experts
+    "qwen3_moe-mxfp4": ("qwen3_moe", {"moe_intermediate_size": 64}, "mxfp4", True),  # gpt-oss-style experts
+    "qwen3_moe-int4-asym": ("qwen3_moe", {"moe_intermediate_size": 64}, "int4-asym", False),
+    "llama-fp8-channel": ("llama", {}, "fp8-channel", False),  # a community FP8 release
+}
+
+
+@pytest.fixture(scope="session")
+def quantized_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """name -> (the quantized checkpoint, its exact dequantization as a dense one: the reference)."""
+    from strata.quantized_checkpoint import dequantize_checkpoint, quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized")
+    built = {}
+    for name, (arch, overrides, fmt, experts) in QUANTIZED.items():
+        dense = build_tiny_text_model(arch, root / f"{name}-dense", overrides=overrides)
+        quantized = quantize_checkpoint(dense, root / name, fmt, only_experts=experts, block=16)
+        built[name] = (quantized, dequantize_checkpoint(quantized, root / f"{name}-reference"))
+    return built
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +205,27 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     # Ctrl-C is a clean stop: nothing printed after "strata: shutting down" (Ray's graceful_shutdown retry
     # warning included) but strata's own lines, even after the faults its tests made
     assert server.shutdown_errors() == [], server.shutdown_errors()
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real `strata serve` of a tiny Qwen2.5-VL (native-resolution images, aggregated, a 4K context), shared by
+    the Qwen2.5-VL and photo tests; ``server.model`` is its checkpoint."""
+    from serve_process import ServeProcess
+
+    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+
+    model = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen-vl") / "qwen")
+    server = ServeProcess(model, tmp_path_factory.mktemp("qwen-vl-serve"),
+                          {"mode": "aggregated", "engine": {"max_model_len": 4096}},
+                          env={"STRATA_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    server.model = model
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.begin_stop()
+        _STOPPING.append(server)
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from strata.bringup.teacher_forced import sequence_logits  # noqa: F401  (tests import it from here)
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.scheduler import ScheduledChunk
@@ -102,26 +103,6 @@ def prefill_logits(engine: Any, prompt: str, images: list[bytes]) -> torch.Tenso
     assert kv.reserve(seq.block_table, seq.num_tokens)
     try:
         return engine.core.runner.execute([ScheduledChunk(seq, 0, seq.num_tokens)])[0]
-    finally:
-        kv.free(seq.block_table)
-
-
-def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position of ``token_ids`` (one prefill chunk through our model runner): what a
-    teacher-forced comparison with a reference needs."""
-    from strata.kernels import AttentionMetadata
-
-    kv, runner = engine.kv, engine.core.runner
-    seq = Sequence("all-positions", list(token_ids), greedy(1), kv.layout.block_size)
-    assert kv.reserve(seq.block_table, seq.num_tokens)
-    try:
-        t = seq.num_tokens
-        meta = AttentionMetadata.build([t], [t], [seq.block_table.block_ids], seq.block_table.slots(0, t),
-                                       kv.layout.block_size)
-        with torch.inference_mode():
-            embeds = runner.model.embed(torch.tensor(seq.token_ids))
-            hidden = runner.model.forward(embeds, torch.arange(t), kv.device_kv, meta, runner.backend)
-            return runner.model.logits(hidden)
     finally:
         kv.free(seq.block_table)
 

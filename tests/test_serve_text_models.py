@@ -1,7 +1,8 @@
-"""Text-only LLMs through the real `strata serve`: a DeepSeek-V3 (MLA, grouped MoE) served
-disaggregated, its decode a tensor-parallel group of two; the official openai client gets the
-in-process engine's answers, streamed or not, and an image is a 400 that says the model takes none.
-No Preprocess or Encode deployment is started for it."""
+"""Text-only LLMs through the real `strata serve`: a DeepSeek-V3 as it is released (MLA, grouped MoE, FP8
+weights with block scales, written by compressed-tensors) served disaggregated, its decode a
+tensor-parallel group of two reading its slices of the FP8 codes and scales; the official openai client
+gets the in-process engine's answers, streamed or not, and an image is a 400 that says the model takes
+none. No Preprocess or Encode deployment is started for it."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ PNG_1PX = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAA
 
 
 @pytest.fixture(scope="module")
-def deepseek_server(text_models, tmp_path_factory: pytest.TempPathFactory):
+def deepseek_dir(quantized_models):
+    return quantized_models["deepseek_v3-fp8"][0]
+
+
+@pytest.fixture(scope="module")
+def deepseek_server(deepseek_dir, tmp_path_factory: pytest.TempPathFactory):
     from serve_process import ServeProcess
 
     workdir = tmp_path_factory.mktemp("serve-deepseek")
     config = {"mode": "disaggregated", "engine": {"max_model_len": 1024, "host_kv_blocks": 1024,
                                                   "host_kv_dir": str(workdir / "host")},
               "stages": {"decode": {"tp": 2}}}
-    server = ServeProcess(text_models["deepseek_v3"], workdir, config)
+    server = ServeProcess(deepseek_dir, workdir, config)
     try:
         server.wait_ready()
         yield server
@@ -38,8 +44,8 @@ def client(deepseek_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=deepseek_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_chat_and_stream_equal_the_in_process_engine(client: openai.OpenAI, text_models) -> None:
-    engine = build(text_models["deepseek_v3"])
+def test_chat_and_stream_equal_the_in_process_engine(client: openai.OpenAI, deepseek_dir) -> None:
+    engine = build(deepseek_dir)
     expected = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
     for prompt, exp in zip(PROMPTS, expected):
         messages = [{"role": "user", "content": prompt}]
@@ -52,8 +58,8 @@ def test_chat_and_stream_equal_the_in_process_engine(client: openai.OpenAI, text
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
 
 
-def test_text_parts_are_joined_for_a_text_template(client: openai.OpenAI, text_models) -> None:
-    engine = build(text_models["deepseek_v3"])
+def test_text_parts_are_joined_for_a_text_template(client: openai.OpenAI, deepseek_dir) -> None:
+    engine = build(deepseek_dir)
     expected = engine.generate([{"prompt": "first line\nsecond line", "params": greedy(8)}])[0]
     parts = [{"type": "text", "text": "first line"}, {"type": "text", "text": "second line"}]
     reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": parts}],

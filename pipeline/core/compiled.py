@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from strata.pipeline.models.decoder import DenseSteps, LanguageModel
+from strata.pipeline.models.quant_modules import quant_weights
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ def _pad(a: Any, t: int, size: int) -> Any:
 
 def compile_model(model: LanguageModel, device: torch.device, max_decode_tokens: int, max_step_tokens: int) -> float:
     """Swap the model's dense steps for compiled ones and compile them now; returns the seconds spent."""
+    if quant_weights(model):  # the steps would trace the tile loop of every quantized linear
+        log.warning("not compiling the model step: its weights are kept quantized, computed by kernels.quant_linear")
+        return 0.0
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "strata" / "inductor"))
     eager = DenseSteps()
     if device.type == "cuda":

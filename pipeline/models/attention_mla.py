@@ -19,6 +19,7 @@ from torch import nn
 
 from strata.kernels import AttentionBackend, AttentionMetadata, attend_spilled, linear, rms_norm, rotate_heads, write_cache
 from strata.pipeline.models.model_config import TextConfig
+from strata.pipeline.models.quant_modules import QuantLinear
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm use the RMSNorm default
 
@@ -58,7 +59,10 @@ class MLAAttention(nn.Module):
         self._pairs = torch.cat([torch.arange(0, self.rope, 2, device="cpu"), torch.arange(1, self.rope, 2, device="cpu")]) if self.interleave else None
 
     def fuse(self) -> None:
-        """Nothing to fuse; present so every attention component loads the same way."""
+        """Nothing to fuse. A ``kv_b_proj`` stored quantized is dequantized once here, as vLLM does: the
+        absorbed form splits it per head into W_UK and W_UV (a few percent of the model's weights)."""
+        if isinstance(self.kv_b_proj, QuantLinear):
+            self.kv_b_proj = self.kv_b_proj.dense(self.kv_a_layernorm.weight.dtype)  # type: ignore[assignment]
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, rank], W_UV [H, v, rank]): views of ``kv_b_proj`` split per head."""

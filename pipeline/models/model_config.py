@@ -15,6 +15,7 @@ from typing import Any
 
 from strata.pipeline.models.architectures import ModelArchitecture, UnknownArchitecture, resolve_architecture
 from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.weight_formats import QuantScheme, parse_quantization
 from strata.pipeline.models.text_config import (  # re-exported: the config's types live in one import
     TEXT_MODEL_TYPES,
     MLAConfig,
@@ -54,6 +55,7 @@ class ModelConfig:
     image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max_tiles: int = 0  # "anyres_max_N": an image's unpadded features are downsampled past N tiles' worth
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    quant: QuantScheme | None = None  # how the checkpoint's linears are stored, when quantized
 
     @property
     def takes_images(self) -> bool:
@@ -99,7 +101,14 @@ class ModelConfig:
 
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
-    """A config.json of any registered architecture (``models.architectures``)."""
+    """A config.json of any registered architecture (``models.architectures``), with its weight format:
+    a quantization Strata does not implement is refused here, before any weight is read."""
+    cfg = _parse_model_config(raw)  # an unknown architecture is named first, whatever its weights' format
+    quant = parse_quantization(raw)
+    return replace(cfg, quant=quant) if quant is not None else cfg
+
+
+def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     try:
         arch = resolve_architecture(raw)
     except UnknownArchitecture as exc:

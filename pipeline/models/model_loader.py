@@ -9,9 +9,11 @@ import torch
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.image_encoder import ImageEncoderModel
 from strata.pipeline.models.model_config import ModelConfig, ModelConfigError, load_model_config
+from strata.pipeline.models.quant_loading import check_tp_split, quantized_modules
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
-from strata.pipeline.models.weights import LoadStats, load_weights, weight_map
-from strata.pipeline.parallel.shard_plan import ShardPlan
+from strata.pipeline.models.weight_formats import WeightFormatError
+from strata.pipeline.models.weights import LoadStats, load_weights, text_tensor_names, weight_map
+from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
 from strata.pipeline.parallel.tp_group import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,6 +23,19 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def check_tensor_parallel_split(model_dir: str | Path, cfg: ModelConfig, tp: int) -> None:
+    """``tp`` splits the model (:class:`ShardingError` otherwise), and every rank's slice of every quantized
+    tensor starts on a block or group boundary, named when it does not: checked before any rank starts."""
+    ShardPlan(cfg.text, 0, tp)
+    if cfg.quant is None or tp == 1:
+        return
+    formats = quantized_modules(cfg.quant, text_tensor_names(weight_map(Path(model_dir)), cfg.arch))
+    try:
+        check_tp_split(formats, [ShardPlan(cfg.text, rank, tp) for rank in range(tp)])
+    except WeightFormatError as exc:
+        raise ShardingError(str(exc)) from None
 
 
 def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
@@ -48,7 +63,7 @@ def load_language_model(
     check_layers_in_weights(model_dir, cfg)
     with torch.device("meta"):
         model = LanguageModel(cfg.text)
-    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch)
+    stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch, quant=cfg.quant)
     model.fuse_projections()
     return model.eval(), stats
 
@@ -65,7 +80,7 @@ def load_parallel_language_model(
     with torch.device("meta"):
         model = ParallelLanguageModel(plan, group)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, verify=group.is_driver, shard=plan,
-                         arch=cfg.arch)
+                         arch=cfg.arch, quant=cfg.quant)
     model.fuse_projections()
     return model.eval(), stats
 

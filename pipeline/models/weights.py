@@ -23,7 +23,10 @@ from safetensors import safe_open
 from torch import nn
 
 from strata.pipeline.models.architectures import ARCHITECTURES, ModelArchitecture
+from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.file_digest import file_identity, hash_file, remember
+from strata.pipeline.models.quant_loading import QuantCollector, QuantLoadError
+from strata.pipeline.models.weight_formats import QuantScheme, WeightFormatError, is_quant_tensor
 
 if TYPE_CHECKING:
     from strata.pipeline.parallel.shard_plan import ShardPlan
@@ -35,6 +38,7 @@ MANIFEST = "SHA256SUMS"
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
 _EXPERT_KIND = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 LLAVA = ARCHITECTURES["LlavaForConditionalGeneration"]
+DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class WeightsError(RuntimeError):
@@ -124,6 +128,9 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dty
         tensor = tensor.transpose(1, 2)
     if tuple(current.shape) != tuple(tensor.shape):
         raise WeightsError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(current.shape)}")
+    if tensor.dtype not in DENSE_DTYPES:  # e4m3 bytes or packed integers read as numbers: every answer wrong
+        raise WeightsError(f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, but the "
+                           "checkpoint's config says nothing of how to read it (no quantization_config claims it)")
     # a router scores in fp32 whatever the model's dtype, as the reference does
     tensor = tensor.to(torch.float32 if getattr(parent, "keep_fp32", False) else dtype)
     setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
@@ -178,13 +185,16 @@ def load_weights(
     progress: bool | None = None,
     shard: "ShardPlan | None" = None,
     arch: ModelArchitecture = LLAVA,
+    quant: QuantScheme | None = None,
 ) -> LoadStats:
     """Stream the tensors of the parts in ``modules`` (keys from :data:`PARTS`) into those modules.
 
     Modules may be built on the meta device; every parameter must be filled or this raises.
     Tensors of other parts are never read; their shards are never opened. With ``shard`` (a
     tensor-parallel rank's plan) only that rank's slice of each decoder tensor is read, and
-    experts it does not hold are skipped.
+    experts it does not hold are skipped. With ``quant`` (the checkpoint's quantization scheme) the
+    text part's linears stored quantized are swapped for their quantized modules and filled in their
+    stored format; a quantization tensor nothing claims is an error, never skipped.
     """
     model_dir = Path(model_dir)
     unknown = set(modules) - set(PARTS)
@@ -193,13 +203,23 @@ def load_weights(
     mapping = weight_map(model_dir)
     wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # shard file -> tensors to read
     stats = LoadStats()
+    quantized = _collector(quant, modules, mapping, arch, shard)
     owned = {part: _param_names(m) for part, m in modules.items()}
+    layers = getattr(getattr(modules.get("text"), "cfg", None), "num_layers", None)
     for ckpt_name, shard_file in mapping.items():
         target = arch.map_name(ckpt_name)
-        if target is None or target[0] not in modules or _owner_name(target[1], modules[target[0]]) not in owned[target[0]]:
+        claimed = quantized is not None and target is not None and target[0] == "text" and quantized.claims(target[1])
+        if not claimed and (target is None or target[0] not in modules
+                            or _owner_name(target[1], modules[target[0]]) not in owned[target[0]]):
+            if target is not None and target[0] in modules and _is_quant_tensor(target[1], layers):
+                raise WeightsError(f"tensor {ckpt_name} is claimed by no component: the checkpoint is quantized in a "
+                                   "way its config.json's quantization_config does not say")
             stats.skipped_tensors += 1
             continue
-        expert = shard.expert_of(target[1]) if shard is not None and target[0] == "text" else None
+        if claimed:
+            expert = quantized.expert_of(target[1]) if shard is not None else None  # type: ignore[union-attr]
+        else:
+            expert = shard.expert_of(target[1]) if shard is not None and target[0] == "text" else None
         if expert is not None and not shard.holds_expert(expert):  # type: ignore[union-attr]
             stats.skipped_tensors += 1
             continue
@@ -225,6 +245,12 @@ def load_weights(
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for ckpt_name, part, name in wanted[shard_file]:
                         plan = shard if part == "text" else None
+                        if quantized is not None and part == "text" and quantized.claims(name):
+                            tensor = _read_cut(f, ckpt_name, quantized.slice_for(name))
+                            stats.tensors_read += 1
+                            stats.bytes_read += tensor.numel() * tensor.element_size()
+                            quantized.add(name, tensor.to(device=device))
+                            continue
                         tensor = _read(f, ckpt_name, name, plan)
                         stats.tensors_read += 1
                         stats.bytes_read += tensor.numel() * tensor.element_size()
@@ -233,17 +259,52 @@ def load_weights(
                         _place(modules[part], part, name, tensor.to(device=device), merger, dtype)
             except WeightsError:
                 raise
+            except (QuantLoadError, WeightFormatError, ModelConfigError) as exc:
+                raise WeightsError(str(exc)) from None
             except Exception as exc:  # safetensors raises its own types for truncated or garbled files
                 raise WeightsError(f"cannot read shard {shard_file}: {exc}") from exc
             bar.update(path.stat().st_size)
     _finish(modules, dtype, device)
+    lacking = quantized.missing() if quantized is not None else []
+    if lacking:
+        shown = ", ".join(lacking[:5]) + (" …" if len(lacking) > 5 else "")
+        raise WeightsError(f"checkpoint lacks the quantized tensors of {len(lacking)} module(s): {shown}")
     return stats
+
+
+def text_tensor_names(mapping: dict[str, str], arch: ModelArchitecture) -> list[tuple[str, str]]:
+    """(checkpoint name, our name) of every tensor of the text part."""
+    return [(ckpt, target[1]) for ckpt in mapping if (target := arch.map_name(ckpt)) is not None and target[0] == "text"]
+
+
+def _collector(quant: QuantScheme | None, modules: dict[str, nn.Module], mapping: dict[str, str],
+               arch: ModelArchitecture, shard: "ShardPlan | None") -> QuantCollector | None:
+    """The quantized modules of the text part, swapped in before anything is read."""
+    if quant is None or "text" not in modules:
+        return None
+    names = text_tensor_names(mapping, arch)
+    try:
+        return QuantCollector(quant, modules["text"], names, shard)
+    except (ModelConfigError, ValueError) as exc:
+        raise WeightsError(str(exc)) from None
+
+
+def _is_quant_tensor(name: str, layers: int | None) -> bool:
+    """A scale, packed codes or a zero point: bytes that mean nothing without their format (a layer past
+    the decoder's, DeepSeek's multi-token prediction, is not loaded at all)."""
+    layer = re.match(r"^layers\.(\d+)\.", name)
+    if layer is not None and layers is not None and int(layer.group(1)) >= layers:
+        return False
+    return is_quant_tensor(name)
 
 
 def _read(f, ckpt_name: str, name: str, shard: "ShardPlan | None") -> torch.Tensor:
     """The tensor, or only this rank's slice of it (a strided read of the mapped file: the other
     rows or columns are never copied)."""
-    cut = shard.slice_for(name) if shard is not None else None
+    return _read_cut(f, ckpt_name, shard.slice_for(name) if shard is not None else None)
+
+
+def _read_cut(f, ckpt_name: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
     if cut is None:
         return f.get_tensor(ckpt_name)
     dim, start, stop = cut

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from strata.bringup.weight_format_report import format_lines
 from strata.kernels.backends import vendor_kernels_importable
 from strata.kernels.cpu_kernels import library_path
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
@@ -242,7 +243,8 @@ def _qwen_vit_components(vc: dict[str, Any], qwen3: bool) -> list[Component]:
 def dtype_component(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> Component:
     dtype = raw.get("dtype") or raw.get("torch_dtype") or _text_config(raw, arch).get("dtype") or "float32"
     ok = dtype in ("float32", "bfloat16", "float16")
-    return Component("dtype", f"weights stored as {dtype}",
+    stored = "unquantized weights" if raw.get("quantization_config") else "weights"
+    return Component("dtype", f"{stored} stored as {dtype}",
                      "loaded as float32 or bfloat16 (--dtype)" if ok else MISSING)
 
 
@@ -332,8 +334,9 @@ def check_weights(model_dir: Path, raw: dict[str, Any], arch: ModelArchitecture 
             by_part[mapped[0]].add(mapped[1])
     missing = {part: [p for p in patterns if not any(re.match(p, n) for n in by_part[part])]
                for part, patterns in required_tensors(raw, arch).items()}
-    return {"tensors": len(names), "unclaimed": sorted(unclaimed), "unused": len(unused),
-            "missing": {k: v for k, v in missing.items() if v}}
+    formats, unread = format_lines(raw, names)
+    return {"tensors": len(names), "unclaimed": sorted(set(unclaimed) | set(unread)), "unused": len(unused),
+            "missing": {k: v for k, v in missing.items() if v}, "formats": formats}
 
 
 def inventory(model_dir: Path) -> dict[str, Any]:
@@ -346,6 +349,10 @@ def inventory(model_dir: Path) -> dict[str, Any]:
     components = [Component("architecture", shown, impl)]
     components += text_components(raw, arch) + vision_components(raw, arch) + [dtype_component(raw, arch)]
     weights = check_weights(model_dir, raw, arch)
+    if weights is not None:
+        components += [Component(*line) for line in weights.pop("formats")]
+    else:
+        components += [Component(*line) for line in format_lines(raw, [])[0]]
     return {"model_type": top, "architecture": arch.name if arch else None,
             "components": [c.__dict__ for c in components], "weights": weights}
 

@@ -1,0 +1,79 @@
+"""The modules that hold quantized weights: a linear layer and a stack of experts, in place of ours.
+
+Built on the meta device like every module, they are swapped in for the dense ones the checkpoint
+stores quantized (:func:`install`), before any weight is read; the loader then fills their
+:class:`kernels.quant_weight.QuantWeight` from the format's tensors. Everything that multiplies by a
+weight goes through :func:`kernels.linear`, which takes either kind, so the decoder's code is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.kernels import linear
+from strata.kernels.quant_weight import QuantWeight
+from strata.pipeline.models.weight_formats import WeightFormat
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` kept in its stored format (``weight``: a QuantWeight once loaded)."""
+
+    def __init__(self, fmt: WeightFormat, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.weight: QuantWeight | None = None
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None, "a quantized linear used before its weights were loaded"
+        return linear(x, self.weight, self.bias)
+
+    def dense(self, dtype: torch.dtype) -> nn.Linear:
+        """An ordinary linear of the dequantized weight (MLA's ``kv_b_proj``, split per head for absorption)."""
+        assert self.weight is not None
+        with torch.device(self.weight.device):
+            out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=dtype)
+        out.weight = nn.Parameter(self.weight.dequantize(dtype), requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
+        return out
+
+
+class QuantExperts(nn.Module):
+    """Routed experts stacked like :class:`models.moe.MoEExperts` (gate_up [E, 2I, H], down [E, H, I]),
+    each a QuantWeight of the stack."""
+
+    def __init__(self, fmt: WeightFormat, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.fmt, self.num_experts, self.hidden, self.intermediate = fmt, num_experts, hidden, intermediate
+        self.gate_up_proj: QuantWeight | None = None
+        self.down_proj: QuantWeight | None = None
+
+
+def quant_weights(model: nn.Module) -> dict[str, QuantWeight | None]:
+    """Every quantized weight of ``model`` by name (None: not loaded yet)."""
+    out: dict[str, QuantWeight | None] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            out[f"{name}.weight"] = module.weight
+        elif isinstance(module, QuantExperts):
+            out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"] = module.gate_up_proj, module.down_proj
+    return out
+
+
+def install(model: nn.Module, formats: dict[str, WeightFormat]) -> None:
+    """Swap the modules named in ``formats`` (our names: ``layers.3.self_attn.q_proj``,
+    ``layers.3.mlp.experts``) for their quantized forms."""
+    for name, fmt in formats.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        current = getattr(parent, leaf)
+        if isinstance(current, nn.Linear):
+            replacement: nn.Module = QuantLinear(fmt, current.in_features, current.out_features, current.bias is not None)
+        elif isinstance(getattr(current, "gate_up_proj", None), torch.Tensor):  # a stack of experts (models.moe)
+            e, two_i, h = current.gate_up_proj.shape
+            replacement = QuantExperts(fmt, e, h, two_i // 2)
+        else:
+            raise ValueError(f"{name} is a {type(current).__name__}, which has no quantized form")
+        setattr(parent, leaf, replacement)
