@@ -222,38 +222,31 @@ def test_tp2_equals_tp1_with_images(qwen_dir: Path) -> None:
         two.close()
 
 
-@pytest.mark.slow
-def test_the_openai_client_through_strata_serve_equals_the_engine(qwen_dir: Path, tmp_path: Path) -> None:
+def test_the_openai_client_through_strata_serve_equals_the_engine(qwen_vl_server) -> None:
     """Aggregated serving (Preprocess, Encode, LLM): one image, two images of other sizes, one image at a
     resolution the request chooses (mm_processor_kwargs), and such settings out of range: a 400."""
     import openai
     from helpers import MODEL_NAME
-    from serve_process import ServeProcess
 
-    engine = build(qwen_dir)
+    engine = build(qwen_vl_server.model)
     small = {"max_pixels": 16 * 28 * 28}
     cases = [([patterned_image(SIZES["large-224"])], None), ([patterned_image(SIZES["wide-300x120"], 1), patterned_image(SIZES["square-64"], 2)], None),
              ([patterned_image(SIZES["large-224"])], small)]
     expected = [engine.generate([{"prompt": PROMPT, "images": imgs, "params": greedy(10), "mm_processor_kwargs": kw}])[0]
                 for imgs, kw in cases]
-    server = ServeProcess(qwen_dir, tmp_path, {"mode": "aggregated", "engine": {"max_model_len": 2048}})
-    try:
-        server.wait_ready()
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=qwen_vl_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-        def ask(imgs: list[bytes], kwargs: dict | None):
-            extra = {"mm_processor_kwargs": kwargs} if kwargs else None
-            return client.chat.completions.create(model=MODEL_NAME, messages=image_chat(imgs, PROMPT),
-                                                  max_tokens=10, temperature=0, extra_body=extra)
+    def ask(imgs: list[bytes], kwargs: dict | None):
+        extra = {"mm_processor_kwargs": kwargs} if kwargs else None
+        return client.chat.completions.create(model=MODEL_NAME, messages=image_chat(imgs, PROMPT),
+                                              max_tokens=10, temperature=0, extra_body=extra)
 
-        for (imgs, kwargs), exp in zip(cases, expected):
-            reply = ask(imgs, kwargs)
-            assert reply.choices[0].message.content == exp.text
-            assert reply.usage.prompt_tokens == exp.num_prompt_tokens  # each image counted at its own size
-        with pytest.raises(openai.BadRequestError, match="max_pixels must be an integer"):
-            ask(cases[0][0], {"max_pixels": 10})
-    finally:
-        server.stop()
+    for (imgs, kwargs), exp in zip(cases, expected):
+        reply = ask(imgs, kwargs)
+        assert reply.choices[0].message.content == exp.text
+        assert reply.usage.prompt_tokens == exp.num_prompt_tokens  # each image counted at its own size
+    with pytest.raises(openai.BadRequestError, match="max_pixels must be an integer"):
+        ask(cases[0][0], {"max_pixels": 10})
 
 
 def test_qwens_own_flat_config_serves_the_same_tokens(qwen_dir: Path, tmp_path: Path) -> None:

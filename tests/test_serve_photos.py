@@ -45,22 +45,9 @@ def _tiny_png() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory):
-    from serve_process import ServeProcess
-
-    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
-
-    model = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("photos") / "qwen")
-    server = ServeProcess(model, tmp_path_factory.mktemp("photos-serve"), {"mode": "aggregated",
-                                                                            "engine": {"max_model_len": 4096}},
-                          env={"STRATA_ALLOW_LONG_MAX_MODEL_LEN": "1"})
-    try:
-        server.wait_ready()
-        server.model = model
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture
+def qwen(qwen_vl_server):
+    return qwen_vl_server
 
 
 def _ask(server, images: list[bytes], kwargs: dict | None = None) -> httpx.Response:
