@@ -13,6 +13,7 @@ from safetensors import safe_open
 from strata.cli import main
 from strata.pipeline.contract.sizes import parse_size
 from strata.pipeline.models.model_config import ModelConfigError
+from strata.pipeline.parallel.shard_plan import ShardPlan
 from strata.planning.memory_plan import (
     count_params,
     format_plan,
@@ -272,7 +273,6 @@ def test_cli_plan_missing_or_invalid_config(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_rank_shards_add_up_to_the_decoder(arch: str, tiny_models: dict[str, Path]) -> None:
     """One rank of one holds the whole decoder; two ranks hold it once plus the replicated norms/router."""
-    from strata.pipeline.parallel.shard_plan import ShardPlan
     from strata.planning.memory_plan import text_params
 
     tc = load_model_shape(tiny_models[arch])[1].text
@@ -282,15 +282,17 @@ def test_rank_shards_add_up_to_the_decoder(arch: str, tiny_models: dict[str, Pat
     assert sum(halves) == text_params(tc) + replicated
 
 
-def test_kimi_k2_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFixture) -> None:
+def test_kimi_k2_as_released_needs_two_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFixture) -> None:
     """The real Kimi-K2 shape: MLA caches one 512 + 64 latent per layer (70,272 bytes a token in bf16, not
-    the 249,856 of a GQA model with 8 KV heads of 128), replicated on every rank; experts split whole."""
+    the 249,856 of a GQA model with 8 KV heads of 128), replicated on every rank; experts split whole. Its
+    linears are FP8 with 128 x 128 blocks, as Moonshot releases it: about a byte a parameter, not two."""
     plan = plan_memory("kimi-k2", 128_000, 1, 80 * GiB, host_mem_bytes=1024 * GiB, tp=8)
     assert 1.0e12 < plan.num_params < 1.05e12
     assert plan.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70_272
-    assert plan.weights_bytes == pytest.approx(2 * plan.num_params / 8, rel=0.02)  # bf16, about one eighth per rank
+    assert plan.weights_bytes == pytest.approx(plan.num_params / 8, rel=0.03)  # FP8, about one eighth per rank
+    assert plan.weight_formats.startswith("attention, dense mlp, shared experts, experts in fp8-e4m3-block128x128")
     assert (plan.num_experts, plan.experts_per_rank) == (384, 48)
-    assert not plan.fits and (plan.nodes_needed, plan.tp_needed) == (4, 32)
+    assert not plan.fits and (plan.nodes_needed, plan.tp_needed) == (2, 16)
     assert plan.rank_bytes_per_block == plan.bytes_per_block  # the latent is replicated, not split by heads
     assert plan_memory("moe-1t", 128_000, 1, 80 * GiB, tp=8).num_params == plan.num_params  # the old name
     rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", "--tp", "16", "--nodes", "2",
@@ -298,9 +300,21 @@ def test_kimi_k2_needs_four_nodes_of_eight_80gib_ranks(capsys: pytest.CaptureFix
     assert rc == 0 and "group:  tp=16 over 2 node(s), 8 rank(s) per node" in out and "verdict: fits" in out
     assert "KV per token (MLA latent 512+64 per layer)" in out and "68.62 KiB" in out
     rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", "--tp", "8", "--host-mem", "1TiB")
-    assert rc == 1 and "needs:  4 node(s) of 8 rank(s): tp=32" in out
+    assert rc == 1 and "needs:  2 node(s) of 8 rank(s): tp=16" in out
+    assert "stored: attention, dense mlp, shared experts, experts in fp8-e4m3-block128x128; the rest in bfloat16" in out
     million = plan_memory("kimi-k2", 1_000_000, 1, 141 * GiB, host_mem_bytes=2048 * GiB, tp=8)
-    assert million.kv_bytes_needed == 62_500 * 16 * 70_272 and million.nodes_needed == 2
+    assert million.kv_bytes_needed == 62_500 * 16 * 70_272 and million.fits  # one node of eight 141 GiB ranks
+
+
+def test_kimi_k2_thinking_counts_its_int4_experts_at_their_stored_bytes() -> None:
+    """INT4 routed experts (half a byte a weight plus a bf16 scale per 32: 0.5625 bytes), everything else bf16."""
+    fp8 = plan_memory("kimi-k2", 128_000, 1, 141 * GiB, tp=8)
+    int4 = plan_memory("kimi-k2-thinking", 128_000, 1, 141 * GiB, tp=8)
+    assert int4.num_params == fp8.num_params and int4.weight_formats == "experts in int4-group32-sym; the rest in bfloat16"
+    tc = load_model_shape("kimi-k2-thinking")[1].text
+    roles = ShardPlan(tc, 0, 8).params_by_role()
+    assert int4.weights_bytes == roles["experts"] * 0.5625 + 2 * (sum(roles.values()) - roles["experts"])
+    assert 0.55 < int4.weights_bytes / fp8.weights_bytes < 0.65
 
 
 def test_deepseek_v3_counts_its_published_671b_parameters() -> None:

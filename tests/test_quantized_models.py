@@ -173,3 +173,16 @@ def _tp2_config(tmp_path: Path) -> str:
     path = tmp_path / "tp2.json"
     path.write_text(json.dumps({"mode": "aggregated", "stages": {"llm": {"tp": 2}}}))
     return str(path)
+
+
+def test_plan_sizes_a_quantized_checkpoint_at_its_stored_bytes(quantized_models) -> None:
+    """`strata plan` reads the quantization_config with the rest of config.json: the FP8 checkpoint's linears
+    at a byte and a block scale each (its embeddings, LM head, routers and kv_b_proj in the dtype)."""
+    from strata.planning.memory_plan import plan_memory
+
+    quantized, reference = quantized_models["deepseek_v3-fp8"]
+    fp8 = plan_memory(quantized, 1024, 1, 1 << 30, dtype="float32")
+    dense = plan_memory(reference, 1024, 1, 1 << 30, dtype="float32")
+    assert fp8.num_params == dense.num_params and fp8.weights_bytes < 0.8 * dense.weights_bytes
+    assert fp8.weight_formats == ("attention, dense mlp, shared experts, experts in fp8-e4m3-block16x16; "
+                                  "the rest in float32")

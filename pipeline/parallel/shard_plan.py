@@ -183,35 +183,49 @@ class ShardPlan:
 
     def num_params(self) -> int:
         """Decoder parameters this rank holds (a vocab shard counts its padding rows)."""
+        return sum(self.params_by_role().values())
+
+    def params_by_role(self) -> dict[str, int]:
+        """This rank's parameters by what they are, so each role can be sized in its stored format:
+        ``attention`` (q/k/v/o or MLA's projections but ``kv_b_proj``), ``kv_b_proj``, ``dense_mlp``,
+        ``experts`` (routed), ``shared_experts``, ``router`` (scores and bias), ``embed``, ``lm_head``, and
+        ``other`` (norms and biases)."""
         c, h = self.cfg, self.cfg.hidden_size
         heads = self.heads[1] - self.heads[0]
-        per_layer = self._attention_params(heads) + 2 * h
-        dense_i = self.intermediate[1] - self.intermediate[0]
-        dense = 3 * h * dense_i + (2 * dense_i + h) * c.mlp_bias
         moe_layers = sum(c.moe_layers) if c.num_experts else 0
-        sparse = 0
+        dense_layers = c.num_layers - moe_layers
+        dense_i = self.intermediate[1] - self.intermediate[0]
+        roles = dict.fromkeys(("attention", "kv_b_proj", "dense_mlp", "experts", "shared_experts", "router", "embed",
+                               "lm_head", "other"), 0)
+        attention, kv_b, attention_other = self._attention_params(heads)
+        roles["attention"], roles["kv_b_proj"] = c.num_layers * attention, c.num_layers * kv_b
+        roles["other"] = c.num_layers * (attention_other + 2 * h) + h  # two norms a layer, the final norm
+        roles["dense_mlp"] = dense_layers * 3 * h * dense_i
+        roles["other"] += dense_layers * (2 * dense_i + h) * c.mlp_bias
         if moe_layers:
             e, ie = self.experts[1] - self.experts[0], c.moe.intermediate_size
-            sparse = e * (3 * h * ie + (2 * ie + h) * c.mlp_bias) + c.num_experts * h
-            sparse += c.num_experts * (c.moe.router == "sigmoid-grouped")  # the choice-correction bias
+            roles["experts"] = moe_layers * e * 3 * h * ie
+            roles["other"] += moe_layers * e * (2 * ie + h) * c.mlp_bias
+            roles["router"] = moe_layers * (c.num_experts * h + c.num_experts * (c.moe.router == "sigmoid-grouped"))
             shared = c.moe.intermediate_size * c.moe.n_shared_experts
-            sparse += 3 * h * (shared // self.size)
-        embed = self.padded_vocab * h
-        body = c.num_layers * per_layer + (c.num_layers - moe_layers) * dense + moe_layers * sparse
-        return embed * (1 if c.tie_word_embeddings else 2) + body + h
+            roles["shared_experts"] = moe_layers * 3 * h * (shared // self.size)
+        roles["embed"] = self.padded_vocab * h
+        roles["lm_head"] = 0 if c.tie_word_embeddings else self.padded_vocab * h
+        return roles
 
-    def _attention_params(self, heads: int) -> int:
+    def _attention_params(self, heads: int) -> tuple[int, int, int]:
+        """(projection weights but kv_b_proj, kv_b_proj, norms and biases) of one layer's attention."""
         c, h = self.cfg, self.cfg.hidden_size
         if c.mla is not None:
             m = c.mla
             qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
-            kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * heads * (
-                m.qk_nope_head_dim + m.v_head_dim)
-            return q + kv + heads * m.v_head_dim * h
+            q = h * m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
+            kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim)
+            kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv_a + heads * m.v_head_dim * h, kv_b, (m.q_lora_rank or 0) + m.kv_lora_rank
         d = c.head_dim
         q, kv = heads * d, (self.kv_heads[1] - self.kv_heads[0]) * d
-        return 2 * h * q + 2 * h * kv + (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm
+        return 2 * h * q + 2 * h * kv, 0, (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm
 
 
 def largest_rank_params(cfg: DecoderShape, size: int) -> int:

@@ -24,7 +24,7 @@ from strata.pipeline.models.model_config import (
     VisionConfig,
     parse_model_config,
 )
-from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan, largest_rank_params
+from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -72,6 +72,36 @@ def load_model_shape(path: str | Path) -> tuple[Path, ModelShape]:
         raise
     except (AttributeError, TypeError, ValueError) as exc:
         raise ModelConfigError(f"{config_path} has an invalid value: {exc}") from exc
+
+
+# A checkpoint name for each role of ShardPlan.params_by_role that a quantization_config may store quantized;
+# the other roles stay in the compute dtype (embeddings, LM head and routers as releases keep them; MLA's
+# kv_b_proj because Strata expands it at load for the absorbed attention).
+ROLE_MODULES = {"attention": "model.layers.0.self_attn.o_proj", "dense_mlp": "model.layers.0.mlp.down_proj",
+                "shared_experts": "model.layers.0.mlp.shared_experts.down_proj",
+                "experts": "model.layers.0.mlp.experts.0.down_proj"}
+
+
+def decoder_weight_bytes(shape: ModelShape, plan: ShardPlan, elem: int) -> int:
+    """Bytes of one rank's decoder weights: each role in the format the checkpoint stores it in."""
+    total = 0
+    for role, count in plan.params_by_role().items():
+        fmt = shape.quant.format_for(ROLE_MODULES[role]) if shape.quant is not None and role in ROLE_MODULES else None
+        total += round(count * (fmt.bytes_per_weight(shape.text.hidden_size) if fmt is not None else elem))
+    return total
+
+
+def weight_formats(shape: ModelShape, dtype: str) -> str:
+    """Which roles are stored in which format, in words ("" for a dense checkpoint)."""
+    if shape.quant is None:
+        return ""
+    by_format: dict[str, list[str]] = {}
+    for role, module in ROLE_MODULES.items():
+        fmt = shape.quant.format_for(module)
+        if fmt is not None:
+            by_format.setdefault(fmt.name(), []).append(role.replace("_", " "))
+    stored = "; ".join(f"{', '.join(roles)} in {name}" for name, roles in by_format.items())
+    return f"{stored}; the rest in {dtype}" if stored else f"nothing quantized that the planner sizes; all in {dtype}"
 
 
 def text_params(tc: TextConfig) -> int:
@@ -216,6 +246,7 @@ class MemoryPlan:
     kv_kind: str = ""  # what a token caches, in words ("K+V of 8 heads x 128", "MLA latent 512+64")
     num_experts: int = 0  # routed experts per MoE layer (0: dense)
     experts_per_rank: int = 0  # routed experts one rank holds (experts split whole: expert parallelism)
+    weight_formats: str = ""  # which roles a quantized checkpoint stores in which format ("" when dense)
 
     @property
     def ranks_per_node(self) -> int:
@@ -303,11 +334,11 @@ def _plan(
     num_params = count_params(shape)
     per_token = kv_bytes_per_token(tc, elem)
     per_block = per_token * block_size
-    weights, encoder, worker_shape, rank_block = num_params * elem, 0, shape, per_block
+    encoder = (num_params - text_params(tc)) * elem  # vision tower and projector, never quantized here
+    weights, worker_shape, rank_block = decoder_weight_bytes(shape, ShardPlan(tc, 0, 1), elem) + encoder, shape, per_block
     if tp > 1:
         rank0 = ShardPlan(tc, 0, tp)  # raises ShardingError for a tp the model does not split into
-        weights = largest_rank_params(tc, tp) * elem
-        encoder = (num_params - text_params(tc)) * elem
+        weights = max(decoder_weight_bytes(shape, ShardPlan(tc, r, tp), elem) for r in range(tp))
         worker_shape = replace(shape, text=replace(rank0.local_config(), vocab_size=tc.vocab_size), vision=None)
         rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.kv_cache_heads
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
@@ -334,7 +365,8 @@ def _plan(
     if tc.num_experts:
         lo, hi = ShardPlan(tc, 0, tp).experts
         experts_per_rank = hi - lo
-    return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder,
+    return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder if tp > 1 else 0,
+                      weight_formats=weight_formats(shape, dtype),
                       rank_bytes_per_block=rank_block, kv_kind=kv_kind, num_experts=tc.num_experts,
                       image_tokens=image_tokens(shape) if shape.vision is not None else 0,
                       experts_per_rank=experts_per_rank)
@@ -386,6 +418,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"dtype:  {plan.dtype} weights and KV" + (" (strata serve's default on CUDA; on a CPU it serves float32 "
                                                  "unless given --dtype bfloat16)" if plan.dtype == "bfloat16" else ""),
     ]
+    if plan.weight_formats:
+        lines.append(f"stored: {plan.weight_formats} (quantized weights sized as stored)")
     if group or plan.nodes > 1:
         lines.append(f"group:  tp={plan.tp} over {plan.nodes} node(s), {plan.ranks_per_node} rank(s) per node; "
                      "host and disk tiers on the driver's node")

@@ -4,8 +4,11 @@
 ``config.json``: a DeepSeek-V3 architecture with 61 layers (the first dense), hidden 7168, 64 MLA heads
 over a 512 + 64 latent, 384 routed experts of intermediate 2048 with 8 per token and one shared
 expert, a 160K vocabulary and yarn RoPE (factor 32 over 4K) to 128K. About 1.03 T parameters, and
-61 x 576 x 2 B = 70,272 bytes of KV per token in bf16. ``deepseek-v3`` is its 671 B sibling.
-``moe-1t`` is kept as another name for ``kimi-k2`` (it used to be a GQA stand-in).
+61 x 576 x 2 B = 70,272 bytes of KV per token in bf16. ``deepseek-v3`` is its 671 B sibling. Both are
+released in FP8 with 128 x 128 block scales, and their configs say so; ``kimi-k2-thinking`` is Kimi-K2
+with INT4 routed experts (compressed-tensors groups of 32; attention, shared experts, dense MLPs and the
+LM head left in bf16), as Moonshot ships Kimi-K2-Thinking. ``moe-1t`` is kept as another name for
+``kimi-k2`` (it used to be a GQA stand-in).
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ _DEEPSEEK_V3_COMMON: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "rope_interleave": True,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+
+KIMI_INT4_EXPERTS = {  # Kimi-K2-Thinking's and Kimi-K2.5's quantization_config, as published
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 32, "dynamic": False, "actorder": None}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
 }
 
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
@@ -64,4 +78,5 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
     },
 }
+BUILTIN_SHAPES["kimi-k2-thinking"] = {**BUILTIN_SHAPES["kimi-k2"], "quantization_config": KIMI_INT4_EXPERTS}
 BUILTIN_SHAPES["moe-1t"] = BUILTIN_SHAPES["kimi-k2"]

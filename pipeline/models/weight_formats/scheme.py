@@ -57,6 +57,13 @@ class QuantScheme:
                 return group.format
         raise ModelConfigError(f"tensor {module}.{marker}: no group of the quantization_config covers {module}")
 
+    def format_for(self, module: str) -> WeightFormat | None:
+        """The format this scheme's rules store a linear named ``module`` in (None: dense): what the planner
+        sizes from the config alone, without the tensors that settle it for the loader."""
+        if any(_matches(t, module) for t in self.ignore):
+            return None
+        return next((g.format for g in self.groups if g.covers(module)), None)
+
     def markers(self) -> set[str]:
         return {g.format.marker() for g in self.groups}
 
