@@ -32,7 +32,40 @@ TEXT_VARIANTS = {
 }
 
 
-SERVER_FIXTURES = {"serve_server", "aggregated_server", "any_server", "keyed_server", "qwen_vl_server"}
+# The session's shared servers, in the order their blocks of tests run (see _group_by_server).
+SESSION_SERVERS = ("qwen_vl_server", "keyed_server", "aggregated_server", "serve_server")
+SERVER_FIXTURES = {*SESSION_SERVERS, "any_server"}
+_RUNNING: dict[str, object] = {}  # session server fixture name -> its running ServeProcess
+_LAST_USER: dict[str, str] = {}  # session server fixture name -> node id of the last test that uses it
+
+
+def _servers_of(item: pytest.Item) -> set[str]:
+    """The session servers a test uses (``any_server`` is one of two, by its parameter)."""
+    names = set(getattr(item, "fixturenames", ()))
+    used = names & set(SESSION_SERVERS)
+    if "any_server" in names:
+        mode = item.callspec.params.get("any_server") if hasattr(item, "callspec") else None
+        used |= {"disaggregated": {"serve_server"}, "aggregated": {"aggregated_server"}}.get(
+            mode, {"serve_server", "aggregated_server"})
+    return used
+
+
+def _group_by_server(items: list[pytest.Item]) -> None:
+    """Whole modules reordered (stably) so the tests of each shared server run in one block, after every
+    module that uses none: an idle Ray cluster costs a third of a core here, and four of them alive for the
+    whole session slowed every other test (and the servers other modules start) by half."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def block(module_items: list[pytest.Item]) -> int:
+        used = set().union(*map(_servers_of, module_items))
+        return max((SESSION_SERVERS.index(s) + 1 for s in used), default=0)
+
+    items[:] = [item for group in sorted(modules.values(), key=block) for item in group]
+    for item in items:
+        for server in _servers_of(item):
+            _LAST_USER[server] = item.nodeid
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,6 +76,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.serve)
         if not any(item.get_closest_marker(m) for m in ("serve", "slow", "cuda")):
             item.add_marker(pytest.mark.unit)
+    _group_by_server(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """A shared server starts stopping right after the last test that uses it (it was started by the first)."""
+    yield
+    for name in _servers_of(item):
+        if _LAST_USER.get(name) == item.nodeid and (server := _RUNNING.pop(name, None)) is not None:
+            server.begin_stop()
+            _STOPPING.append(server)
 
 
 @pytest.fixture(scope="module", params=available_backends("cpu"))
@@ -144,12 +188,13 @@ SERVE_TEST_CONFIG = {
 _STOPPING: list = []  # servers told to stop at their fixture's teardown; waited for at the end
 
 
-def _serve(llama_dir: Path, workdir: Path, config: dict):
+def _serve(name: str, llama_dir: Path, workdir: Path, config: dict):
     from serve_process import ServeProcess
 
     server = ServeProcess(llama_dir, workdir, config)
     try:
         server.wait_ready()
+        _RUNNING[name] = server
         yield server
     finally:
         server.begin_stop()  # both servers shut down side by side
@@ -167,7 +212,7 @@ def serve_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     the whole test session."""
     workdir = tmp_path_factory.mktemp("serve")
     config = {**SERVE_TEST_CONFIG, "engine": {**SERVE_TEST_CONFIG["engine"], "host_kv_dir": str(workdir / "host")}}
-    yield from _serve(llama_dir, workdir, config)
+    yield from _serve("serve_server", llama_dir, workdir, config)
 
 
 @pytest.fixture(scope="session")
@@ -176,7 +221,7 @@ def aggregated_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     the ingress, and its engine core runs in a child process of its own. (Tensor-parallel groups under Ray:
     the disaggregated server's decode stage.)"""
     workdir = tmp_path_factory.mktemp("serve-aggregated")
-    yield from _serve(llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
+    yield from _serve("aggregated_server", llama_dir, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
                                            "max_image_bytes": 200_000})
 
 
@@ -199,6 +244,7 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     server.faults = faults
     try:
         server.wait_ready()
+        _RUNNING["keyed_server"] = server
         yield server
     finally:
         server.stop()
@@ -222,6 +268,7 @@ def qwen_vl_server(tmp_path_factory: pytest.TempPathFactory):
     server.model = model
     try:
         server.wait_ready()
+        _RUNNING["qwen_vl_server"] = server
         yield server
     finally:
         server.begin_stop()

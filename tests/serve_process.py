@@ -30,7 +30,7 @@ class ServeProcess(LocalServer):
         self.sockets_before = listening_sockets()
         super().__init__(model_dir, workdir, config, model_name="strata-test", env={"RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000", **(env or {})})
 
-    def wait_ready(self, timeout: float = 240.0) -> "ServeProcess":
+    def wait_ready(self, timeout: float = 360.0) -> "ServeProcess":
         """LocalServer's wait, with a timeout that says what the server was still waiting for."""
         try:
             super().wait_ready(timeout)

@@ -88,21 +88,29 @@ def _toolchain_missing() -> str | None:
 
 
 # Each child imports strata, then waits for the other at a file barrier, so both call cpu_kernels()
-# within milliseconds of each other on an empty cache.
+# within milliseconds of each other on an empty cache. They build a one-function library through the
+# same builder, lock and cache (the real sources take minutes here; the protocol is the same).
 _CHILD = textwrap.dedent("""
     import json, logging, sys, time
     from pathlib import Path
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from strata.kernels import cpu_kernels as ck
     barrier, me = Path(sys.argv[1]), sys.argv[2]
+    ck.SOURCES = (Path(sys.argv[3]),)
     (barrier / me).touch()
     deadline = time.monotonic() + 120
     while len(list(barrier.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     mod = ck.cpu_kernels()
     print(json.dumps({"loaded": mod is not None, "reason": ck.unavailable_reason(),
-                      "compiled": ck.compiled_here(), "file": getattr(mod, "__file__", None)}))
+                      "compiled": ck.compiled_here(), "file": getattr(mod, "__file__", None),
+                      "answer": mod.answer() if mod is not None else None}))
 """)
+
+_TINY_SOURCE = """
+#include <pybind11/pybind11.h>
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", []() { return 42; }); }
+"""
 
 
 @pytest.mark.slow
@@ -111,15 +119,21 @@ def test_concurrent_first_starts_compile_once(tmp_path: Path) -> None:
     result. Without the lock both would see no library and both would log 'compiling'."""
     if reason := _toolchain_missing():
         pytest.skip(reason)
-    cache, barrier = tmp_path / "cache", tmp_path / "barrier"
+    cache, barrier, source = tmp_path / "cache", tmp_path / "barrier", tmp_path / "csrc" / "tiny.cpp"
     barrier.mkdir()
+    source.parent.mkdir()
+    source.write_text(_TINY_SOURCE)
     env = {"STRATA_KERNEL_CACHE": str(cache)}
+
+    def child(me: str):
+        return run_python("-c", _CHILD, str(barrier), me, str(source), env=env, timeout=240)
+
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda me: run_python("-c", _CHILD, str(barrier), me, env=env, timeout=600), ("a", "b")))
+        runs = list(pool.map(child, ("a", "b")))
     for r in runs:
         assert r.returncode == 0, r.stderr
     results = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
-    assert all(res["loaded"] for res in results), results
+    assert all(res["loaded"] and res["answer"] == 42 for res in results), results
     assert results[0]["file"] == results[1]["file"]
     said_compiling = [r for r in runs if "compiling Strata's CPU attention kernels" in r.stderr]
     assert len(said_compiling) == 1, [r.stderr for r in runs]
@@ -127,11 +141,11 @@ def test_concurrent_first_starts_compile_once(tmp_path: Path) -> None:
     waiter = next(r for r in runs if r not in said_compiling)
     assert "waiting for another process" in waiter.stderr, waiter.stderr  # they did overlap
 
-    # A later process (here the install-time command) finds the library instead of building again.
-    r = run_strata("build-kernels", env=env)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == [f"strata: CPU kernels found cached: {results[0]['file']}"]
-    assert "compiling" not in r.stderr
+    # A later process finds the library instead of building again.
+    later = child("c")
+    assert later.returncode == 0, later.stderr
+    assert json.loads(later.stdout.splitlines()[-1]) == {**results[0], "compiled": False}
+    assert "compiling" not in later.stderr and "waiting" not in later.stderr
 
 
 @pytest.mark.slow

@@ -101,7 +101,9 @@ def test_the_first_grammar_of_a_cold_server_never_stalls_a_running_stream(keyed_
     assert answer.json()["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(answer.json()["choices"][0]["message"]["content"]), SCHEMA)
     assert stream.finish == "length" and not stream.errors
-    assert stream.largest_gap < 1.0, f"a {stream.largest_gap:.2f} s gap while the grammar compiled"
+    # Compiling in the step loop would stall it for the sandbox's start (a fresh interpreter importing torch
+    # and the tokenizer: 5 s and more here); a loaded 2-core host alone makes gaps of a second.
+    assert stream.largest_gap < 2.0, f"a {stream.largest_gap:.2f} s gap while the grammar compiled"
 
 
 def test_a_grammar_that_kills_its_compiler_costs_only_its_request(keyed_server) -> None:
@@ -115,7 +117,7 @@ def test_a_grammar_that_kills_its_compiler_costs_only_its_request(keyed_server) 
     stream.join(120)
     assert crashed.status_code == 400, crashed.text
     assert "too large or too deep to compile" in crashed.json()["error"]["message"]
-    assert stream.finish == "length" and not stream.errors and stream.largest_gap < 1.0
+    assert stream.finish == "length" and not stream.errors and stream.largest_gap < 2.0
     after = _processes(keyed_server)
     assert (after["replica"], after["engine"]) == (before["replica"], before["engine"])
     assert _stats(keyed_server)["ingress"]["grammars"]["crashes"] == 1
