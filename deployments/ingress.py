@@ -51,9 +51,8 @@ from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.frontend.tools.calls import constrain
 from strata.pipeline.frontend.tools.formats import tool_format_for
 from strata.pipeline.models.model_config import load_model_config
-from strata.pipeline.models.model_loader import resolve_dtype
 from strata.stages.image_preprocessing import image_preprocessor
-from strata.stages.kv_budget import kv_layout
+from strata.stages.kv_budget import kv_dtype, kv_layout
 from strata.stages.engine_process import EngineProcessError
 from strata.stages.stage_loop import LoopStopped
 
@@ -112,7 +111,7 @@ class Ingress:
             if encode is not None:
                 self.stage_handles["encode"] = encode
             block_bytes = kv_layout(model_config.text, self.config.engine.block_size,
-                                    resolve_dtype(self.config.engine.dtype)).bytes_per_block()
+                                    kv_dtype(self.config.engine)).bytes_per_block()
             self.flow = StageFlow(intake, preprocess, encode, prefill, decode, counter, block_bytes)
             self._loaded.set()
         self.readiness_handles = {**({"preprocess": preprocess} if preprocess is not None else {}), **self.stage_handles}

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request (engine.max_model_len)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="weights and KV (engine.dtype; default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
+                   help="what the KV cache stores in every tier: auto (the model's dtype) or fp8 (e4m3 with "
+                        "per-layer scales calibrated at load: half of bf16's bytes) (engine.kv_cache_dtype)")
     p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int,
                    help="tensor-parallel ranks of every decoder stage (engine.tp)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
@@ -72,7 +75,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
-    flags = {key: value for key in ("max_model_len", "dtype", "tp", "kv_cache_memory")
+    flags = {key: value for key in ("max_model_len", "dtype", "kv_cache_dtype", "tp", "kv_cache_memory")
              if (value := getattr(args, key, None)) is not None}
     if flags:  # flags win over the JSON config, and are validated like it
         config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})

@@ -14,6 +14,7 @@ class AttentionBackend(ABC):
     """Attention of a flattened batch of new queries over the paged KV cache."""
 
     name: ClassVar[str]
+    reads_fp8_kv: ClassVar[bool] = False  # attends over an e4m3 cache (``kv_cache_dtype: fp8``), widening as it reads
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:

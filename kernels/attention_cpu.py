@@ -41,8 +41,20 @@ class _Plan:
     gemm_seqs: list[tuple[int, int]]  # (sequence, first query row) of the grouped short queries for GEMMs
 
 
+def attend_dtype(cache: torch.dtype, query: torch.dtype) -> torch.dtype:
+    """What the flash and GEMM paths multiply in: a half-precision cache in its own dtype, as transformers'
+    SDPA does for such a model (the same kernel on the same inputs gives the same bits); an e4m3 cache
+    widened to the model's dtype (as vLLM's fp8 KV attends in the query dtype); fp32 stays fp32."""
+    if cache in (torch.bfloat16, torch.float16):
+        return cache
+    if cache == torch.float8_e4m3fn and query in (torch.bfloat16, torch.float16):
+        return query
+    return torch.float32
+
+
 class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu"
+    reads_fp8_kv = True  # the kernel widens e4m3 rows as it reads them; the other paths gather, then widen
 
     def __init__(self) -> None:
         kernels = cpu_kernels()
@@ -65,6 +77,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         return_lse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         grouped = q.shape[1] // k_cache.shape[2] >= GEMM_MIN_GROUP
+        dtype = attend_dtype(k_cache.dtype, q.dtype)
         plan = self._plan(meta, sliding_window is not None, grouped)
         qf = q.float().contiguous()
         out = torch.empty(qf.shape, dtype=torch.float32, device=qf.device)
@@ -75,9 +88,9 @@ class CpuPagedAttentionBackend(AttentionBackend):
                 meta.block_tables, plan.kernel_seqs, scale, sliding_window or 0,
             )
         for i, start in plan.flash_seqs:
-            self._flash_chunk(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None)
+            self._flash_chunk(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None, dtype)
         for i, start in plan.gemm_seqs:
-            self._grouped_gemm(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None)
+            self._grouped_gemm(qf, k_cache, v_cache, meta, i, start, scale, out, lse if return_lse else None, dtype)
         return out.to(q.dtype), (lse if return_lse else None)
 
     @staticmethod
@@ -102,16 +115,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _grouped_gemm(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      i: int, start: int, scale: float, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+                      i: int, start: int, scale: float, out: torch.Tensor, lse: torch.Tensor | None,
+                      dtype: torch.dtype) -> None:
         """A few query rows of many heads per KV head: gather the keys once (once for keys and values when
         they are one tensor, as MLA's latent is), fold the heads into rows, two GEMMs and a softmax. A
         half-precision cache is multiplied in its own dtype, as the flash path and transformers' SDPA do
         (scores round to bf16 before the fp32 softmax: converting 32K latents to fp32 first costs 2.5x)."""
         n, seq_len, base = meta.query_lens[i], meta.seq_lens_list[i], meta.kv_offset(i)
         blocks = meta.block_tables[i, : -(-(seq_len - base) // meta.block_size)]
-        dtype = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        k = gather_blocks(k_cache, blocks[None])[0, : seq_len - base]  # [S, Hkv, D]
-        v = k if v_cache is k_cache else gather_blocks(v_cache, blocks[None])[0, : seq_len - base]
+        k = gather_blocks(k_cache, blocks[None])[0, : seq_len - base].to(dtype)  # [S, Hkv, D]
+        v = k if v_cache is k_cache else gather_blocks(v_cache, blocks[None])[0, : seq_len - base].to(dtype)
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
         g = hq // hkv
         qg = q[start : start + n].to(dtype).view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
@@ -130,13 +143,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _flash_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     i: int, start: int, scale: float, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+                     i: int, start: int, scale: float, out: torch.Tensor, lse: torch.Tensor | None,
+                     dtype: torch.dtype) -> None:
         n, seq_len, base = meta.query_lens[i], meta.seq_lens_list[i], meta.kv_offset(i)
         bs = meta.block_size
         blocks = meta.block_tables[i : i + 1, : -(-(seq_len - base) // bs)]
-        # Half-precision caches attend in their own dtype, as transformers' SDPA does for such a model
-        # (the same kernel on the same inputs gives the same bits); fp32 stays fp32.
-        dtype = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else torch.float32
         k = gather_blocks(k_cache, blocks)[0].to(dtype)  # [keys from base, Hkv, D]
         v = gather_blocks(v_cache, blocks)[0].to(dtype)
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]

@@ -106,6 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference paged attention. Decodes are batched; each prefill chunk runs on its own."""
 
     name = "torch"
+    reads_fp8_kv = True  # every read widens (.float() / .to(dtype)) before the math
 
     def forward(
         self,

@@ -26,11 +26,18 @@ REGISTRY: dict[str, type[AttentionBackend]] = {
 PREFERENCE = {"cuda": ("vllm_flash_attn", "flashinfer", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 
-def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
-    """Names usable on ``device`` with ``dtype`` right now. Vendor kernels are listed only once their
-    module imports and their self-check passed in that dtype."""
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       kv_dtype: torch.dtype | None = None) -> list[str]:
+    """Names usable on ``device`` with ``dtype`` right now (and a KV cache of ``kv_dtype``, when it is not
+    ``dtype``). Vendor kernels are listed only once their module imports and their self-check passed in
+    that dtype."""
     dev = torch.device(device)
-    return [name for name in PREFERENCE.get(dev.type, ("torch",)) if REGISTRY[name].is_available(dev, dtype)]
+    return [name for name in PREFERENCE.get(dev.type, ("torch",))
+            if REGISTRY[name].is_available(dev, dtype) and _reads(REGISTRY[name], kv_dtype)]
+
+
+def _reads(cls: type[AttentionBackend], kv_dtype: torch.dtype | None) -> bool:
+    return kv_dtype != torch.float8_e4m3fn or cls.reads_fp8_kv
 
 
 def vendor_kernels_importable() -> dict[str, bool]:
@@ -39,13 +46,17 @@ def vendor_kernels_importable() -> dict[str, bool]:
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu",
-                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """Instantiate backend ``name``; ``auto`` picks the best available for ``device`` and ``dtype``."""
+                          dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Instantiate backend ``name``; ``auto`` picks the best available for ``device``, ``dtype`` and the
+    cache's ``kv_dtype`` (default: ``dtype``)."""
     if name == "auto":
-        name = available_backends(device, dtype)[0]
+        name = available_backends(device, dtype, kv_dtype)[0]
     if name not in REGISTRY:
         raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(sorted(REGISTRY))})")
     cls = REGISTRY[name]
     if not cls.is_available(torch.device(device), dtype):
         raise ValueError(f"attention backend {name!r} cannot run on {device} with {str(dtype).removeprefix('torch.')}")
+    if not _reads(cls, kv_dtype):
+        readers = ", ".join(n for n, c in REGISTRY.items() if c.reads_fp8_kv)
+        raise ValueError(f"attention backend {name!r} does not read an fp8 KV cache (backends that do: {readers})")
     return cls()

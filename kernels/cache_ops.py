@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+FP8_MAX = 448.0  # the largest finite e4m3 value: an fp8 cache (scale 1) saturates there, as vLLM's does
+
+
 
 def write_cache(
     cache: torch.Tensor,
@@ -22,6 +25,8 @@ def write_cache(
         block_size = cache.shape[1]
         slot_blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         slot_offsets = slot_mapping - slot_blocks * block_size
+    if cache.dtype == torch.float8_e4m3fn:
+        values = values.clamp(-FP8_MAX, FP8_MAX)  # past it e4m3 has no finite value
     cache[slot_blocks, slot_offsets] = values.to(cache.dtype)
 
 

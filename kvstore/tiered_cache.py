@@ -28,7 +28,7 @@ import torch
 from strata.kvstore.block_pool import BlockPool, NoFreeBlocksError
 from strata.kvstore.block_table import BlockTable, chunk_working_set_blocks
 from strata.kvstore.device_blocks import DeviceBlocks
-from strata.kvstore.layout import KVLayout
+from strata.kvstore.layout import KVLayout, dtype_name
 from strata.kvstore.handle import HandleError, KVHandle
 from strata.kvstore.lower_tiers import LowerTiers
 from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader, bytes_view
@@ -384,9 +384,14 @@ class TieredKVCache:
         return self.reader.load(hashes, layer)
 
     def stats(self) -> dict[str, object]:
-        bs = self.layout.block_size
+        bs, block_bytes = self.layout.block_size, self.layout.bytes_per_block()
+        device = self.pool.stats()
         return {
-            "device": self.pool.stats(),
+            "dtype": dtype_name(self.layout.dtype),
+            "block_bytes": block_bytes,  # a whole block as the tiers store it (every rank's heads)
+            "device_bytes": device["total"] * block_bytes,  # the pool (this rank's heads of it under tp)
+            "device_bytes_in_use": device["in_use"] * block_bytes,
+            "device": device,
             "tiers": self.lower.stats() if self.lower else {},
             "prefix_queried_tokens": self.prefix_queried_blocks * bs,
             "prefix_hit_tokens": {k: v * bs for k, v in self.prefix_hit_blocks.items()},

@@ -16,10 +16,11 @@ from strata.pipeline.core.engine_core import EngineCore
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.scheduler import Scheduler
-from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner
+from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, calibrate_group
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.model_config import load_model_config
+from strata.pipeline.models.kv_scales import CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -28,7 +29,7 @@ from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
-from strata.stages.kv_budget import kv_layout, with_kv_budget
+from strata.stages.kv_budget import kv_dtype, kv_layout, with_kv_budget
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -68,26 +69,39 @@ class LanguageStage:
         cfg = self.model_config
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
-        layout = kv_layout(cfg.text, config.block_size, dtype)
+        layout = kv_layout(cfg.text, config.block_size, kv_dtype(config))
         config = with_kv_budget(config, self.model_dir, cfg.text)  # before tensor-parallel workers take it
         self.config = config
-        backend = get_attention_backend(config.attention_backend, config.device, dtype)
+        backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=layout.dtype)
         self.tp: TPGroupHandle | None = None
+        fp8 = layout.dtype == torch.float8_e4m3fn
         if config.tp > 1:
             self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
-            self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout)
+            scales = calibrate_group(self.tp.group, self.tp.model, self._calibration_ids(), config.block_size, backend,
+                                     config.device) if fp8 else None
+            self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return
         model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
+        scales = None
+        if fp8:
+            scales = scales_from_amax(calibration_amax(model, self._calibration_ids(), config.block_size, backend,
+                                                       config.device))
+            set_kv_scales(model, scales)
         # after the load: a manifest check there already read each shard, so this costs no second read
-        self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout)
+        self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
+
+    def _calibration_ids(self) -> list[int]:
+        """The fixed calibration text in this model's tokens (an FP8 cache's scales come from them)."""
+        ids = self.tokenizer.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+        return [i for i in ids if i < self.model_config.text.vocab_size]
 
     def alive(self) -> bool:
         """False once a tensor-parallel worker died or the group broke (the replica must then be replaced whole)."""

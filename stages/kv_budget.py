@@ -21,11 +21,16 @@ import torch
 from strata.kvstore.layout import KVLayout
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sizes import parse_budget
-from strata.pipeline.models.model_loader import resolve_dtype
+from strata.pipeline.models.model_loader import resolve_kv_dtype
 from strata.pipeline.models.text_config import TextConfig
 
 log = logging.getLogger(__name__)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_dtype(config: EngineConfig) -> torch.dtype:
+    """What the KV cache stores: the model's dtype, or e4m3 for ``kv_cache_dtype: fp8``."""
+    return resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
 
 
 def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
@@ -39,7 +44,7 @@ def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> E
     without one."""
     if config.kv_cache_memory is None:
         return config
-    layout = kv_layout(text, config.block_size, resolve_dtype(config.dtype))
+    layout = kv_layout(text, config.block_size, kv_dtype(config))
     rank_layout = replace(layout, num_kv_heads=max(1, layout.num_kv_heads // config.tp))  # this rank's KV heads
     size, share = parse_budget(config.kv_cache_memory)
     if size is None:

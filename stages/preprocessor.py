@@ -19,8 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms.v2 import functional as tvF
-from torchvision.transforms.v2.functional import InterpolationMode
 
 from strata.stages.pixel_budget import PixelBudget
 
@@ -44,12 +42,16 @@ _CLIP_DEFAULTS: dict[str, Any] = {
 
 # transformers' pil_torch_interpolation_mapping (note NEAREST -> NEAREST_EXACT). PIL BOX (4) and HAMMING (5)
 # are left out: torchvision's tensor resize rejects them, so the HF processor cannot run with them either.
-_INTERPOLATION = {
-    0: InterpolationMode.NEAREST_EXACT,
-    1: InterpolationMode.LANCZOS,
-    2: InterpolationMode.BILINEAR,
-    3: InterpolationMode.BICUBIC,
-}
+_INTERPOLATION = {0: "NEAREST_EXACT", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC"}
+
+
+def _tvF() -> Any:
+    """torchvision's functional transforms, imported at first use: importing torchvision imports its models
+    and torch._dynamo (2 s of CPU), which every process importing this module (the CLI, each replica, an
+    engine's child) would pay though only the one that resizes images needs it."""
+    from torchvision.transforms.v2 import functional
+
+    return functional
 
 
 MAX_RESIZED_PIXELS = 4096 * 4096  # what resizing may produce (a CLIP input is ~336 x 336)
@@ -157,7 +159,7 @@ class Preprocessor:
                 if size[0] * size[1] > MAX_RESIZED_PIXELS or min(size) < 1:  # e.g. 1 x 16M px: it would not fit
                     raise ImageError(f"image is {width}x{height}: its aspect ratio is too extreme to resize "
                                      "for this model")
-                image = tvF.resize(image, list(size), interpolation=self.interpolation, antialias=True)
+                image = _tvF().resize(image, list(size), interpolation=self.interpolation, antialias=True)
             if self.do_center_crop:
                 image = _center_crop(image, *self.crop_size)
             pixels = self._rescale_and_normalize(image)
@@ -178,7 +180,7 @@ class Preprocessor:
     def _rescale_and_normalize(self, image: torch.Tensor) -> torch.Tensor:
         """transformers fuses rescale into normalize (mean/std pre-divided by the factor), all in fp32."""
         if self.do_normalize:
-            return tvF.normalize(image.to(torch.float32), self.mean, self.std)
+            return _tvF().normalize(image.to(torch.float32), self.mean, self.std)
         if self.do_rescale:
             return image * self.rescale_factor
         return image.to(torch.float32)
@@ -241,13 +243,13 @@ def _center_crop(image: torch.Tensor, crop_height: int, crop_width: int) -> torc
     height, width = image.shape[-2:]
     if crop_width > width or crop_height > height:
         pad_w, pad_h = max(crop_width - width, 0), max(crop_height - height, 0)
-        image = tvF.pad(image, [pad_w // 2, pad_h // 2, (pad_w + 1) // 2, (pad_h + 1) // 2], fill=0)
+        image = _tvF().pad(image, [pad_w // 2, pad_h // 2, (pad_w + 1) // 2, (pad_h + 1) // 2], fill=0)
         height, width = image.shape[-2:]
         if (height, width) == (crop_height, crop_width):
             return image
     top = int((height - crop_height) / 2.0)
     left = int((width - crop_width) / 2.0)
-    return tvF.crop(image, top, left, crop_height, crop_width)
+    return _tvF().crop(image, top, left, crop_height, crop_width)
 
 
 def _size_with_max(height: int, width: int, size: int, max_size: int) -> tuple[int, int]:
@@ -278,11 +280,13 @@ def _size_dict(value: Any, default_to_square: bool) -> dict[str, int]:
     raise ValueError(f"unsupported size in processor config: {value!r}")
 
 
-def _interpolation(resample: Any) -> InterpolationMode:
-    if isinstance(resample, InterpolationMode):
+def _interpolation(resample: Any) -> Any:
+    """torchvision's InterpolationMode for a processor config's PIL resample code (or a mode given as one)."""
+    modes = _tvF().InterpolationMode
+    if isinstance(resample, modes):
         return resample
     if isinstance(resample, int) and resample in _INTERPOLATION:
-        return _INTERPOLATION[resample]
+        return modes[_INTERPOLATION[resample]]
     raise ValueError(f"unsupported resample in processor config: {resample!r}")
 
 

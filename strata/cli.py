@@ -130,7 +130,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 # Engine knobs a command line may set; a --config JSON file sets any of them, flags win over it.
 _ENGINE_FLAGS: dict[str, type] = {
-    "dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
+    "dtype": str, "kv_cache_dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
     "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str, "tp": int,
 }
 
@@ -241,6 +241,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="weights and KV (default bfloat16: what strata serve uses on CUDA; on a CPU it serves "
                         "float32 unless told --dtype bfloat16)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                   help="what the KV cache stores: auto (--dtype) or fp8 (e4m3: one byte a value, in every tier)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--staging-blocks", type=int, default=64, help="device blocks reserved for staging host/disk KV")
@@ -266,7 +268,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_memory(
             config, parse_count(args.context), parse_count(args.concurrency), sizes["device_mem"], sizes["host_mem"],
             sizes["disk"], dtype=args.dtype, block_size=args.block_size, chunk_tokens=args.chunk_tokens,
-            staging_blocks=args.staging_blocks, tp=args.tp, nodes=args.nodes,
+            staging_blocks=args.staging_blocks, tp=args.tp, nodes=args.nodes, kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as exc:  # bad sizes / counts, and ModelConfigError for an unusable config.json
         raise CLIError(str(exc)) from exc

@@ -41,13 +41,18 @@ def _wait_for(server, check, timeout: float = 45.0) -> dict[str, float]:
         time.sleep(1)
 
 
+def _ongoing(server) -> int:
+    return httpx.get(server.base_url + "/strata/stats", timeout=30).json()["ingress"]["ongoing_requests"]
+
+
 def _settled(server) -> dict[str, float]:
-    """Scrape until two scrapes 2 s apart agree: traffic of earlier tests has been exported."""
+    """Scrape until no request of an earlier test is still open (one whose client left is counted as a 499
+    only when the server notices) and two scrapes 2 s apart agree: their traffic has been exported."""
     previous = _scrape(server)
     for _ in range(30):
         time.sleep(2)
         current = _scrape(server)
-        if current == previous:
+        if current == previous and _ongoing(server) == 0:
             return current
         previous = current
     return previous

@@ -7,7 +7,7 @@
 // serves every query row of the tile. Per (row, head) the 16 scores come from 16 partial dot
 // products folded by a shuffle tree into one vector (no per-key horizontal sum), the softmax update
 // runs on that vector, and the weighted sum of V accumulates in registers. Accumulation is fp32;
-// caches may be fp32 or bf16 (widened once per key group). Shapes the vector path does not cover
+// caches may be fp32, bf16 or e4m3 (an fp8 KV cache; widened once per key group). Shapes the vector path does not cover
 // (head dim or block size not a multiple of 16) take a plain scalar loop with the same math.
 
 #include <ATen/ATen.h>
@@ -124,6 +124,24 @@ inline const float* widen(const at::BFloat16* src, int64_t count, int64_t stride
                           int64_t* out_stride) {
   for (int64_t t = 0; t < count; ++t)
     for (int64_t i = 0; i < width; ++i) buf[t * width + i] = static_cast<float>(src[t * stride + i]);
+  *out_stride = width;
+  return buf;
+}
+
+// e4m3 bytes to fp32 through a 256-entry table (exact: every code has one value), one load a value.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i)
+      value[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+inline const float* widen(const c10::Float8_e4m3fn* src, int64_t count, int64_t stride, int64_t width, float* buf,
+                          int64_t* out_stride) {
+  static const Fp8Table table;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t i = 0; i < width; ++i) buf[t * width + i] = table.value[bytes[t * stride + i]];
   *out_stride = width;
   return buf;
 }
@@ -346,7 +364,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     run<float>(q, k_cache, v_cache, out, lse_ptr, query_start, seq_lens, kv_offsets, block_tables, seqs, g);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q, k_cache, v_cache, out, lse_ptr, query_start, seq_lens, kv_offsets, block_tables, seqs, g);
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    run<c10::Float8_e4m3fn>(q, k_cache, v_cache, out, lse_ptr, query_start, seq_lens, kv_offsets, block_tables, seqs, g);
   } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or float8_e4m3fn");
   }
 }

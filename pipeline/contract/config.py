@@ -43,6 +43,7 @@ def config_error(exc: ValidationError, root: str = "") -> ValueError:
 
 
 DType = Literal["float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 class EngineConfig(ConfigModel):
@@ -50,6 +51,10 @@ class EngineConfig(ConfigModel):
 
     dtype: DType = Field("float32", description="float32 (exact vs transformers; the CPU default) or bfloat16 "
                                                 "(weights and KV; the CUDA default); float16 on CUDA")
+    kv_cache_dtype: KVCacheDType = Field("auto", description="auto (the model's dtype) or fp8 (= fp8_e4m3: e4m3 "
+                                         "with per-layer power-of-two scales calibrated at load; 1 byte a value "
+                                         "in every tier, half of bf16's); the cpu and torch attention backends "
+                                         "read it")
     device: str = "cpu"
     attention_backend: str = Field("auto", description="auto, cpu (paged C++ kernel + flash), torch (reference), "
                                                        "triton (CUDA)")

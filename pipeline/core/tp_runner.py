@@ -32,6 +32,7 @@ from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError
 from strata.pipeline.core.model_runner import ModelRunner, StepExecutor
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.kv_scales import calibration_amax, scales_from_amax, set_kv_scales
 from strata.pipeline.parallel.fault_points import fault_point
 from strata.pipeline.parallel.shm_channel import ChannelDesyncError, PeerDiedError, StepAborted
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -215,6 +216,8 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
                 if not group.abandon_step("a worker's forward raised"):
                     raise
                 continue
+        elif command == "kv_calibrate":
+            calibrate_rank(group, executor.model, arg, executor.block_size, executor.backend, executor.device)
         elif command == "read":
             group.gather_to_driver(kv[arg])
         elif command == "write":
@@ -222,3 +225,22 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
             kv[arg].copy_(_my_heads(full, first_head, kv.shape[HEADS]))
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command!r}")
+
+
+def calibrate_group(group: TPGroup, model: LanguageModel, token_ids: list[int], block_size: int,
+                    backend: AttentionBackend, device: str | torch.device) -> list[tuple[float, float]]:
+    """The driver's side of an FP8 cache's calibration (``kv_scales``): every rank runs the pass on the same
+    tokens, the driver takes the largest amax of each layer over the ranks' heads, and every rank gets the
+    same scales (those one process over all heads would get)."""
+    group.broadcast_object(("kv_calibrate", token_ids))
+    return calibrate_rank(group, model, token_ids, block_size, backend, device)
+
+
+def calibrate_rank(group: TPGroup, model: LanguageModel, token_ids: list[int], block_size: int,
+                   backend: AttentionBackend, device: str | torch.device) -> list[tuple[float, float]]:
+    amax = calibration_amax(model, token_ids, block_size, backend, device)
+    parts = group.gather_to_driver(amax)
+    scales = scales_from_amax(torch.stack(parts).amax(0)) if parts is not None else None
+    scales = group.broadcast_object(scales)
+    set_kv_scales(model, scales)
+    return scales

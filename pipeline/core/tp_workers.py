@@ -22,7 +22,7 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
 from strata.pipeline.models.model_config import load_model_config
-from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype
+from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype, resolve_kv_dtype
 from strata.pipeline.parallel.fault_points import set_fault_rank
 from strata.pipeline.parallel.tp_group import GroupAddress, TPGroup
 
@@ -70,10 +70,11 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         model, stats = load_parallel_language_model(spec.model_dir, group, dtype, config.device, cfg)
         group.gather_object(stats)
         t, (first_head, stop_head) = cfg.text, model.plan.kv_heads
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
         kv = torch.zeros(config.num_kv_blocks, t.num_layers, t.kv_parts, config.block_size, stop_head - first_head,
-                         t.kv_cache_dim, dtype=dtype, device=config.device)
-        executor = StepExecutor(model, kv, get_attention_backend(config.attention_backend, config.device, dtype),
-                                config.block_size, config.device)
+                         t.kv_cache_dim, dtype=kv_dtype, device=config.device)
+        backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
+        executor = StepExecutor(model, kv, backend, config.block_size, config.device)
         serve_commands(group, executor, t.kv_cache_heads, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)

@@ -34,6 +34,8 @@ class MLAAttention(nn.Module):
     """Projections, the latent cache write and absorbed attention of one layer. Parameter names are the
     checkpoint's (``q_a_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ...)."""
 
+    kv_scales: tuple[float, float] | None = None  # an FP8 cache's latent scale, twice (``kv_scales.py``)
+
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         m = cfg.mla
@@ -96,13 +98,18 @@ class MLAAttention(nn.Module):
         (``steps``: the GQA component's compiled dense parts; MLA's dense parts run eagerly.)"""
         q_nope, q_pe, latent = self.project(rms_norm(x, ln.weight, ln.eps), cos, sin_signed)
         cache = kv[:, self.layer_idx, 0]  # [blocks, block_size, 1, rank + rope]
-        write_cache(cache, latent, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
+        s = self.kv_scales[0] if self.kv_scales is not None else None  # FP8: the latent stored over its scale
+        write_cache(cache, latent if s is None else latent / s, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         w_uk, w_uv = self.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1).contiguous()
+        if s is not None:
+            q = q * s
         spilled = meta.spilled is not None
         out, lse = backend.forward(q, cache, cache, meta, self.scale, None, return_lse=spilled)
         if spilled:
             out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, None)
+        if s is not None:
+            out = out * s
         o_latent = out[..., : self.rank]  # the RoPE columns of the "values" are not values: dropped
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2).to(o_latent.dtype)).transpose(0, 1).contiguous()

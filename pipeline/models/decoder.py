@@ -98,6 +98,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA/MHA/MQA of one layer: one fused q/k/v GEMM with RoPE (and q/k norm), paged attention."""
 
+    kv_scales: tuple[float, float] | None = None  # an FP8 cache's (key, value) scales (``kv_scales.py``)
+
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -137,11 +139,16 @@ class Attention(nn.Module):
                backend: AttentionBackend) -> torch.Tensor:
         """Write this step's k/v into the pool, attend over it (and over spilled blocks): [T, Hq, D]."""
         k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
+        if self.kv_scales is not None:  # FP8: store k / s_k and v / s_v; attend with q * s_k, scale out by s_v
+            s_k, s_v = self.kv_scales
+            k, v, q = k / s_k, v / s_v, q * s_k
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         spilled = meta.spilled is not None
         out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
         if spilled:
             out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
+        if self.kv_scales is not None:
+            out = out * self.kv_scales[1]
         return out.contiguous()  # one layout whatever the backend (compiled steps guard on strides)
 
 

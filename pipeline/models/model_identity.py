@@ -69,8 +69,10 @@ def config_digest(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def kv_fingerprint(model_dir: str | Path, model_type: str, dtype: str, layout: KVLayout) -> bytes:
-    """The root of every block hash of this model, as served with this dtype and block layout."""
+def kv_fingerprint(model_dir: str | Path, model_type: str, dtype: str, layout: KVLayout,
+                   kv_scales: list[tuple[float, float]] | None = None) -> bytes:
+    """The root of every block hash of this model, as served with this dtype and block layout (and, for an
+    FP8 cache, the per-layer scales its blocks were written with)."""
+    described = {**layout.to_dict(), **({"kv_scales": [list(s) for s in kv_scales]} if kv_scales is not None else {})}
     return model_fingerprint(model_type, weights_content_digest(model_dir), dtype, layout.block_size,
-                             config_digest=config_digest(model_dir),
-                             layout=json.dumps(layout.to_dict(), sort_keys=True))
+                             config_digest=config_digest(model_dir), layout=json.dumps(described, sort_keys=True))

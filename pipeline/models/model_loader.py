@@ -25,6 +25,11 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
+    """What the KV cache stores: the model's ``dtype`` (``auto``), or e4m3 for ``fp8``/``fp8_e4m3``."""
+    return torch.float8_e4m3fn if kv_cache_dtype in ("fp8", "fp8_e4m3") else resolve_dtype(dtype)
+
+
 def check_tensor_parallel_split(model_dir: str | Path, cfg: ModelConfig, tp: int) -> None:
     """``tp`` splits the model (:class:`ShardingError` otherwise), and every rank's slice of every quantized
     tensor starts on a block or group boundary, named when it does not: checked before any rank starts."""

@@ -133,9 +133,10 @@ class TPGroup:
             if self._on_shm(t):
                 return self._shm.gather(t, self.timeout_s)  # type: ignore[union-attr]
             self._gloo_in_step = True
-            parts = [torch.empty_like(t) for _ in range(self.size)] if self.is_driver else None
-            dist.gather(t, parts, dst=0)
-        return parts
+            wire = _as_bytes(t)
+            parts = [torch.empty_like(wire) for _ in range(self.size)] if self.is_driver else None
+            dist.gather(wire, parts, dst=0)
+        return None if parts is None else [p.view(t.dtype) for p in parts]
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` on every rank (in place)."""
@@ -145,7 +146,7 @@ class TPGroup:
                     self._shm.broadcast(t, self.timeout_s)  # type: ignore[union-attr]
                 else:
                     self._gloo_in_step = True
-                    dist.broadcast(t, src=0)
+                    dist.broadcast(_as_bytes(t), src=0)  # a view: received in place
         return t
 
     def broadcast_object(self, obj: Any = None, idle: bool = False) -> Any:
@@ -252,3 +253,8 @@ def _try(open_channel: Any) -> ShmChannel | None:
         return open_channel()
     except OSError:
         return None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """gloo has no float8 type: an fp8 KV block crosses as its bytes (a view of the same memory)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

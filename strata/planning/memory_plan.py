@@ -43,6 +43,9 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as EngineConfig.kv_cache_dtype
+
+
 def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
@@ -247,6 +250,7 @@ class MemoryPlan:
     num_experts: int = 0  # routed experts per MoE layer (0: dense)
     experts_per_rank: int = 0  # routed experts one rank holds (experts split whole: expert parallelism)
     weight_formats: str = ""  # which roles a quantized checkpoint stores in which format ("" when dense)
+    kv_cache_dtype: str = "auto"  # auto: the KV cache stores ``dtype``; fp8: e4m3, one byte a value
 
     @property
     def ranks_per_node(self) -> int:
@@ -284,7 +288,7 @@ def _verdict(p: dict[str, Any]) -> str:
 def plan_memory(
     config: str | Path, context_tokens: int, concurrency: int, device_mem_bytes: int, host_mem_bytes: int = 0,
     disk_bytes: int = 0, dtype: str = "bfloat16", block_size: int = 16, chunk_tokens: int = 512, staging_blocks: int = 64,
-    tp: int = 1, nodes: int = 1,
+    tp: int = 1, nodes: int = 1, kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """Plan memory for ``concurrency`` sequences of ``context_tokens`` from ``config`` (config.json or its
     directory, or a built-in shape name).
@@ -293,17 +297,17 @@ def plan_memory(
     ``device_mem_bytes`` is one rank's device, the weights, activations and KV per block are one rank's
     share (the largest), and the host and disk tiers (whole blocks, on the driver's node) are as given.
     When the plan does not fit, :attr:`MemoryPlan.nodes_needed` is the fewest nodes, at the same ranks
-    per node, whose group would.
+    per node, whose group would. ``kv_cache_dtype`` fp8 counts a KV value as one byte in every tier.
     """
     plan = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
-                 block_size, chunk_tokens, staging_blocks, tp, nodes)
+                 block_size, chunk_tokens, staging_blocks, tp, nodes, kv_cache_dtype)
     if plan.fits or tp == 1 and nodes == 1:
         return plan
     per_node = tp // nodes
     for n in range(1, MAX_NODES + 1):
         try:
             bigger = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
-                           block_size, chunk_tokens, staging_blocks, n * per_node, n)
+                           block_size, chunk_tokens, staging_blocks, n * per_node, n, kv_cache_dtype)
         except ShardingError:
             continue  # that many ranks do not split the model
         if bigger.fits:
@@ -317,6 +321,7 @@ MAX_NODES = 64  # how far the planner looks for a group that fits
 def _plan(
     config: str | Path, context_tokens: int, concurrency: int, device_mem_bytes: int, host_mem_bytes: int,
     disk_bytes: int, dtype: str, block_size: int, chunk_tokens: int, staging_blocks: int, tp: int, nodes: int,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     for name, value in (("context_tokens", context_tokens), ("concurrency", concurrency),
                         ("block_size", block_size), ("chunk_tokens", chunk_tokens)):
@@ -329,10 +334,12 @@ def _plan(
     if tp < 1 or nodes < 1 or tp % nodes:
         raise ValueError(f"tp ({tp}) must be a multiple of nodes ({nodes}), both >= 1")
     elem = dtype_bytes(dtype)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
     config_path, shape = load_model_shape(config)
     tc = shape.text
     num_params = count_params(shape)
-    per_token = kv_bytes_per_token(tc, elem)
+    per_token = kv_bytes_per_token(tc, elem if kv_cache_dtype == "auto" else 1)
     per_block = per_token * block_size
     encoder = (num_params - text_params(tc)) * elem  # vision tower and projector, never quantized here
     weights, worker_shape, rank_block = decoder_weight_bytes(shape, ShardPlan(tc, 0, 1), elem) + encoder, shape, per_block
@@ -366,7 +373,7 @@ def _plan(
         lo, hi = ShardPlan(tc, 0, tp).experts
         experts_per_rank = hi - lo
     return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder if tp > 1 else 0,
-                      weight_formats=weight_formats(shape, dtype),
+                      weight_formats=weight_formats(shape, dtype), kv_cache_dtype=kv_cache_dtype,
                       rank_bytes_per_block=rank_block, kv_kind=kv_kind, num_experts=tc.num_experts,
                       image_tokens=image_tokens(shape) if shape.vision is not None else 0,
                       experts_per_rank=experts_per_rank)
@@ -415,8 +422,9 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype}, {plan.num_params:,} params)",
         f"plan:   {ctx} tokens, block {bs} tokens, working set {plan.working_set_blocks:,} blocks on device",
-        f"dtype:  {plan.dtype} weights and KV" + (" (strata serve's default on CUDA; on a CPU it serves float32 "
-                                                 "unless given --dtype bfloat16)" if plan.dtype == "bfloat16" else ""),
+        f"dtype:  {plan.dtype} weights and " + ("KV" if plan.kv_cache_dtype == "auto" else "fp8 (e4m3) KV")
+        + (" (strata serve's default on CUDA; on a CPU it serves float32 unless given --dtype bfloat16)"
+           if plan.dtype == "bfloat16" else ""),
     ]
     if plan.weight_formats:
         lines.append(f"stored: {plan.weight_formats} (quantized weights sized as stored)")
