@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0  # the largest finite e4m3 value: an fp8 cache (scale 1) saturates there, as vLLM's does
-
+FP8_MAX = 448.0  # the largest finite e4m3 value: an fp8 cache saturates there (values arrive over their scale)
 
 
 def write_cache(

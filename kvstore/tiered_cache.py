@@ -384,13 +384,13 @@ class TieredKVCache:
         return self.reader.load(hashes, layer)
 
     def stats(self) -> dict[str, object]:
-        bs, block_bytes = self.layout.block_size, self.layout.bytes_per_block()
-        device = self.pool.stats()
+        bs, device = self.layout.block_size, self.pool.stats()
+        pool_block = self.pool.kv[0].nbytes  # this rank's heads of a block under tp
         return {
             "dtype": dtype_name(self.layout.dtype),
-            "block_bytes": block_bytes,  # a whole block as the tiers store it (every rank's heads)
-            "device_bytes": device["total"] * block_bytes,  # the pool (this rank's heads of it under tp)
-            "device_bytes_in_use": device["in_use"] * block_bytes,
+            "block_bytes": self.layout.bytes_per_block(),  # a whole block as the tiers store it (every rank's heads)
+            "device_bytes": device["total"] * pool_block,  # this process's pool
+            "device_bytes_in_use": device["in_use"] * pool_block,
             "device": device,
             "tiers": self.lower.stats() if self.lower else {},
             "prefix_queried_tokens": self.prefix_queried_blocks * bs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,11 +17,12 @@ from strata.pipeline.core.engine_core import EngineCore
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.scheduler import Scheduler
-from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, calibrate_group
+from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, calibrate_group, share_kv_scales
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.model_config import load_model_config
-from strata.pipeline.models.kv_scales import CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales
+from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,
+                                              shared_scales)
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.parallel.tp_group import TPGroup
@@ -77,8 +79,12 @@ class LanguageStage:
         fp8 = layout.dtype == torch.float8_e4m3fn
         if config.tp > 1:
             self.tp = open_group(self.model_dir, config, cfg, launcher, group_host)
-            scales = calibrate_group(self.tp.group, self.tp.model, self._calibration_ids(), config.block_size, backend,
-                                     config.device) if fp8 else None
+            scales = None
+            if fp8:
+                group, shard = self.tp.group, self.tp.model
+                scales = self._kv_scales(config.dtype, layout, lambda: calibrate_group(
+                    group, shard, self._calibration_ids(), config.block_size, backend, config.device))
+                share_kv_scales(group, shard, scales)
             self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
@@ -87,8 +93,8 @@ class LanguageStage:
         model, _ = load_language_model(self.model_dir, dtype, config.device, cfg)
         scales = None
         if fp8:
-            scales = scales_from_amax(calibration_amax(model, self._calibration_ids(), config.block_size, backend,
-                                                       config.device))
+            scales = self._kv_scales(config.dtype, layout, lambda: scales_from_amax(calibration_amax(
+                model, self._calibration_ids(), config.block_size, backend, config.device)))
             set_kv_scales(model, scales)
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
@@ -97,6 +103,12 @@ class LanguageStage:
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
+
+    def _kv_scales(self, dtype: str, layout: KVLayout, calibrate: Callable[[], list[tuple[float, float]]]
+                   ) -> list[tuple[float, float]]:
+        """An FP8 cache's scales: this node's for the model if a process calibrated it, else ``calibrate()``."""
+        key = kv_fingerprint(self.model_dir, self.model_config.text.model_type, dtype, layout)
+        return shared_scales(key, layout.num_layers, calibrate)
 
     def _calibration_ids(self) -> list[int]:
         """The fixed calibration text in this model's tokens (an FP8 cache's scales come from them)."""

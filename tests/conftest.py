@@ -63,9 +63,6 @@ def _group_by_server(items: list[pytest.Item]) -> None:
         return max((SESSION_SERVERS.index(s) + 1 for s in used), default=0)
 
     items[:] = [item for group in sorted(modules.values(), key=block) for item in group]
-    for item in items:
-        for server in _servers_of(item):
-            _LAST_USER[server] = item.nodeid
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -77,6 +74,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not any(item.get_closest_marker(m) for m in ("serve", "slow", "cuda")):
             item.add_marker(pytest.mark.unit)
     _group_by_server(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each shared server's last test, in the final order (plugins such as --ff reorder after collection)."""
+    for item in session.items:
+        for server in _servers_of(item):
+            _LAST_USER[server] = item.nodeid
 
 
 @pytest.hookimpl(hookwrapper=True)

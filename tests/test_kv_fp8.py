@@ -45,6 +45,50 @@ def test_scales_are_powers_of_two_with_headroom_and_part_of_the_identity(llama_d
     assert len(prints) == 3  # a block is read only with the scales it was written with
 
 
+def test_a_node_calibrates_a_model_once_and_every_process_reads_its_scales(llama_dir: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill replica at tp=1 and a decode group at tp=2 must agree on the scales to hand KV over, though
+    their sums round differently: the first calibrates, the rest read the node's record."""
+    import json
+    import stat
+
+    monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path / "digests"))
+    first = build(llama_dir, kv_cache_dtype="fp8")
+    (record,) = (tmp_path / "digests" / "kv-scales").glob("*.json")
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert stat.S_IMODE(record.parent.stat().st_mode) == 0o700
+    calibrated = [tuple(s) for s in json.loads(record.read_text())]
+    assert [layer.self_attn.kv_scales for layer in first.core.runner.model.layers] == calibrated
+    planted = [(2.0 ** -i, 4.0) for i in range(len(calibrated))]  # what a process that calibrated first wrote
+    record.write_text(json.dumps(planted))
+    two = build(llama_dir, kv_cache_dtype="fp8", tp=2)
+    one = build(llama_dir, kv_cache_dtype="fp8")
+    try:
+        assert [layer.self_attn.kv_scales for layer in one.core.runner.model.layers] == planted
+        assert one.kv.fingerprint == two.kv.fingerprint != first.kv.fingerprint
+        req = [{"prompt": "Once upon a time, " * 9, "params": greedy(8)}]
+        assert two.generate(req)[0].output_token_ids == one.generate(req)[0].output_token_ids  # the workers too
+    finally:
+        two.close()
+    record.write_text("[[1.0, 3.0]]")  # damaged (3 is no power of two, one layer): calibrated again
+    again = build(llama_dir, kv_cache_dtype="fp8")
+    assert [layer.self_attn.kv_scales for layer in again.core.runner.model.layers] == calibrated
+    assert [tuple(s) for s in json.loads(record.read_text())] == calibrated
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_a_tp_group_calibrates_the_scales_one_process_would(kind: str, text_models, llama_dir, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _models(text_models, llama_dir)[kind]
+    monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path / "group"))
+    two = build(model, kv_cache_dtype="fp8", tp=2)  # no record yet: every rank runs the pass on its heads
+    two.close()
+    monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path / "one"))
+    build(model, kv_cache_dtype="fp8")
+    (group,), (one,) = ((tmp_path / d / "kv-scales").glob("*.json") for d in ("group", "one"))
+    assert group.read_text() == one.read_text()
+
+
 def _fp8_batch(hq: int, hkv: int, d: int, gen: torch.Generator):
     """Decodes, a short chunk and a long chunk (the kernel, GEMM and flash paths) over an e4m3 cache with
     shuffled blocks; also the same cache widened to fp32 (what the reference attends over)."""

@@ -218,6 +218,8 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
                 continue
         elif command == "kv_calibrate":
             calibrate_rank(group, executor.model, arg, executor.block_size, executor.backend, executor.device)
+        elif command == "kv_scales":
+            set_kv_scales(executor.model, arg)
         elif command == "read":
             group.gather_to_driver(kv[arg])
         elif command == "write":
@@ -234,6 +236,12 @@ def calibrate_group(group: TPGroup, model: LanguageModel, token_ids: list[int], 
     same scales (those one process over all heads would get)."""
     group.broadcast_object(("kv_calibrate", token_ids))
     return calibrate_rank(group, model, token_ids, block_size, backend, device)
+
+
+def share_kv_scales(group: TPGroup, model: LanguageModel, scales: list[tuple[float, float]]) -> None:
+    """Every rank of the group takes ``scales`` (known already: another process calibrated this model)."""
+    group.broadcast_object(("kv_scales", scales))
+    set_kv_scales(model, scales)
 
 
 def calibrate_rank(group: TPGroup, model: LanguageModel, token_ids: list[int], block_size: int,

@@ -6,10 +6,15 @@ Why calibrated, and per layer: e4m3 keeps 3 mantissa bits from 2^-6 to 448 and f
 (SmolLM2's first layer: median |v| 0.02, 41% of values below 2^-6) lose most of their bits, and greedy
 answers drift from a bf16 cache's on 7 of 8 short prompts. A scale per layer and part (the amax of a
 calibration pass, times a headroom for larger values later, over 448) moves every layer into e4m3's
-normal range. The scale is a power of two: dividing by it is exact, and two processes that calibrate the
-same weights (a prefill and a decode replica with other thread counts, say) land on the same scales
-unless an amax sits within rounding of a power of two. The scales are part of the KV fingerprint, so a
-block is only ever read with the scales it was written with.
+normal range. The scale is a power of two: dividing by it is exact. The scales are part of the KV
+fingerprint, so a block is only ever read with the scales it was written with.
+
+Calibrated once per node, then shared (``shared_scales``): a prefill replica at tp=1 and a decode group at
+tp=2 sum their partial outputs in other orders, and in bf16 that moves an amax by a rounding step, which
+may cross a power of two; two stages with different scales could not hand a prompt's KV over. So the
+first process to calibrate a model (its fingerprint without scales, and this module's calibration)
+writes the scales under the digest cache, holding a lock while it does, and every later one on the node
+reads them.
 
 Reads never see the scales: a layer writes ``k / s_k`` and ``v / s_v``, attends with ``q * s_k`` over the
 stored keys and multiplies its output by ``s_v`` (softmax(q.(s k)) = softmax((s q).k)), so every backend and
@@ -18,13 +23,26 @@ the spilled-tier path read the cache as plain e4m3 values.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import logging
 import math
+import os
+import uuid
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from strata.kernels import AttentionMetadata
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.cache_ops import FP8_MAX
+from strata.pipeline.models.file_digest import cache_root
+
+log = logging.getLogger(__name__)
 
 HEADROOM = 8.0  # the calibration amax is scaled up by this before it is mapped to 448 (3 binades spare)
 CALIBRATION_TEXT = (
@@ -55,7 +73,7 @@ def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: i
     dtype = model.embed_tokens.weight.dtype
     kv = torch.zeros(num_blocks, cfg.num_layers, cfg.kv_parts, block_size, cfg.kv_cache_heads, cfg.kv_cache_dim,
                      dtype=dtype, device=device)
-    meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size)
+    meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size, device)
     set_kv_scales(model, None)
     ids = torch.tensor(token_ids, device=device)
     model.forward(model.embed(ids), torch.arange(t, device=device), kv, meta, backend)
@@ -71,3 +89,70 @@ def set_kv_scales(model: torch.nn.Module, scales: list[tuple[float, float]] | No
     """Give each layer's attention its (key, value) scales; None: a cache in the model's own dtype."""
     for i, layer in enumerate(model.layers):
         layer.self_attn.kv_scales = None if scales is None else scales[i]
+
+
+Scales = list[tuple[float, float]]
+
+
+def _calibration_id() -> str:
+    """What else decides the scales besides the model: the text and the headroom (and this format)."""
+    return hashlib.sha256(f"kv-scales.v1\0{HEADROOM}\0{CALIBRATION_TEXT}".encode()).hexdigest()[:16]
+
+
+def scales_path(model_key: bytes) -> Path:
+    """Where the node keeps a model's scales: ``model_key`` is its KV fingerprint without scales."""
+    return cache_root() / "kv-scales" / f"{model_key.hex()[:32]}-{_calibration_id()}.json"
+
+
+def _read(path: Path, num_layers: int) -> Scales | None:
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(rows, list) and len(rows) == num_layers
+          and all(isinstance(r, list) and len(r) == 2 and all(_is_scale(x) for x in r) for r in rows))
+    return [(float(k), float(v)) for k, v in rows] if ok else None
+
+
+def _is_scale(x: object) -> bool:
+    """A stored scale is a positive finite power of two (anything else is a damaged record: recalibrate)."""
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0 and x == 2.0 ** round(math.log2(x))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """Holds ``path``'s lock (True), or yields False when the cache cannot hold one (read-only, full)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        log.warning("FP8 KV scales are not shared on this node (%s): this process calibrates its own", exc)
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a killed holder's lock is dropped by the kernel
+        yield True
+    finally:
+        os.close(fd)
+
+
+def shared_scales(model_key: bytes, num_layers: int, calibrate: Callable[[], Scales]) -> Scales:
+    """This node's scales for the model: read if a process calibrated it already, else calibrated now
+    (under the lock, so concurrent starts calibrate once) and written (0600, atomically)."""
+    path = scales_path(model_key)
+    with _locked(path) as shared:
+        if not shared:
+            return calibrate()
+        if (known := _read(path, num_layers)) is not None:
+            return known
+        scales = calibrate()
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump([list(s) for s in scales], f)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or read-only cache: this process still serves with what it computed
+            log.warning("could not keep the FP8 KV scales at %s (%s)", path, exc)
+            tmp.unlink(missing_ok=True)
+        return scales
