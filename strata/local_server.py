@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,7 +20,18 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port in 20000-29999: above Ray's worker ports (10002-19999), below Serve's direct
+    ports (30000 up) and the kernel's ephemeral range. A port the kernel hands out for bind(0) can be
+    handed to one of Ray's own processes before the server binds it (seen: the proxy failed to bind)."""
+    for _ in range(500):
+        port = random.randint(20000, 29999)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that whole range busy: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
