@@ -164,7 +164,7 @@ def test_n_choices_share_the_prompt_and_are_reproducible_with_a_seed(client, eng
     reproducible = request.node.callspec.params["any_server"] != "disaggregated"
     if reproducible:
         # Known defect, open: on the disaggregated server (decode tp=2) after other tests' traffic, a seeded
-        # child's answer has come out two ways in two suite runs of three (from its first decode step on);
+        # child's answer has come out two ways in three suite runs of four (from its first decode step on);
         # a fresh server gives the same answer every time. Until it is found, only the aggregated server
         # is held to reproducibility here.
         assert texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
