@@ -4,6 +4,7 @@ site-packages, and Ray workers of a separately started cluster import the same p
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -130,10 +131,31 @@ def test_the_editable_install_maps_the_rooms_into_strata() -> None:
                      "print(json.dumps([strata.pipeline.__file__, strata.kernels.__file__]))")
     assert res.returncode == 0, res.stderr
     assert [Path(p) for p in json.loads(res.stdout)] == [REPO / "pipeline" / "__init__.py", REPO / "kernels" / "__init__.py"]
+    # A room's name may belong to someone else's distribution there (transformers >= 5.25 brings Hugging
+    # Face's `kernels`), never to ours.
     site = Path(sysconfig.get_paths()["purelib"])
-    assert not any((site / name).exists() for name in ROOM_NAMES)
+    owners = importlib.metadata.packages_distributions()
+    assert [name for name in ROOM_NAMES if (site / name).exists() and "strata" in owners.get(name, ["strata"])] == []
     res = subprocess.run([str(Path(sys.executable).with_name("strata")), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_a_checkout_on_sys_path_leaves_the_name_kernels_to_hugging_face(tmp_path: Path) -> None:
+    """`python -m` in a checkout puts its root first on sys.path, where the room `kernels/` would take the
+    name of Hugging Face's `kernels`, which transformers >= 5.25 imports: every model import then failed."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'from-hugging-face'\n")
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    probe = "import kernels, strata.kernels; print(kernels.CUDAProperties, strata.kernels.rms_norm.__module__)"
+    res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["from-hugging-face", "strata.kernels.norm"]
+    # The real thing, with whatever transformers (and `kernels`) is installed.
+    res = subprocess.run([sys.executable, "-c", "import transformers.activations, transformers.models.llama"],
+                         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 _WORKER_PROBE = """
