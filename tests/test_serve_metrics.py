@@ -47,12 +47,15 @@ def _ongoing(server) -> int:
 
 def _settled(server) -> dict[str, float]:
     """Scrape until no request of an earlier test is still open (one whose client left is counted as a 499
-    only when the server notices) and two scrapes 2 s apart agree: their traffic has been exported."""
-    previous = _scrape(server)
-    for _ in range(30):
-        time.sleep(2)
+    only when the server notices) and three scrapes over 6 s agree: their traffic has been exported (the
+    export runs every second, but a loaded machine delays it by seconds; two scrapes 2 s apart once agreed
+    while two late 499s were still on their way)."""
+    previous, quiet = _scrape(server), 0
+    for _ in range(40):
+        time.sleep(3)
         current = _scrape(server)
-        if current == previous and _ongoing(server) == 0:
+        quiet = quiet + 1 if current == previous and _ongoing(server) == 0 else 0
+        if quiet == 2:
             return current
         previous = current
     return previous
