@@ -340,7 +340,21 @@ def test_unknown_or_unusable_backends_are_clear_errors() -> None:
     assert "triton" not in available_backends("cpu")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_linear_result_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """Bit for bit, for every batch the streaming kernel takes: a token decoded alone, in a batch, or in a
+    speculative draft gets the same projections (so fp32 greedy answers do not depend on the batch)."""
+    from strata.kernels import linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 200, generator=gen).to(dtype)
+    w = torch.randn(96, 200, generator=gen).to(dtype)
+    alone = torch.cat([linear(x[r : r + 1], w) for r in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(linear(x[:rows], w), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("k", [64, 200, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_torch_for_every_batch_size_and_shape(rows: int, k: int, dtype: torch.dtype) -> None:
