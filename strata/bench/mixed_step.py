@@ -7,7 +7,8 @@ core to the other. This runs the same staggered workload through both, in interl
 same loaded model: requests arrive ``--arrival-steps`` steps apart, so most steps mix decodes with a
 prefill chunk, as a serving replica's steps do. Reported: wall time, output tokens/s, forwards per
 step, and median step time; in fp32 the tokens of both paths are checked equal (greedy); in bf16,
-where rounding follows the batch's shape, the share of equal tokens is printed.
+where rounding follows the batch's shape, the share of equal tokens is printed. ``--profile`` instead
+splits a decode step's time by what it is spent on (``step_profile``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ VOCAB = 500
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("tiny", "small"), default="small")
+    p.add_argument("--model", choices=("tiny", "small", "smollm2"), default="small",
+                   help="a tiny or small built model, or the real SmolLM2-135M-Instruct")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
@@ -40,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile", action="store_true",
+                   help="instead: split a decode step's time (linears, attention, norms, sampling, Python, ...) at "
+                        "each --batch size")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--profile: decode batch sizes")
+    p.add_argument("--steps", type=int, default=32, help="--profile: decode steps timed per batch size")
 
 
 class _TwoCores:
@@ -116,7 +123,19 @@ def _run(side: Any, prompts: list[list[int]], args: argparse.Namespace, tag: str
 
 
 def run(args: argparse.Namespace) -> int:
-    model = bench_model_dir(args.model)
+    if args.model == "smollm2":
+        from strata.gguf_checkpoint import ensure_smollm2
+
+        model = ensure_smollm2()
+    else:
+        model = bench_model_dir(args.model)
+    if args.profile:
+        from strata.bench.step_profile import run_profile
+
+        rows = run_profile(args, model)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     config = dict(dtype=args.dtype, prefill_chunk_tokens=args.chunk, max_num_batched_tokens=args.chunk + args.requests,
                   max_num_seqs=args.requests, max_model_len=args.prompt_len + args.output_len + 16,
                   enable_prefix_caching=False)
