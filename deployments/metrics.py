@@ -77,6 +77,18 @@ def preemptions() -> Counter:
 
 
 @lru_cache(maxsize=None)
+def spec_decode_tokens() -> Counter:
+    return Counter("strata_spec_decode_tokens", "Speculative decoding: draft tokens proposed and accepted (acceptance "
+                   "rate = accepted / drafted)", tag_keys=("stage", "kind"))
+
+
+@lru_cache(maxsize=None)
+def spec_decode_verifications() -> Counter:
+    return Counter("strata_spec_decode_verifications", "Speculative decoding: sequence-steps that verified a draft "
+                   "(tokens per such step = (accepted + verifications) / verifications)", tag_keys=("stage",))
+
+
+@lru_cache(maxsize=None)
 def autoscaling_target() -> Gauge:
     return Gauge("strata_autoscaling_target_replicas", "Replicas a stage's policy asks for", tag_keys=("stage",))
 
@@ -109,3 +121,8 @@ def record_kv(stage: str, kv_stats: dict[str, Any], deltas: CounterDelta) -> Non
         kv_blocks().set(float(t["blocks"]), tags={"stage": stage, "tier": tier, "state": "stored"})
     kv_blocks().set(float(kv_stats["kv"]["spilled_blocks"]), tags={"stage": stage, "tier": "device", "state": "spilled"})
     deltas.inc(preemptions(), float(kv_stats["preemptions"]), {"stage": stage})
+    spec = kv_stats.get("speculation")
+    if spec is not None:  # a stage that decodes with speculative decoding on
+        for kind in ("drafted", "accepted"):
+            deltas.inc(spec_decode_tokens(), float(spec[kind]), {"stage": stage, "kind": kind})
+        deltas.inc(spec_decode_verifications(), float(spec["verifications"]), {"stage": stage})

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from strata.deployments.loopback import LOOPBACK_ENV
+from strata.pipeline.contract.config import json_object_flag
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
 
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
                    help="what the KV cache stores in every tier: auto (the model's dtype) or fp8 (e4m3 with "
                         "per-layer scales calibrated at load: half of bf16's bytes) (engine.kv_cache_dtype)")
+    p.add_argument("--speculative-config", dest="speculative",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4} (engine.speculative)')
     p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int,
                    help="tensor-parallel ranks of every decoder stage (engine.tp)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
@@ -75,8 +79,10 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
-    flags = {key: value for key in ("max_model_len", "dtype", "kv_cache_dtype", "tp", "kv_cache_memory")
+    flags = {key: value for key in ("max_model_len", "dtype", "kv_cache_dtype", "tp", "kv_cache_memory", "speculative")
              if (value := getattr(args, key, None)) is not None}
+    if "speculative" in flags:
+        flags["speculative"] = json_object_flag("--speculative-config", flags["speculative"])
     if flags:  # flags win over the JSON config, and are validated like it
         config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})
     ref = getattr(args, "model_ref", None)

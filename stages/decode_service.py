@@ -13,6 +13,7 @@ import torch
 
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import TokenEvent
+from strata.pipeline.core.engine_core import speculation_stats
 from strata.pipeline.core.sequence import Sequence
 from strata.stages.decoder import Decoder
 from strata.stages.kv_transfer import KVPuller
@@ -68,7 +69,8 @@ class DecodeService:
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
                 "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens),
                 "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {},
-                "tp": self.decoder.core.runner.tp_size, "threads": torch.get_num_threads()}
+                "tp": self.decoder.core.runner.tp_size, "threads": torch.get_num_threads(),
+                **speculation_stats(self.decoder.core)}
 
     def close(self) -> None:
         self.loop.stop()

@@ -17,6 +17,7 @@ import torch
 
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.core.engine import Engine
+from strata.pipeline.core.engine_core import speculation_stats
 from strata.stages.stage_loop import Delivery, StageLoop
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
     return {"running": engine.num_running, "queued_prompt_tokens": engine.num_queued_prompt_tokens(),
             "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
             "preemptions": engine.scheduler.num_preemptions, "tp": engine.core.runner.tp_size,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), **speculation_stats(engine.core)}
 
 
 class EngineStreams:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from strata.pipeline.contract.config import EngineConfig, read_json_object
+from strata.pipeline.contract.config import EngineConfig, json_object_flag, read_json_object
 from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.models.model_source import HUB_ID, ModelNotFound, resolve_model_dir
@@ -132,18 +132,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 _ENGINE_FLAGS: dict[str, type] = {
     "dtype": str, "kv_cache_dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
     "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str, "tp": int,
+    "speculative": str,  # a JSON object, read by engine_config_from_args
 }
+_FLAG_NAMES = {"speculative": "--speculative-config"}  # vLLM's name where it differs from the key's
 
 
 def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="JSON engine config (flat, or under an \"engine\" key)")
     for name, kind in _ENGINE_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
+        flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
         if kind is bool:
             p.add_argument(flag, action="store_const", const=True, default=None,
                            help=f"engine config {name} (default {EngineConfig.model_fields[name].default})")
         else:
-            p.add_argument(flag, type=kind, default=None, help=f"engine config {name} (default {EngineConfig.model_fields[name].default})")
+            p.add_argument(flag, type=kind, default=None, dest=name,
+                           help=f"engine config {name} (default {EngineConfig.model_fields[name].default})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -157,6 +160,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         data = raw.get("engine", raw)
     data.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
     try:
+        if isinstance(data.get("speculative"), str):
+            data["speculative"] = json_object_flag("--speculative-config", data["speculative"])
         return EngineConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
         raise CLIError(f"bad engine config: {exc}") from exc

@@ -234,15 +234,18 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     """A real `strata serve` of real weights (SmolLM2-135M-Instruct, aggregated) started with an API key
     (``helpers.SMOLLM2_KEY``, through ``STRATA_API_KEY`` as --api-key sets it), a Hermes-style tools template
     (``data/smollm2_tools.jinja``, which renders chats without tools exactly as the model's own) and a
-    fault directory (``server.faults``: files there make its processes fail at named points)."""
-    from helpers import SMOLLM2_KEY
+    fault directory (``server.faults``: files there make its processes fail at named points). It decodes with
+    prompt-lookup speculation (``SPECULATIVE``): greedy answers are the plain engine's, so every test of it
+    holds either way, and ``test_serve_surface`` checks the speculation itself."""
+    from helpers import SMOLLM2_KEY, SPECULATIVE
     from serve_process import ServeProcess
 
     workdir = tmp_path_factory.mktemp("keyed")
     faults = workdir / "faults"
     faults.mkdir()
     template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
-    server = ServeProcess(smollm2, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048},
+    server = ServeProcess(smollm2, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048,
+                                                                              "speculative": SPECULATIVE},
                                              "chat_template": template},
                           env={"STRATA_API_KEY": SMOLLM2_KEY, "STRATA_FAULT_DIR": str(faults)})
     server.faults = faults

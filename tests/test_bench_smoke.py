@@ -51,6 +51,31 @@ def test_bench_step_compares_one_forward_with_the_decode_then_prefill_pair(tmp_p
     assert "one forward / two:" in printed and "interleaved rounds" in printed
 
 
+def test_bench_step_profile_splits_a_decode_step_and_puts_everything_back(tmp_path: Path, capsys) -> None:
+    import torch.nn.functional as F
+
+    import strata.pipeline.models.decoder as decoder
+
+    silu, linear = F.silu, decoder.linear
+    result, printed = _bench(tmp_path, capsys, "step", "--profile", "--model", "tiny", "--prompt-len", "40",
+                             "--steps", "3", "--batch", "1", "2")
+    for batch in ("1", "2"):
+        split = result[batch]["split_ms"]
+        assert split["linears"] > 0 and split["attention"] > 0 and split["norms / RoPE / activations"] > 0
+        assert sum(split.values()) == pytest.approx(result[batch]["profiled_step_ms"], rel=1e-6)
+    assert "Python and scheduling" in printed and "unprofiled" in printed
+    assert F.silu is silu and decoder.linear is linear  # the timers are gone
+
+
+def test_bench_spec_compares_speculation_with_plain_decoding_on_real_weights(smollm2: Path, tmp_path: Path,
+                                                                             capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "spec", "--model", str(smollm2), "--max-tokens", "24", "--rounds", "1")
+    for row in result.values():
+        assert row["plain_tok_s"] > 0 and row["ngram_tok_s"] > 0 and 0 <= row["acceptance"] <= 1
+    assert result["repeat text"]["tokens_per_verifying_step"] > 1.5  # repeating given text: most drafts hold
+    assert "answers identical" in printed
+
+
 @pytest.mark.unit
 def test_bench_kv_with_a_device_tier_too_small_is_one_line(tmp_path: Path, capsys) -> None:
     code = main(["bench", "kv", "--parts", "decode", "--contexts", "64", "--device-blocks", "2",

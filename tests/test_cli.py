@@ -66,8 +66,12 @@ def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["--prompt", "hi", "--tp", "3"], "tp=3 does not divide the model's 4 attention heads"),
         (["--prompt", "hi", "--tp", "0"], "engine.tp: Input should be greater than or equal to 1"),
+        (["--prompt", "hi", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+         "engine.speculative.method: Input should be 'ngram'"),
+        (["--prompt", "hi", "--speculative-config", "{method: ngram}"], "--speculative-config: not JSON"),
     ],
-    ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature", "tp-does-not-split", "zero-tp"],
+    ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature", "tp-does-not-split", "zero-tp",
+         "unknown-speculation", "speculation-not-json"],
 )
 def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path, capsys) -> None:
     if "--model" not in args:
@@ -168,9 +172,12 @@ def test_serve_refuses_a_bad_config_before_starting_anything(config: str, messag
         (["--kv-cache-memory", "lots"], "invalid memory budget 'lots'"),
         (["--kv-cache-memory", "16"], "kv_cache_memory 16 holds no KV block"),
         (["--kv-cache-memory", "40%", "--address", "auto"], "joining a cluster (--address), give a size"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+                                  '"prompt_lookup_max": 3}'], "prompt_lookup_min (4) must be <= prompt_lookup_max (3)"),
+        (["--speculative-config", "[1]"], "--speculative-config: expected a JSON object"),
     ],
     ids=["float16-on-cpu", "beyond-positions", "tp-does-not-split", "zero-length", "kv-budget-junk",
-         "kv-budget-too-small", "kv-share-on-a-cluster"],
+         "kv-budget-too-small", "kv-share-on-a-cluster", "speculation-bounds", "speculation-not-an-object"],
 )
 def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str, llama_dir: Path, capsys) -> None:
     res = strata_in_process(capsys, "serve", "--model", str(llama_dir), *flags, "--port", "1")

@@ -137,6 +137,30 @@ def test_ping_version_and_metrics_on_the_api_port(keyed_server) -> None:
     assert "strata_preemptions" in text  # exported at 0 before the first preemption: its panel is never empty
 
 
+def test_prompt_lookup_speculation_is_served_exactly_and_counted(keyed_server, smollm2: Path) -> None:
+    """This server decodes with ``--speculative-config`` (ngram; conftest): a chat that repeats given text
+    streams the plain in-process engine's greedy answer, and ``/metrics`` counts the drafts it accepted."""
+    from helpers import build, greedy, wait_until
+
+    text = ("The lighthouse stood on the northern cape for two hundred years. Every night its keeper climbed "
+            "the ninety steps and trimmed the wick.")
+    messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}]
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0,
+                                            stream=True)
+    served = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert served == build(smollm2).generate([{"messages": messages, "params": greedy(40)}])[0].text
+
+    def counted(kind: str) -> float:
+        lines = httpx.get(keyed_server.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30).text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                   if "strata_spec_decode_tokens" in line and f'kind="{kind}"' in line and not line.startswith("#"))
+
+    wait_until(lambda: counted("accepted") > 0, 60, "accepted drafts in /metrics")
+    assert counted("drafted") >= counted("accepted")
+
+
 def test_structured_output_through_the_openai_client(keyed_server) -> None:
     """response_format json_schema, whole and streamed: the real model's answer parses, validates and says
     Paris; vLLM's guided_choice on completions; an invalid schema is a 400 naming the problem."""

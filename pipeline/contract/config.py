@@ -46,6 +46,33 @@ DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 
 
+class SpeculativeConfig(ConfigModel):
+    """Speculative decoding, in vLLM's ``--speculative-config`` shape. ``ngram`` (prompt lookup): the draft
+    is what followed the latest earlier occurrence of the sequence's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``), so it costs no model and helps most where decode
+    is bound by reading weights and the answer repeats its context (edits, summaries, extraction)."""
+
+    method: Literal["ngram"] = Field(description="ngram (prompt lookup); a draft model and MTP are not implemented")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens verified per step")
+    prompt_lookup_max: int | None = Field(None, ge=1, le=64, description="longest n-gram matched (default: "
+                                                                          "prompt_lookup_min, or 5 when neither)")
+    prompt_lookup_min: int | None = Field(None, ge=1, le=64, description="shortest n-gram matched (default: "
+                                                                          "prompt_lookup_max, or 5 when neither)")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.__dict__.update(prompt_lookup_max=5, prompt_lookup_min=5)  # vLLM's defaults
+        elif self.prompt_lookup_min is None:
+            self.__dict__["prompt_lookup_min"] = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.__dict__["prompt_lookup_max"] = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class EngineConfig(ConfigModel):
     """Knobs of the engine core. Defaults suit the tiny demo model on a CPU."""
 
@@ -102,6 +129,9 @@ class EngineConfig(ConfigModel):
                                                                "with an error (0: never)")
     chat_template_timeout_s: float = Field(5.0, gt=0, description="the longest the chat template may take to render "
                                            "one request's messages; past it the request is a 400")
+    speculative: SpeculativeConfig | None = Field(None, description="speculative decoding (off when null): "
+                                                  "drafts verified exactly, so greedy output is unchanged and "
+                                                  "sampled output keeps its distribution")
     grammar_timeout_s: float = Field(10.0, gt=0, description="the longest a structured-output grammar may take to "
                                      "compile in the front door's sandbox; past it the request is a 400")
 
@@ -189,6 +219,18 @@ class EngineConfig(ConfigModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise config_error(exc, root) from None
+
+
+def json_object_flag(flag: str, text: str) -> dict[str, Any]:
+    """The JSON object a command-line flag takes (``--speculative-config '{"method": "ngram", ...}'``);
+    ValueError in one line naming the flag for anything else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object")
+    return value
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:

@@ -17,12 +17,13 @@ import torch
 
 from strata.kvstore import KVBlockLostError
 from strata.pipeline.contract.request import TokenEvent
-from strata.pipeline.core.logits_processors import apply_logits_processors
+from strata.pipeline.core.logits_processors import apply_logits_processors, needs_processing
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop, row_is_finite
 from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
+from strata.pipeline.core.speculation import NgramProposer, SpeculationStats, verify
 
 Detokenize = Callable[..., str]  # (ids, skip_special_tokens=True) -> text
 
@@ -31,6 +32,7 @@ Emitted = tuple[Sequence, TokenEvent]  # an event and the sequence it came from 
 log = logging.getLogger(__name__)
 MAX_KV_LOSSES = 16  # lost spilled blocks a sequence may recompute past before it fails
 INTERNAL_ERROR = "an internal error stopped this request"  # a fault of ours in one row: no internals in it
+INVALID_VALUES = "the model produced invalid values (NaN or inf) for this request"
 
 
 class EngineCore:
@@ -56,11 +58,16 @@ class EngineCore:
         self.last_num_tokens = 0  # tokens computed by the latest step (for a shared per-step budget)
         self.failed: list[Emitted] = []  # error events of sequences failed outside a step's result
         self.num_failed = 0
+        spec = scheduler.config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.speculation = SpeculationStats()
 
     def step(self, budget: int | None = None) -> list[Emitted]:
         """Schedule, run the model once, sample, update sequences. Empty if nothing could run."""
         events, self.failed = self.failed, []
         self._expire()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule(budget)
         self.last_num_tokens = 0
         if not out.chunks:
@@ -77,15 +84,19 @@ class EngineCore:
         except Exception:
             logits, chunks = self._isolate(out.chunks)
         for chunk in chunks:
-            self.scheduler.commit(chunk)
-        sampling = [c.seq for c in chunks if c.samples]
+            if not chunk.draft:  # a verified draft commits what it accepted, below
+                self.scheduler.commit(chunk)
+        verifying: list[tuple[ScheduledChunk, torch.Tensor]] = []
+        if any(c.draft for c in chunks):
+            logits, verifying = _split_draft_rows(logits, chunks)
+        sampling = [c.seq for c in chunks if c.samples and not c.draft]
         tokens, failed, logprobs = self._sample(logits, sampling)
         self.steps += 1
         for i, (seq, tok) in enumerate(zip(sampling, tokens)):
             try:
                 why = failed.get(i)
                 if why is None and tok == INVALID:
-                    why = "the model produced invalid values (NaN or inf) for this request"
+                    why = INVALID_VALUES
                 if why is None and self.grammar is not None:
                     why = self.grammar.accept(seq, tok)
                 if why is None:
@@ -97,7 +108,55 @@ class EngineCore:
                 log.exception("request %s: finishing its step failed", seq.request_id)
                 why = INTERNAL_ERROR
             self.fail(seq, why)
+        for chunk, rows in verifying:
+            events.extend(self._verify(chunk, rows))
         return events + self._take_failed()
+
+    def _propose(self) -> None:
+        """Draft the next step's tokens of every decoding sequence that may speculate: no grammar (its
+        matcher takes tokens one by one), no logits processors or logprobs (they are per position)."""
+        max_len = self.scheduler.config.max_model_len
+        for seq in self.scheduler.running:
+            p = seq.params
+            seq.draft = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or p.structured is not None \
+                    or p.logprobs is not None or needs_processing(p):
+                continue
+            limit = min(p.max_tokens - len(seq.output_token_ids), max_len - seq.num_tokens) - 1
+            if seq.draft_limit:
+                limit = min(limit, seq.draft_limit)
+            seq.draft = self.proposer.propose(seq.token_ids, limit)  # type: ignore[union-attr]
+
+    def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Emitted]:
+        """Accept what the target model agrees with (:func:`~strata.pipeline.core.speculation.verify`), emit
+        those tokens and the target's next one, and keep the KV of the accepted ones."""
+        seq = chunk.seq
+        try:
+            if not bool(torch.isfinite(rows).all()):
+                self.fail(seq, INVALID_VALUES)
+                return []
+            tokens = verify(rows, chunk.draft, seq.params, seq.generator)
+        except Exception:
+            log.exception("request %s: verifying its draft failed", seq.request_id)
+            self.fail(seq, INTERNAL_ERROR)
+            return []
+        stats = self.speculation
+        stats.verifications += 1
+        stats.drafted += len(chunk.draft)
+        stats.accepted += len(tokens) - 1
+        seq.draft_limit = self.proposer.next_limit(len(chunk.draft), len(tokens) - 1)  # type: ignore[union-attr]
+        events = []
+        try:
+            for token in tokens:
+                events.append(self._append(seq, token))
+                if seq.status is SequenceStatus.FINISHED:
+                    return events  # the answer ended inside the draft: its blocks are freed
+            # the known token and the accepted drafts hold KV now; the slots past them are written again next step
+            self.scheduler.commit(chunk, chunk.start + len(tokens))
+        except Exception:  # this row's stop rules or detokenizing: it fails alone
+            log.exception("request %s: finishing its step failed", seq.request_id)
+            self.fail(seq, INTERNAL_ERROR)
+        return events
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str], Logprobs | None]:
         """Tokens, the rows that failed (row -> why) and logprobs of one step's sampling rows. The batch is
@@ -244,6 +303,28 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+
+def speculation_stats(core: EngineCore) -> dict[str, dict[str, int]]:
+    """``{"speculation": totals}`` for a stage's stats where speculative decoding is on, else nothing."""
+    return {"speculation": core.speculation.to_dict()} if core.proposer is not None else {}
+
+
+def _split_draft_rows(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[tuple[ScheduledChunk, torch.Tensor]]]:
+    """The rows of a step's logits sampled one per chunk, and each draft-carrying chunk with its 1 + len(draft) rows."""
+    plain: list[int] = []
+    verifying = []
+    row = 0
+    for chunk in chunks:
+        if not chunk.samples:
+            continue
+        if chunk.draft:
+            verifying.append((chunk, logits[row : row + 1 + len(chunk.draft)]))
+            row += 1 + len(chunk.draft)
+        else:
+            plain.append(row)
+            row += 1
+    return logits[plain], verifying
 
 
 def sample_rows(sampler: Sampler, grammar: GrammarRunner | None, logits: torch.Tensor, seqs: list[Sequence],

@@ -88,7 +88,8 @@ class ModelRunner:
         return 1
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [num sampling chunks, vocab] (fp32), in the order those chunks appear."""
+        """Logits [sampled rows, vocab] (fp32), in the order the chunks appear: one row per sampling chunk,
+        1 + len(draft) for a chunk verifying a draft."""
         inputs = self.prepare(chunks)
         spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
         logits = self.executor.run(inputs, spilled)
@@ -111,11 +112,14 @@ class ModelRunner:
                 s.token_ids.append(seq.token_ids[start])
                 s.positions.append(start)
                 s.slots.append(table.slot(start))
-            else:
-                s.token_ids.extend(seq.token_ids[start:end])
+            else:  # a prefill chunk, or a decode with its draft: every row of the draft is sampled
+                s.token_ids.extend(seq.token_ids[start : end - len(chunk.draft)])
+                s.token_ids.extend(chunk.draft)
                 s.positions.extend(range(start, end))
                 s.slots.extend(table.slots(start, end))
-            if end == seq.num_tokens:
+            if chunk.draft:
+                s.last_rows.extend(range(len(s.token_ids) - len(chunk.draft) - 1, len(s.token_ids)))
+            elif end == seq.num_tokens:
                 s.last_rows.append(len(s.token_ids) - 1)
             s.query_lens.append(end - start)
             s.seq_lens.append(end)

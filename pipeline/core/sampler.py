@@ -132,7 +132,7 @@ def _sample_rows(
     probs = _mask_top_p(probs, params)
 
     cumulative = probs.cumsum(dim=-1)
-    uniforms = torch.tensor([_uniform(g) for g in generators], dtype=torch.float32, device=device)
+    uniforms = torch.tensor([uniform(g) for g in generators], dtype=torch.float32, device=device)
     targets = uniforms.unsqueeze(1) * cumulative[:, -1:]
     positions = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
     # Rounding can push the target to the total mass; fall back to the last token that has any.
@@ -168,9 +168,27 @@ def _mask_top_p(sorted_probs: torch.Tensor, params: Sequence[SamplingParams]) ->
     return sorted_probs.masked_fill(drop, 0.0)
 
 
-def _uniform(generator: torch.Generator | None) -> float:
+def uniform(generator: torch.Generator | None) -> float:
     """One U[0, 1) draw; consuming exactly one per step makes a seeded stream independent of batching."""
     return torch.rand(1, generator=generator, dtype=torch.float64).item()
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[B, V] probabilities (vocab order) that :meth:`Sampler.sample` draws each row from: temperature,
+    top-k, then top-p, as ``_sample_rows`` applies them (what speculative verification must match)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    sorted_logits, sorted_ids = torch.sort(logits.float() / temperature.unsqueeze(1), dim=-1, descending=True,
+                                           stable=True)
+    probs = _mask_top_p(torch.softmax(_mask_top_k(sorted_logits, params), dim=-1), params)
+    out = torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from an unnormalized [V] distribution by inverse CDF (one uniform)."""
+    cumulative = probs.double().cumsum(dim=0)
+    position = int(torch.searchsorted(cumulative, uniform(generator) * cumulative[-1], right=True))
+    return min(position, int(probs.nonzero().max()))
 
 
 @dataclass(frozen=True)

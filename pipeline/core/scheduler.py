@@ -24,7 +24,8 @@ from strata.pipeline.core.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed this step
-    num_tokens: int
+    num_tokens: int  # known tokens plus draft tokens
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the last known one, verified this step
 
     @property
     def end(self) -> int:
@@ -32,8 +33,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the last known token, so its logits give the next token."""
-        return self.end == self.seq.num_tokens
+        """This chunk reaches the last known token, so its logits give the next token (one row per
+        token from there on when it carries a draft)."""
+        return self.end - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -110,9 +112,13 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
             if n <= 0:
                 continue
+            draft = seq.draft[: budget - 1] if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1 else []
+            if draft and not self.kv.reserve(seq.block_table, seq.num_computed_tokens + 1 + len(draft)):
+                draft = []  # a draft never preempts anyone: without room it waits for a roomier step
+            n += len(draft)
             if not self._reserve_or_preempt(seq, n, scheduled, out):
                 continue
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, draft))
             scheduled.add(id(seq))
             budget -= n
         skipped: list[Sequence] = []
@@ -187,11 +193,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- after the model ran -------------------------------------------------
-    def commit(self, chunk: ScheduledChunk) -> None:
-        """Record computed KV; newly full blocks are published to the prefix cache."""
+    def commit(self, chunk: ScheduledChunk, end: int | None = None) -> None:
+        """Record computed KV up to ``end`` (default: the chunk's end; a verified draft keeps only its
+        accepted tokens, and the slots past them are written again next step); newly full blocks are
+        published to the prefix cache."""
         seq = chunk.seq
-        seq.num_computed_tokens = chunk.end
+        end = chunk.end if end is None else end
+        seq.num_computed_tokens = end
         table = seq.block_table
-        full = table.num_full_blocks(chunk.end)
+        full = table.num_full_blocks(end)
         publish = self.config.enable_prefix_caching and full > table.num_published
-        self.kv.commit(table, chunk.end, seq.full_block_hashes(self.fingerprint, full) if publish else ())
+        self.kv.commit(table, end, seq.full_block_hashes(self.fingerprint, full) if publish else ())

@@ -6,7 +6,7 @@ Each module measures one room from above it: ``offline`` (engine vs transformers
 Ray nodes vs recompute), ``tensor_parallel`` (a tp group vs one process on the same cores), ``mla`` (MLA
 decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-then-prefill), ``vision``
 (native-resolution images: the encoder's packed batch vs one by one, TTFT by image count), ``structured``
-(the sampler's step with grammar-constrained rows), ``flow`` (a real server's request flow, traced: bytes and
+(the sampler's step with grammar-constrained rows), ``speculative`` (prompt lookup vs plain decoding), ``flow`` (a real server's request flow, traced: bytes and
 time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill); ``serve`` is
 the HTTP load generator in
 ``loadtest``.
@@ -22,7 +22,7 @@ from strata.commands import register
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
     from strata.bench import (cross_node, flow, mixed_step, mla, offline, quant, serve_overhead, soak,
-                              structured, tensor_parallel, tiers, vision)
+                              speculative, structured, tensor_parallel, tiers, vision)
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -40,6 +40,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
         ("flow", "a real server's request flow, traced: bytes each way and time per hop, text to 8 images", flow),
         ("quant", "one model as fp32, bf16, FP8 blocks, INT4 groups and MXFP4: resident bytes, decode and prefill "
          "tok/s", quant),
+        ("spec", "prompt-lookup speculative decoding vs plain decoding on a real model: tok/s at batch 1, "
+         "acceptance, identical greedy answers", speculative),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
