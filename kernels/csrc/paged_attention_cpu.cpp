@@ -2,13 +2,14 @@
 // the block-major KV pool (no gather), with an online softmax and an optional log-sum-exp output.
 //
 // One call covers every selected sequence of a step. A work item is (sequence, tile of query rows)
-// with every head, spread over ATen's thread pool. Keys are visited block by block, 16 at a time:
-// a token's K row (all kv heads) is contiguous in the pool, so a group of 16 keys is read once and
-// serves every query row of the tile. Per (row, head) the 16 scores come from 16 partial dot
+// with every head, spread over ATen's thread pool. Keys are visited block by block, one vector width at
+// a time (16 keys with AVX-512, 8 with AVX2): a token's K row (all kv heads) is contiguous in the pool,
+// so a group of keys is read once and serves every query row of the tile. Per (row, head) the group's
+// scores come from one partial dot per key
 // products folded by a shuffle tree into one vector (no per-key horizontal sum), the softmax update
 // runs on that vector, and the weighted sum of V accumulates in registers. Accumulation is fp32;
 // caches may be fp32, bf16 or e4m3 (an fp8 KV cache; widened once per key group). Shapes the vector path does not cover
-// (head dim or block size not a multiple of 16) take a plain scalar loop with the same math.
+// (head dim or block size not a multiple of the vector width) take a plain scalar loop with the same math.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,11 +28,18 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
-typedef int32_t i16 __attribute__((vector_size(64)));
+// Vectors of the machine's width, and key groups of that many keys: a wider GCC vector type than the
+// hardware has is split by the compiler, which then keeps the key group's partial sums in memory.
+#ifdef __AVX512F__
+#define STRATA_LANES 16
+#else
+#define STRATA_LANES 8
+#endif
+typedef float vec __attribute__((vector_size(4 * STRATA_LANES)));
+typedef float vecu __attribute__((vector_size(4 * STRATA_LANES), aligned(4)));  // unaligned loads and stores
+typedef int32_t ivec __attribute__((vector_size(4 * STRATA_LANES)));
 
-constexpr int kLanes = 16;
+constexpr int kLanes = STRATA_LANES;
 constexpr int kMaxHeadDim = 1024;  // MLA reads a 576-value latent (512 + 64) as its one head
 constexpr int kRowTile = 16;  // query rows per work item (prefill chunks)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -50,9 +58,9 @@ class FlushDenormals {
 #endif
 };
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
-inline v16 splat(float x) { return v16{} + x; }
+inline vec load(const float* p) { return *reinterpret_cast<const vecu*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vecu*>(p) = v; }
+inline vec splat(float x) { return vec{} + x; }
 
 struct Geometry {
   int64_t heads_q, heads_kv, head_dim, block_size;
@@ -63,10 +71,11 @@ struct Geometry {
   int64_t window;  // <= 0: no sliding window
 };
 
-// Sixteen vectors of partial sums -> one vector whose lane t is the full sum of vector t.
+// kLanes vectors of partial sums -> one vector whose lane t is the full sum of vector t.
 // Each level adds neighbouring lanes and interleaves two inputs, halving the vector count.
-inline v16 fold16(const v16* p) {
-  v16 a[8], b[4], c[2];
+#if STRATA_LANES == 16
+inline vec fold(const vec* p) {
+  vec a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
            __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
@@ -79,36 +88,49 @@ inline v16 fold16(const v16* p) {
   return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          __builtin_shufflevector(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
+#else
+inline vec fold(const vec* p) {
+  vec a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
 
 // exp(x) lane-wise for x <= 0 or -inf (softmax weights after subtracting the running max): Cody-Waite
 // range reduction, the degree-6 polynomial of Cephes expf (~1 ulp), the power of two built in the
 // exponent bits. Below -87 the result is 0 (the true value is under 2^-125).
-inline v16 exp_nonpositive(v16 x) {
-  const v16 lo = splat(-87.f);
-  const v16 c = x < lo ? lo : x;
-  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const v16 n = (c * 1.44269504088896341f + magic) - magic;
-  v16 r = c - n * 0.693359375f;
+inline vec exp_nonpositive(vec x) {
+  const vec lo = splat(-87.f);
+  const vec c = x < lo ? lo : x;
+  const vec magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vec n = (c * 1.44269504088896341f + magic) - magic;
+  vec r = c - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
+  vec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  const v16 y = p * reinterpret_cast<const v16&>(bits);
-  return x < lo ? v16{} : y;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  const vec y = p * reinterpret_cast<const vec&>(bits);
+  return x < lo ? vec{} : y;
 }
 
-inline float lane_max(v16 v) {
+inline float lane_max(vec v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
 }
 
-inline float lane_sum(v16 v) {
+inline float lane_sum(vec v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
@@ -146,7 +168,7 @@ inline const float* widen(const c10::Float8_e4m3fn* src, int64_t count, int64_t 
   return buf;
 }
 
-// Ask for 16 tokens' rows (`width` elements each) ahead of use: a block is a few pages of the pool
+// Ask for a key group's rows (`width` elements each) ahead of use: a block is a few pages of the pool
 // far from the previous one, where the hardware prefetcher has nothing to go on.
 template <typename KV>
 inline void prefetch_rows(const KV* first, int64_t stride, int64_t width) {
@@ -163,7 +185,7 @@ struct State {
   State(int64_t rows, int64_t dim) : m(rows, kNegInf), l(rows, 0.f), acc(rows * dim, 0.f), q(rows * dim) {}
 };
 
-// The vector path: head dim HD (a multiple of 16), key groups of 16.
+// The vector path: head dim HD (a multiple of the vector width), key groups of that width.
 template <typename KV, int HD>
 void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const KV* vc, const int32_t* table,
                      int64_t q_first_row, int64_t q_len, int64_t seq_len, int64_t kv_offset, int64_t row0,
@@ -182,7 +204,8 @@ void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const
   if (g.window > 0) lo_key = std::max(lo_key, first_pos + row0 - g.window + 1);
   const int64_t first_group = (lo_key - kv_offset) / kLanes;
   const int64_t end_group = (last_pos - kv_offset) / kLanes + 1;
-  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vec iota;
+  for (int t = 0; t < kLanes; ++t) iota[t] = static_cast<float>(t);
   for (int64_t grp = first_group; grp < end_group; ++grp) {
     const int64_t key0 = kv_offset + grp * kLanes;
     const int64_t block = (grp * kLanes) / bs, in_block = (grp * kLanes) % bs;
@@ -206,24 +229,24 @@ void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const
       for (int64_t head = 0; head < Hq; ++head) {
         const int64_t row = r * Hq + head;
         const int64_t koff = (head / G) * HD;
-        v16 qv[C];
+        vec qv[C];
         for (int c = 0; c < C; ++c) qv[c] = load(st.q.data() + row * HD + c * kLanes);
-        v16 part[kLanes];
+        vec part[kLanes];
         for (int t = 0; t < kLanes; ++t) {
-          if (t >= nkeys) { part[t] = v16{}; continue; }
+          if (t >= nkeys) { part[t] = vec{}; continue; }
           const float* krow = kp + t * ks + koff;
-          v16 s = qv[0] * load(krow);
+          vec s = qv[0] * load(krow);
           for (int c = 1; c < C; ++c) s += qv[c] * load(krow + c * kLanes);
           part[t] = s;
         }
-        const v16 scores = visible ? fold16(part) : splat(kNegInf);
+        const vec scores = visible ? fold(part) : splat(kNegInf);
         const float new_m = std::max(st.m[row], lane_max(scores));
         const float correction = std::exp(st.m[row] - new_m);  // exp(-inf) = 0 on the first group
-        const v16 p = exp_nonpositive(scores - new_m);
+        const vec p = exp_nonpositive(scores - new_m);
         st.l[row] = st.l[row] * correction + lane_sum(p);
         st.m[row] = new_m;
         float* a = st.acc.data() + row * HD;
-        v16 acc[C];
+        vec acc[C];
         for (int c = 0; c < C; ++c) acc[c] = load(a + c * kLanes) * correction;
         for (int64_t t = k_lo; t < k_hi; ++t) {
           const float* vrow = vp + t * vs + koff;
