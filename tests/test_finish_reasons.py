@@ -26,6 +26,7 @@ from strata.deployments.admission import Admission
 from strata.deployments.request_end import request_scope
 from strata.deployments.responder import Responder
 from strata.pipeline.core import sampler
+from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.engine_core import EngineCore
@@ -39,7 +40,7 @@ EOS, STOP_TOKEN = 2, 5
 def _core() -> EngineCore:
     """An engine core whose scheduler holds every sequence (remove() succeeds) and whose tokenizer
     spells token t as one letter: enough for ``_append``, ``fail`` and ``abort`` to run for real."""
-    scheduler = SimpleNamespace(remove=lambda seq, free_blocks: True)
+    scheduler = SimpleNamespace(remove=lambda seq, free_blocks: True, config=EngineConfig())
     def letters(ids: list[int]) -> str:
         return "".join(chr(97 + t % 26) for t in ids)
 
