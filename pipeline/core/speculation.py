@@ -99,5 +99,7 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
             continue
         residual = probs[i].clone()
         residual[token] = 0.0
+        if not bool(residual.any()):  # the draft held all the mass but float rounding: nothing else to draw
+            return out + [token]
         return out + [draw_from(residual, generator)]
     return out + [draw_from(probs[len(draft)], generator)]
