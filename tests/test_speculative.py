@@ -109,8 +109,8 @@ def test_greedy_answers_are_the_same_with_speculation_on_and_off(make: str, llam
 
 
 def test_rows_that_speculation_would_change_are_never_drafted(llama_dir: Path) -> None:
-    """Logprobs, penalties, min_tokens and grammars act per position: such rows decode one token a step
-    (the same prompt with plain params does speculate)."""
+    """Logprobs, penalties and min_tokens act per position: such rows decode one token a step (the same
+    prompt with plain params does speculate). Rows with a grammar are left out by the same rule."""
     spec = build(llama_dir, speculative=SPEC)
     request = {"prompt": PROMPTS[0], "params": greedy(24, ignore_eos=True)}
     spec.generate([request])
