@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,17 +26,42 @@ def proposer(k: int = 3, n_max: int = 3, n_min: int = 1) -> NgramProposer:
                                            prompt_lookup_min=n_min))
 
 
+def _lookup(p: NgramProposer, tokens: list[int], limit: int) -> list[int]:
+    return p.propose(SimpleNamespace(token_ids=tokens, lookup_ids=None), limit)
+
+
 def test_prompt_lookup_drafts_what_followed_the_latest_match_of_the_longest_suffix() -> None:
     p = proposer()
     #          0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    assert p.propose(tokens, 8) == [7, 8, 1]  # suffix 1 2 3: latest earlier match at 5, then what followed
-    assert p.propose(tokens, 2) == [7, 8]  # never past the request's remaining tokens
-    assert p.propose(tokens, 0) == []
-    assert p.propose([5, 6, 7, 6, 7], 8) == [6, 7]  # 6 7 matched at 1 (overlapping the suffix is fine)
-    assert p.propose([4, 5, 6], 8) == []  # nothing earlier matches, and the suffix never matches itself
-    assert proposer(n_min=3).propose([1, 2, 9, 8, 2], 8) == []  # only 2-grams would match: below the minimum
-    assert proposer(n_min=1).propose([1, 2, 9, 8, 2], 8) == [9, 8, 2]
+    assert _lookup(p, tokens, 8) == [7, 8, 1]  # suffix 1 2 3: latest earlier match at 5, then what followed
+    assert _lookup(p, tokens, 2) == [7, 8]  # never past the request's remaining tokens
+    assert _lookup(p, tokens, 0) == []
+    assert _lookup(p, [5, 6, 7, 6, 7], 8) == [6, 7]  # 6 7 matched at 1 (overlapping the suffix is fine)
+    assert _lookup(p, [4, 5, 6], 8) == []  # nothing earlier matches, and the suffix never matches itself
+    assert _lookup(proposer(n_min=3), [1, 2, 9, 8, 2], 8) == []  # only 2-grams would match: below the minimum
+    assert _lookup(proposer(n_min=1), [1, 2, 9, 8, 2], 8) == [9, 8, 2]
+
+
+def _reference_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """The definition, one n and one position at a time."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_prompt_lookup_equals_its_definition_on_random_sequences_as_they_grow() -> None:
+    """The array kept per sequence grows with it; each step's draft is the definition's."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n_max = 1 + trial % 5
+        p = proposer(k=3, n_max=n_max, n_min=1 + trial % n_max)
+        seq = SimpleNamespace(token_ids=[], lookup_ids=None)
+        for token in torch.randint(0, 4, (300,), generator=gen).tolist():  # 4 symbols: many matches
+            seq.token_ids.append(token)
+            assert p.propose(seq, 3) == _reference_lookup(seq.token_ids, 3, p.n_max, p.n_min)
 
 
 def test_greedy_verification_keeps_the_agreed_prefix_then_the_models_own_token() -> None:

@@ -125,7 +125,7 @@ class EngineCore:
             limit = min(p.max_tokens - len(seq.output_token_ids), max_len - seq.num_tokens) - 1
             if seq.draft_limit:
                 limit = min(limit, seq.draft_limit)
-            seq.draft = self.proposer.propose(seq.token_ids, limit)  # type: ignore[union-attr]
+            seq.draft = self.proposer.propose(seq, limit)  # type: ignore[union-attr]
 
     def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Emitted]:
         """Accept what the target model agrees with (:func:`~strata.pipeline.core.speculation.verify`), emit

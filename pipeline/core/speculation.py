@@ -17,11 +17,10 @@ exactly the target's distribution ``p`` (temperature, top-k and top-p applied as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from strata.pipeline.contract.config import SpeculativeConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
@@ -47,23 +46,52 @@ class NgramProposer:
             return self.k
         return accepted + 1
 
-    def propose(self, token_ids: Seq[int], limit: int) -> list[int]:
+    def propose(self, seq: Any, limit: int) -> list[int]:
         """At most ``min(k, limit)`` tokens: what followed the latest earlier match of the longest suffix
-        n-gram (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``); empty when nothing matches."""
+        n-gram (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``); empty when nothing matches.
+        O(window) a step: one comparison against the last token finds the candidates, and only they are
+        extended backwards; the sequence's tokens are kept as an array that grows with it."""
         k = min(self.k, limit)
-        if k <= 0 or len(token_ids) <= self.n_min:
+        if k <= 0 or len(seq.token_ids) <= self.n_min:
             return []
-        tail = np.asarray(token_ids[-SEARCH_WINDOW:], dtype=np.int64)
-        length = len(tail)
-        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            # windows start at 0 .. length-1-n, so each match has at least one token after it and the
-            # suffix never matches itself
-            windows = sliding_window_view(tail[: length - 1], n)
-            hits = np.flatnonzero((windows == tail[length - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tail[start : start + k].tolist()
-        return []
+        if seq.lookup_ids is None:
+            seq.lookup_ids = TokenArray()
+        ids = seq.lookup_ids.sync(seq.token_ids)[-SEARCH_WINDOW:]
+        ends = np.flatnonzero(ids[:-1] == ids[-1])  # where an earlier match would end: never the suffix itself
+        if not ends.size:
+            return []
+        back = np.arange(self.n_max)
+        at = ends[:, None] - back[None, :]  # candidate position j tokens before each end
+        same = (at >= 0) & (ids[np.maximum(at, 0)] == ids[len(ids) - 1 - back][None, :])
+        if len(ids) - 1 < self.n_max:  # the suffix itself is shorter than n_max
+            same[:, len(ids) - 1 :] = False
+        lengths = np.cumprod(same, axis=1).sum(axis=1)  # matched suffix length at each candidate, <= n_max
+        best = int(lengths.max())
+        if best < self.n_min:
+            return []
+        start = int(ends[np.flatnonzero(lengths == best)[-1]]) + 1
+        return ids[start : start + k].tolist()
+
+
+class TokenArray:
+    """A sequence's token ids as a growing int64 array (they are only ever appended), so a lookup does not
+    convert the whole list every step."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, token_ids: Seq[int]) -> np.ndarray:
+        """The ids so far (a view), after appending those added since the last call."""
+        n = len(token_ids)
+        if n > len(self.data):
+            grown = np.empty(max(n, 2 * len(self.data)), dtype=np.int64)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        if n > self.size:
+            self.data[self.size : n] = token_ids[self.size : n]
+            self.size = n
+        return self.data[:n]
 
 
 @dataclass
