@@ -352,6 +352,13 @@ def test_bench_serve_with_no_server_is_one_line(capsys) -> None:
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_bench_step_weights_without_smollm2_is_one_line(capsys) -> None:
+    """The quantized copies exist for the real SmolLM2 only: asking one of a built model is refused up front."""
+    res = strata_in_process(capsys, "bench", "step", "--profile", "--model", "tiny", "--weights", "fp8")
+    assert res.returncode == 2
+    assert res.stderr.strip() == "strata bench step: --weights takes --model smollm2"
+
+
 def test_the_serving_banner_waits_for_health_and_says_what_it_waits_for(capsys) -> None:
     """`strata serve` prints "Strata is serving" only once /health is 200; until then stderr says what the
     server waits for; a model that failed to load is an error line, not a wait until the timeout."""

@@ -4,6 +4,8 @@ asymmetric groups, fused rows, stacked experts), the tiled matmul equals the den
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,15 @@ import torch.nn.functional as F
 import strata.kernels.quant_linear as quant_linear_module
 from strata.kernels.cpu_kernels import cpu_kernels
 from strata.kernels.quant_linear import dequantize_rows, quant_linear, tile_rows, tiled_linear
-from strata.kernels.quant_weight import FP8BlockWeight, FP8RowWeight, Int4GroupWeight, cat_rows, stack_experts
+from strata.kernels.quant_weight import (
+    FP8BlockWeight,
+    FP8RowWeight,
+    Int4GroupWeight,
+    MXFP4Weight,
+    QuantWeight,
+    cat_rows,
+    stack_experts,
+)
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.weight_formats import FP8Block, Int4Group, WeightFormatError, parse_quantization
 
@@ -105,23 +115,58 @@ def _int4_weight(rows: int, cols: int, group: int, symmetric: bool, seed: int) -
     return Int4GroupWeight(rows, cols, _pack_int4(q), scale, zero, group)
 
 
-@pytest.mark.parametrize("rows_of_x", [1, 3, 8])
-def test_the_streaming_kernels_equal_the_tiled_reference(rows_of_x: int) -> None:
-    """The decode kernels (a few rows of x, codes widened in registers) against the torch reference, for FP8
-    blocks with partial blocks both ways, fused rows, and INT4 groups (symmetric or not, a partial group)."""
-    assert cpu_kernels() is not None, "the CPU kernels must build here"
+def _mxfp4_weight(rows: int, cols: int, seed: int) -> MXFP4Weight:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    return MXFP4Weight(rows, cols, packed, torch.randint(118, 134, (rows, cols // 32), generator=g, dtype=torch.uint8))
+
+
+def _streamed_weights() -> list[QuantWeight]:
+    """One of each layout the streaming kernels tell apart: FP8 blocks with partial blocks both ways and a
+    partial 32-column chunk, fused FP8 rows, 64-wide blocks; INT4 groups of 32 (bf16 and fp32 scales,
+    symmetric or not, a partial chunk of 8), of 128, and of a width that is neither (24, 96); MXFP4 with a
+    last group of 32 past the 64-wide chunks."""
     codes, scale, _ = _fp8_block(200, 300, 128, 128, seed=5)
     fp8 = FP8Block(128, 128).build("w", 200, 300, {"weight": codes, "weight_scale_inv": scale})
     codes2, scale2, _ = _fp8_block(70, 300, 128, 128, seed=6)
     fused = cat_rows([fp8, FP8Block(128, 128).build("w2", 70, 300, {"weight": codes2, "weight_scale_inv": scale2})])
-    weights = [fp8, fused, _int4_weight(96, 328, 32, True, 7), _int4_weight(64, 256, 128, False, 8)]
-    for w in weights:
+    codes3, scale3, _ = _fp8_block(40, 200, 64, 64, seed=9)
+    int4_fp32_scales = _int4_weight(48, 256, 32, True, 10)
+    int4_fp32_scales = replace(int4_fp32_scales, scale=int4_fp32_scales.scale.float())
+    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64),
+            _int4_weight(96, 328, 32, True, 7), _int4_weight(96, 328, 32, False, 11), int4_fp32_scales,
+            _int4_weight(64, 256, 128, False, 8), _int4_weight(40, 264, 24, False, 12), _int4_weight(40, 392, 96, True, 13),
+            _mxfp4_weight(80, 96, 14), _mxfp4_weight(48, 512, 15)]
+
+
+@pytest.mark.parametrize("rows_of_x", [1, 3, 8])
+def test_the_streaming_kernels_equal_the_tiled_reference(rows_of_x: int) -> None:
+    """The decode kernels (a few rows of x, codes widened in registers, x in their lanes' order, scales
+    applied once a block or group) against the torch reference, for every layout they tell apart."""
+    assert cpu_kernels() is not None, "the CPU kernels must build here"
+    for w in _streamed_weights():
         x, bias = torch.randn(rows_of_x, w.cols), torch.randn(w.rows)
         # fp32 sums in another order: within a few ulps of the sum of the products' magnitudes
         scale_of_sum = (x.abs() @ w.dequantize().abs().T).max().item()
         for b in (bias, None):
             got, want = quant_linear(x, w, b), tiled_linear(x, w, b, kernels=False)
-            assert (got - want).abs().max().item() <= 1e-6 * scale_of_sum, type(w).__name__
+            assert (got - want).abs().max().item() <= 1e-6 * scale_of_sum, (type(w).__name__, w.shape)
+
+
+def test_a_row_streams_the_same_alone_or_in_a_batch() -> None:
+    """Batch invariance: a row of x gives the same bits alone as among up to eight rows (a draft verified with
+    its row, a request decoded with others), and activations too large to carry the FP8 kernel's 2^100
+    still compute right."""
+    for w in _streamed_weights():
+        x = torch.randn(8, w.cols)
+        together = quant_linear(x, w)
+        for r in (0, 3, 7):
+            assert torch.equal(quant_linear(x[r:r + 1], w)[0], together[r]), (type(w).__name__, w.shape, r)
+        assert torch.equal(quant_linear(x[2:5], w), together[2:5])
+    w = _streamed_weights()[0]
+    big = torch.randn(2, w.cols) * 1e8
+    scale_of_sum = (big.abs() @ w.dequantize().abs().T).max().item()
+    assert (quant_linear(big, w) - tiled_linear(big, w, kernels=False)).abs().max().item() <= 1e-6 * scale_of_sum
 
 
 def test_a_split_that_cuts_a_block_is_refused_by_name() -> None:

@@ -1,18 +1,29 @@
 // y = x W^T + b for a handful of rows of x with W kept quantized: the weight-streaming GEMV of
 // small_linear_cpu.cpp, reading FP8 (one byte a weight), INT4 or MXFP4 (half a byte) instead of fp32.
 //
-// Decode is bound by reading the weights, so the fewer bytes a weight takes, the faster a step; the codes
-// are widened to fp32 in registers, eight at a time, and scaled there: nothing dequantized reaches memory.
-// The number of rows of x is a template parameter, so each row's two accumulators stay in registers.
+// Decode is bound by reading the weights, so the fewer bytes a weight takes the faster a step can be, but
+// only if widening a code costs less than the bytes it saves. So the codes are widened a chunk at a time
+// (32 FP8 bytes, 8 INT4 words, 32 MXFP4 bytes: one vector load) with a few whole-vector shifts, in the
+// order that is cheapest to produce, not in element order: lane j of the widened vector t holds some
+// element e(t, j) of the chunk. x is permuted once per call to that same order (``Layout::slot``), so each
+// widened vector meets its own x values in one FMA. Scales and offsets leave the inner loop: a block's or
+// group's products of codes and x are summed first, then scaled once (an INT4 offset subtracts its
+// multiple of the group's sum of x, summed once per call). Nothing dequantized reaches memory.
 //
-// Widening: FP8 e4m3 (no infinities): for a byte b, the fp32 whose bits are (b & 0x7f) << 20 is b's
-// magnitude times 2^-120 (normal and subnormal codes alike: both formats put the mantissa right below the
-// exponent); the sign bit moves to bit 31, and 2^120 is folded into the block's scale. INT4: eight nibbles
-// a word, element i at bits 4i, stored as q + 8: w = (nibble - 8 - zero) * scale. MXFP4: two e2m1 nibbles
-// a byte (element 2i low; four bytes are eight nibbles in element order, read as one word), the
-// magnitude looked up in an 8-entry table already times the group's power-of-two scale, the sign xored in.
-// Byte and nibble widening use AVX2 where the compiler targets it (GCC turns generic integer-widening
-// vector conversions into scalar code); elsewhere a portable path computes the same values.
+// Widening, per 32-bit lane of the loaded vector:
+// * FP8 e4m3 (no infinities): byte p of a lane shifted to the top, then arithmetically right by 4 and
+//   masked, is the fp32 with the sign at bit 31 and exponent and mantissa at bits 26 .. 20: the code's
+//   value times 2^-120, normal and subnormal codes alike (both formats put the mantissa right below the
+//   exponent). x carries 2^100 (exact; products stay clear of fp32's subnormals) and the block's scale
+//   the remaining 2^20.
+// * INT4: nibble s of each word (element i at bits 4i, stored as q + 8) by a shift and a mask, converted
+//   to fp32 in [0, 15]; w = (nibble - 8 - zero) * scale.
+// * MXFP4: the low and the high nibble of every byte looked up in a 16-entry byte table of 2 * e2m1
+//   (all integers: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), then byte p of each lane sign-extended
+//   and converted; the table's factor 2 goes into the group's E8M0 scale.
+// The row loop takes two rows of x at a time (four accumulators each stay in registers), and every row's
+// sum runs in the same order whatever rows come with it (batch invariance, as small_linear_cpu.cpp).
+// Byte lookups use AVX2 where the compiler targets it; elsewhere a portable path computes the same values.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +32,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -34,11 +47,32 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 constexpr int kMaxRows = 8;
+constexpr int kRowGroup = 2;  // rows of x per pass over a W row: 2 x 4 accumulators + 8 widened vectors
 constexpr float kTwoPow120 = 1.329227995784916e36f;  // 2^120
+constexpr float kTwoPow100 = 1.2676506002282294e30f;  // 2^100: what x carries into the FP8 kernel
+constexpr float kTwoPow20 = 1048576.f;
 constexpr v8 kE2M1 = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline v8 splat(float s) { return v8{s, s, s, s, s, s, s, s}; }
+inline u32x8 load_lanes(const void* p) {
+  u32x8 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+inline v8 bits_as_float(u32x8 v) { return reinterpret_cast<v8>(v); }
+inline v8 to_float(u32x8 v) { return __builtin_convertvector(reinterpret_cast<i32x8>(v), v8); }
+
+// {a, a, a, a, b, b, b, b} by one lane permutation (built from its elements, or by a generic shuffle, GCC
+// stored the halves to the stack and read the vector back: a store-forwarding stall on every group)
+inline v8 halves(float a, float b) {
+#if defined(__AVX2__)
+  const __m128 pair = _mm_unpacklo_ps(_mm_set_ss(a), _mm_set_ss(b));
+  return reinterpret_cast<v8>(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+#else
+  return v8{a, a, a, a, b, b, b, b};
+#endif
+}
 
 inline float hsum(v8 v) {
   float s = 0.f;
@@ -64,21 +98,21 @@ inline u32x8 nibbles(uint32_t word) {
   return (w >> shifts) & 0xFu;
 }
 
-// eight e4m3 codes, times 2^-120 (the caller's scale holds 2^120)
+// eight e4m3 codes in element order, times 2^-120 (the tile pass below)
 inline v8 fp8x8(const uint8_t* p) {
   const u32x8 b = widen_bytes(p);
   const u32x8 bits = ((b << 24) & 0x80000000u) | ((b << 20) & 0x07F00000u);
   return reinterpret_cast<v8>(bits);
 }
 
-// A block's scale with 2^120 folded in (one multiply a code), unless that would overflow (a scale of 2^8 or
-// more): then two. Either way the product is the exact code times the scale, rounded once.
-struct Fp8Scale {
-  explicit Fp8Scale(float scale)
-      : folded(scale * kTwoPow120), plain(scale), fold(std::isfinite(scale * kTwoPow120)) {}
-  v8 apply(v8 codes) const { return fold ? codes * splat(folded) : (codes * splat(kTwoPow120)) * splat(plain); }
-  float apply(float code) const { return fold ? code * folded : (code * kTwoPow120) * plain; }
-  float folded, plain;
+// A factor with 2^k folded in (one multiply), unless that would overflow: then two. Either way the
+// product is the exact value times the factor, rounded once or twice.
+struct Folded {
+  Folded(float scale, float power) : folded(scale * power), plain(scale), power(power), fold(std::isfinite(scale * power)) {}
+  v8 apply(v8 v) const { return fold ? v * splat(folded) : (v * splat(power)) * splat(plain); }
+  float apply(float v) const { return fold ? v * folded : (v * power) * plain; }
+  float add_to(float v, float acc) const { return fold ? std::fma(v, folded, acc) : std::fma(v * power, plain, acc); }
+  float folded, plain, power;
   bool fold;
 };
 
@@ -110,90 +144,282 @@ inline v8 e2m1x8(u32x8 nib, v8 table) {
 #endif
 }
 
-// acc[r] += w * x[r, i .. i+8) for every row r of x
-template <int M>
-inline void fma_rows(v8 w, const float* x, int64_t k, int64_t i, v8 (&acc)[M]) {
-  for (int r = 0; r < M; ++r) acc[r] += w * load8(x + r * k + i);
-}
-
-template <int M>
-inline void finish(const v8 (&a)[M], const v8 (&b)[M], const float (&tail)[M], float* out) {
-  for (int r = 0; r < M; ++r) out[r] = hsum(a[r] + b[r]) + tail[r];
-}
-
-// One output row of FP8 blocks: each block's codes widened and scaled by the block's scale.
-template <int M>
-void fp8_row(const float* x, int64_t k, const uint8_t* w, const float* scale_row, int64_t bn, float* out) {
-  v8 a[M] = {}, b[M] = {};
-  float tail[M] = {};
-  for (int64_t c0 = 0, j = 0; c0 < k; c0 += bn, ++j) {
-    const int64_t c1 = std::min(k, c0 + bn);
-    const Fp8Scale s(scale_row[j]);
-    int64_t i = c0;
-    for (; i + 16 <= c1; i += 16) {
-      fma_rows<M>(s.apply(fp8x8(w + i)), x, k, i, a);
-      fma_rows<M>(s.apply(fp8x8(w + i + 8)), x, k, i + 8, b);
-    }
-    for (; i + 8 <= c1; i += 8) fma_rows<M>(s.apply(fp8x8(w + i)), x, k, i, a);
-    for (; i < c1; ++i) {
-      const float wv = s.apply(fp8_one(w[i]));
-      for (int r = 0; r < M; ++r) tail[r] += wv * x[r * k + i];
-    }
-  }
-  finish<M>(a, b, tail, out);
-}
-
 inline float scale_at(bool bf16, const void* base, int64_t i) {
   return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-// One output row of INT4 groups (a multiple of 8 wide): a word of eight codes per step.
-template <int M>
-void int4_row(const float* x, int64_t k, const int32_t* words, const void* scales, bool bf16, int64_t srow,
-              const int8_t* zero, int64_t group, float* out) {
-  v8 a[M] = {}, b[M] = {};
-  float tail[M] = {};
-  const int64_t groups = (k + group - 1) / group;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * group, c1 = std::min(k, c0 + group);
-    const float s1 = scale_at(bf16, scales, srow + g);
-    const float off1 = 8.f + (zero != nullptr ? static_cast<float>(zero[srow + g]) : 0.f);
-    const v8 s = splat(s1), off = splat(off1);
-    int64_t i = c0;
-    for (; i + 16 <= c1; i += 16) {
-      const v8 q0 = __builtin_convertvector(reinterpret_cast<i32x8>(nibbles(words[i / 8])), v8);
-      const v8 q1 = __builtin_convertvector(reinterpret_cast<i32x8>(nibbles(words[i / 8 + 1])), v8);
-      fma_rows<M>((q0 - off) * s, x, k, i, a);
-      fma_rows<M>((q1 - off) * s, x, k, i + 8, b);
-    }
-    for (; i + 8 <= c1; i += 8) {
-      const v8 q = __builtin_convertvector(reinterpret_cast<i32x8>(nibbles(words[i / 8])), v8);
-      fma_rows<M>((q - off) * s, x, k, i, a);
-    }
-    for (; i < c1; ++i) {
-      const float q = static_cast<float>((static_cast<uint32_t>(words[i / 8]) >> (4 * (i % 8))) & 0xF);
-      for (int r = 0; r < M; ++r) tail[r] += (q - off1) * s1 * x[r * k + i];
-    }
+// ---- chunk layouts: how one vector load of codes widens, and where each element lands ----
+
+// 32 e4m3 bytes; vector p, lane j: element 4j + p, times 2^-120.
+struct Fp8Chunk {
+  static constexpr int kValues = 32, kBytes = 32, kVectors = 4;
+  static int slot(int e) { return 8 * (e % 4) + e / 4; }
+  static float slot_factor(int) { return 1.f; }
+  static void widen(const uint8_t* w, v8 (&out)[kVectors]) {
+    const u32x8 v = load_lanes(w);
+    const i32x8 mask = i32x8{} + static_cast<int32_t>(0x87F00000u);
+    out[0] = bits_as_float(reinterpret_cast<u32x8>((reinterpret_cast<i32x8>(v << 24) >> 4) & mask));
+    out[1] = bits_as_float(reinterpret_cast<u32x8>((reinterpret_cast<i32x8>(v << 16) >> 4) & mask));
+    out[2] = bits_as_float(reinterpret_cast<u32x8>((reinterpret_cast<i32x8>(v << 8) >> 4) & mask));
+    out[3] = bits_as_float(reinterpret_cast<u32x8>((reinterpret_cast<i32x8>(v) >> 4) & mask));
   }
-  finish<M>(a, b, tail, out);
+};
+
+// 8 INT4 words; vector s, lane j: element 8j + s, as word j's nibble s masked in place: q * 16^s (exact,
+// under 2^31), so the slots of x for nibble s carry 16^-s (``slot_factor``) and the product is q * x. The
+// top nibble is shifted down instead (masked in place it would read as a negative int32).
+struct Int4Chunk {
+  static constexpr int kValues = 64, kBytes = 32, kVectors = 8;
+  static int slot(int e) { return 8 * (e % 8) + e / 8; }
+  static float slot_factor(int slot) { return slot / 8 < 7 ? std::ldexp(1.f, -4 * (slot / 8)) : 1.f; }
+  static void widen(const uint8_t* w, v8 (&out)[kVectors]) {
+    const u32x8 v = load_lanes(w);
+    for (int s = 0; s < 7; ++s) out[s] = to_float(v & (0xFu << (4 * s)));
+    out[7] = to_float(v >> 28);
+  }
+};
+
+// 2 * e2m1 for each code 0 .. 15 (code 8 is -0)
+constexpr int8_t kE2M1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 32 MXFP4 bytes (64 codes, two groups); vector 4h + p, lane j: element 2(4j + p) + h (byte 4j + p's low
+// nibble for h = 0, high for h = 1), as 2 * e2m1.
+struct Mxfp4Chunk {
+  static constexpr int kValues = 64, kBytes = 32, kVectors = 8;
+  static int slot(int e) { return 8 * (4 * (e % 2) + (e / 2) % 4) + e / 8; }
+  static float slot_factor(int) { return 1.f; }
+  static void lookup(u32x8 nib, u32x8& out) {
+#if defined(__AVX2__)
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Twice)));
+    out = reinterpret_cast<u32x8>(_mm256_shuffle_epi8(table, reinterpret_cast<__m256i>(nib)));
+#else
+    uint8_t in[32], res[32];
+    std::memcpy(in, &nib, 32);
+    for (int i = 0; i < 32; ++i) res[i] = static_cast<uint8_t>(kE2M1Twice[in[i]]);
+    std::memcpy(&out, res, 32);
+#endif
+  }
+  static v8 byte_of(u32x8 v, int p) {  // byte p of each lane, sign-extended, as fp32
+    return __builtin_convertvector(reinterpret_cast<i32x8>(v << (24 - 8 * p)) >> 24, v8);
+  }
+  static void widen(const uint8_t* w, v8 (&out)[kVectors]) {
+    const u32x8 v = load_lanes(w);
+    u32x8 lo, hi;
+    lookup(v & 0x0F0F0F0Fu, lo);
+    lookup((v >> 4) & 0x0F0F0F0Fu, hi);
+    for (int p = 0; p < 4; ++p) out[p] = byte_of(lo, p);
+    for (int p = 0; p < 4; ++p) out[4 + p] = byte_of(hi, p);
+  }
+};
+
+// x [M, K] rearranged so that the columns of every whole chunk sit in the chunk's slot order, each times
+// ``factor`` and its slot's factor (columns past the last whole chunk as they are, times ``factor``).
+template <class C>
+std::vector<float> permute_x(const float* x, int64_t m, int64_t k, float factor) {
+  std::vector<float> out(m * k);
+  const int64_t whole = k / C::kValues * C::kValues;
+  int slots[C::kValues];
+  float factors[C::kValues];
+  for (int e = 0; e < C::kValues; ++e) {
+    slots[e] = C::slot(e);
+    factors[e] = factor * C::slot_factor(slots[e]);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float* o = out.data() + r * k;
+    for (int64_t c = 0; c < whole; c += C::kValues)
+      for (int e = 0; e < C::kValues; ++e) o[c + slots[e]] = xr[c + e] * factors[e];
+    for (int64_t c = whole; c < k; ++c) o[c] = xr[c] * factor;
+  }
+  return out;
 }
 
-// One output row of MXFP4: a group is 32 inputs in 16 bytes, read as four words of eight nibbles.
-template <int M>
-void mxfp4_row(const float* x, int64_t k, const uint8_t* w, const uint8_t* scales, float* out) {
-  v8 a[M] = {}, b[M] = {};
-  const float tail[M] = {};
-  for (int64_t g = 0; g < k / 32; ++g) {
-    const v8 table = kE2M1 * splat(e8m0(scales[g]));
-    uint32_t words[4];
-    std::memcpy(words, w + g * 16, 16);
-    const int64_t i = g * 32;
-    fma_rows<M>(e2m1x8(nibbles(words[0]), table), x, k, i, a);
-    fma_rows<M>(e2m1x8(nibbles(words[1]), table), x, k, i + 8, b);
-    fma_rows<M>(e2m1x8(nibbles(words[2]), table), x, k, i + 16, a);
-    fma_rows<M>(e2m1x8(nibbles(words[3]), table), x, k, i + 24, b);
+// The sums of codes times x over ``chunks`` whole chunks, for G rows of (permuted) x: a vector per row,
+// lane j summing the elements that lane j's slots hold. Four accumulators a row, fixed order.
+template <int G, class C, int kChunks = 0>  // kChunks > 0: that many, known at compile time (no loop)
+inline void span_dot(const uint8_t* w, const float* xp, int64_t k, int64_t chunks, v8 (&part)[G]) {
+  v8 acc[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int a = 0; a < 4; ++a) acc[r][a] = v8{};
+  const uint8_t* const end = w + (kChunks > 0 ? kChunks : chunks) * C::kBytes;
+  for (const float* xq = xp; w < end; w += C::kBytes, xq += C::kValues) {
+    v8 wv[C::kVectors];
+    C::widen(w, wv);
+    for (int t = 0; t < C::kVectors; ++t)
+      for (int r = 0; r < G; ++r) acc[r][t % 4] += wv[t] * load8(xq + r * k + 8 * t);
   }
-  finish<M>(a, b, tail, out);
+  for (int r = 0; r < G; ++r) part[r] = (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]);
+}
+
+template <int G>
+inline void finish(const v8 (&total)[G], const float (&tail)[G], float* out) {
+  for (int r = 0; r < G; ++r) out[r] = hsum(total[r]) + tail[r];
+}
+
+// ---- one output row of W against G rows of x, per format ----
+// (each compiled on its own, not inlined into the thread loop: there its loop counters spilled to the stack,
+// and the chain through memory took longer than the arithmetic)
+
+struct Fp8Args {
+  const float* xp;  // permuted, times 2^100 (or 1 when x is too large for that: ``power`` then 2^120)
+  int64_t k;
+  const uint8_t* codes;
+  const float* scale;
+  int64_t scale_cols;
+  const int64_t* row_block;
+  int64_t block_rows, block_cols;
+  float power;  // 2^120 / what x carries
+};
+
+// The sum of n codes times x, one at a time (a block's last few columns), the same code for any rows of x.
+__attribute__((noinline)) float fp8_dot(const uint8_t* w, const float* x, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum = std::fma(fp8_one(w[i]), x[i], sum);
+  return sum;
+}
+
+// Each block: its whole chunks and its remaining codes summed, then times the block's scale.
+template <int G>
+__attribute__((noinline)) void fp8_row(const Fp8Args& a, int64_t row, const float* xp, float* out) {
+  const int64_t srow = a.row_block != nullptr ? a.row_block[row] : row / a.block_rows;
+  const uint8_t* w = a.codes + row * a.k;
+  const float* scale_row = a.scale + srow * a.scale_cols;
+  v8 total[G] = {};
+  float tail[G] = {};
+  for (int64_t c0 = 0, j = 0; c0 < a.k; c0 += a.block_cols, ++j) {
+    const int64_t c1 = std::min(a.k, c0 + a.block_cols), chunks = (c1 - c0) / Fp8Chunk::kValues;
+    const Folded s(scale_row[j], a.power);
+    v8 part[G];
+    span_dot<G, Fp8Chunk>(w + c0, xp + c0, a.k, chunks, part);
+    for (int r = 0; r < G; ++r) total[r] += s.apply(part[r]);
+    const int64_t i0 = c0 + chunks * Fp8Chunk::kValues;  // the block's codes past its whole chunks
+    if (i0 < c1)
+      for (int r = 0; r < G; ++r) tail[r] = s.add_to(fp8_dot(w + i0, xp + r * a.k + i0, c1 - i0), tail[r]);
+  }
+  finish<G>(total, tail, out);
+}
+
+enum Int4GroupKind { kWholeSpans, kGroups32, kAnyGroups };  // a multiple of 64 wide; 32 wide; other widths
+
+struct Int4Args {
+  const float* xp;  // permuted
+  int64_t k;
+  const int32_t* words;
+  int64_t row_words;
+  const void* scale;
+  bool bf16;
+  int64_t groups;
+  const int8_t* zero;
+  int64_t group;
+  int64_t span;       // columns a scale vector covers: the group when it is a multiple of 64, else 64 (a chunk)
+  const float* xsum;  // [M, spans, 8]: per span, lane j's sum of x (for the offsets)
+  int64_t spans;
+};
+
+// Entry ``g`` of the scales (bf16 or fp32), and of the offsets: 8 plus the zero point, if any.
+template <bool kBf16>
+inline float scale_of(const Int4Args& a, int64_t g) {
+  return kBf16 ? static_cast<float>(static_cast<const at::BFloat16*>(a.scale)[g]) : static_cast<const float*>(a.scale)[g];
+}
+template <bool kZero>
+inline float offset_of(const Int4Args& a, int64_t g) {
+  return 8.f + (kZero ? static_cast<float>(a.zero[g]) : 0.f);
+}
+
+// A span's scale and offset per lane: one group's (splat), two groups' (32 wide: lanes 0-3 in the first),
+// or for other widths each lane's word's group's.
+template <int kGroupKind, bool kBf16, bool kZero>
+inline void span_params(const Int4Args& a, int64_t row, int64_t c0, v8& s, v8& off) {
+  const int64_t base = row * a.groups;
+  if (kGroupKind == kWholeSpans) {
+    const int64_t g = base + c0 / a.group;
+    s = splat(scale_of<kBf16>(a, g));
+    off = splat(offset_of<kZero>(a, g));
+  } else if (kGroupKind == kGroups32) {
+    const int64_t g = base + c0 / 32;
+    const float s0 = scale_of<kBf16>(a, g), s1 = scale_of<kBf16>(a, g + 1);
+    s = halves(s0, s1);
+    if (kZero) {
+      off = halves(offset_of<kZero>(a, g), offset_of<kZero>(a, g + 1));
+    } else {
+      off = splat(8.f);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = base + (c0 + 8 * j) / a.group;
+      s[j] = scale_of<kBf16>(a, g);
+      off[j] = offset_of<kZero>(a, g);
+    }
+  }
+}
+
+// Each span: sum of nibbles times x, minus the offsets times the span's sums of x, times the scales.
+template <int G, int kGroupKind, bool kBf16, bool kZero>
+__attribute__((noinline)) void int4_row(const Int4Args& a, int64_t row, const float* xp, int64_t x_row0, float* out) {
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.words + row * a.row_words);
+  const int64_t whole = a.k / Int4Chunk::kValues * Int4Chunk::kValues;
+  v8 total[G] = {};
+  float tail[G] = {};
+  const float* xs = a.xsum + x_row0 * a.spans * 8;
+  for (int64_t c0 = 0; c0 < whole; c0 += a.span, xs += 8) {
+    const int64_t c1 = std::min(whole, c0 + a.span);
+    v8 part[G], s, off;
+    if (kGroupKind == kWholeSpans) {
+      span_dot<G, Int4Chunk>(w + c0 / 2, xp + c0, a.k, (c1 - c0) / Int4Chunk::kValues, part);
+    } else {
+      span_dot<G, Int4Chunk, 1>(w + c0 / 2, xp + c0, a.k, 1, part);
+    }
+    span_params<kGroupKind, kBf16, kZero>(a, row, c0, s, off);
+    for (int r = 0; r < G; ++r) total[r] += s * (part[r] - off * load8(xs + r * a.spans * 8));
+  }
+  for (int64_t i = whole; i < a.k; ++i) {
+    const int64_t g = row * a.groups + i / a.group;
+    const float q = static_cast<float>((static_cast<uint32_t>(a.words[row * a.row_words + i / 8]) >> (4 * (i % 8))) & 0xF);
+    const float wv = (q - offset_of<kZero>(a, g)) * scale_of<kBf16>(a, g);
+    for (int r = 0; r < G; ++r) tail[r] = std::fma(wv, xp[r * a.k + i], tail[r]);
+  }
+  finish<G>(total, tail, out);
+}
+
+// lane j's sum of x over each span's slots (word j of each of the span's chunks): [M, spans, 8]
+std::vector<float> span_sums(const float* x, int64_t m, int64_t k, int64_t span, int64_t spans) {
+  std::vector<float> out(m * spans * 8, 0.f);
+  const int64_t whole = k / Int4Chunk::kValues * Int4Chunk::kValues;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < whole; c += Int4Chunk::kValues)
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 8; ++i) out[(r * spans + c / span) * 8 + j] += x[r * k + c + 8 * j + i];
+  return out;
+}
+
+struct Mxfp4Args {
+  const float* xp;  // permuted
+  int64_t k;
+  const uint8_t* packed;
+  const uint8_t* scale;
+};
+
+// Each chunk (two groups): the sums of 2 * e2m1 times x, times half of each group's scale.
+template <int G>
+__attribute__((noinline)) void mxfp4_row(const Mxfp4Args& a, int64_t row, const float* xp, float* out) {
+  const uint8_t* w = a.packed + row * (a.k / 2);
+  const uint8_t* sc = a.scale + row * (a.k / 32);
+  const int64_t whole = a.k / Mxfp4Chunk::kValues * Mxfp4Chunk::kValues;
+  v8 total[G] = {};
+  float tail[G] = {};
+  for (int64_t c0 = 0; c0 < whole; c0 += Mxfp4Chunk::kValues) {
+    v8 part[G];
+    span_dot<G, Mxfp4Chunk, 1>(w + c0 / 2, xp + c0, a.k, 1, part);
+    const float s0 = 0.5f * e8m0(sc[c0 / 32]), s1 = 0.5f * e8m0(sc[c0 / 32 + 1]);
+    const v8 s = halves(s0, s1);
+    for (int r = 0; r < G; ++r) total[r] += s * part[r];
+  }
+  for (int64_t i = whole; i < a.k; ++i) {  // a last group of 32 when K is an odd multiple of 32
+    const uint8_t code = (w[i / 2] >> (4 * (i % 2))) & 0xF;
+    const float wv = 0.5f * static_cast<float>(kE2M1Twice[code]) * e8m0(sc[i / 32]);
+    for (int r = 0; r < G; ++r) tail[r] = std::fma(wv, xp[r * a.k + i], tail[r]);
+  }
+  finish<G>(total, tail, out);
 }
 
 void check_x(const at::Tensor& x) {
@@ -207,65 +433,66 @@ const float* bias_of(const at::Tensor& bias, int64_t n) {
   return bias.data_ptr<float>();
 }
 
-// y[:, n0 .. n1) from ``row(m-template, row index, out)``, each thread streaming its own range of W's rows.
-template <template <int> class Rows, typename... Args>
-at::Tensor stream_rows(const at::Tensor& x, int64_t n, const float* bias, Args... args) {
-  const int64_t m = x.size(0);
+// y [M, N]: each thread streams its own range of W's rows; each W row meets x two rows at a time.
+// ``row(G-template, args, w row, x rows from r, out)`` is the format's row function.
+template <class Args, class Row>
+at::Tensor stream_rows(const at::Tensor& x, int64_t n, const float* bias, const Args& args, Row row) {
+  const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, n / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     float out[kMaxRows];
-    for (int64_t row = n0; row < n1; ++row) {
-      switch (m) {
-        case 1: Rows<1>::run(row, out, args...); break;
-        case 2: Rows<2>::run(row, out, args...); break;
-        case 3: Rows<3>::run(row, out, args...); break;
-        case 4: Rows<4>::run(row, out, args...); break;
-        case 5: Rows<5>::run(row, out, args...); break;
-        case 6: Rows<6>::run(row, out, args...); break;
-        case 7: Rows<7>::run(row, out, args...); break;
-        default: Rows<8>::run(row, out, args...); break;
-      }
-      for (int64_t r = 0; r < m; ++r) yp[r * n + row] = out[r] + (bias != nullptr ? bias[row] : 0.f);
+    for (int64_t w = n0; w < n1; ++w) {
+      int64_t r = 0;
+      for (; r + kRowGroup <= m; r += kRowGroup) row(std::integral_constant<int, kRowGroup>{}, args, w, r, out + r);
+      for (; r < m; ++r) row(std::integral_constant<int, 1>{}, args, w, r, out + r);
+      for (r = 0; r < m; ++r) yp[r * n + w] = out[r] + (bias != nullptr ? bias[w] : 0.f);
     }
   });
   return y;
 }
 
-template <int M>
-struct FP8Rows {
-  static void run(int64_t row, float* out, const float* x, int64_t k, const uint8_t* w, const float* scale, int64_t c,
-                  const int64_t* row_block, int64_t block_rows, int64_t block_cols) {
-    const int64_t srow = row_block != nullptr ? row_block[row] : row / block_rows;
-    fp8_row<M>(x, k, w + row * k, scale + srow * c, block_cols, out);
-  }
-};
+// Whether x can carry 2^100 into the FP8 kernel: |x| under 2^24 keeps x * 2^100 and every product of it
+// with a widened code (under 2^9 * 2^-120) far inside fp32's range (a NaN in x gives NaN either way).
+bool fits_two_pow_100(const float* x, int64_t count) {
+  float big = 0.f;
+  for (int64_t i = 0; i < count; ++i) big = std::max(big, std::fabs(x[i]));
+  return big < 1.6777216e7f;
+}
 
-template <int M>
-struct Int4Rows {
-  static void run(int64_t row, float* out, const float* x, int64_t k, const int32_t* w, int64_t words,
-                  const void* scale, bool bf16, int64_t groups, const int8_t* zero, int64_t group) {
-    int4_row<M>(x, k, w + row * words, scale, bf16, row * groups, zero, group, out);
-  }
-};
+// ``body(row_fn)`` with the int4_row instance for a group kind, scale dtype and zero points.
+template <int kKind, bool kBf16, bool kZero, class Body>
+at::Tensor with_int4_row(Body body) {
+  return body([](auto g, const Int4Args& a, int64_t w, int64_t r, float* out) {
+    int4_row<decltype(g)::value, kKind, kBf16, kZero>(a, w, a.xp + r * a.k, r, out);
+  });
+}
 
-template <int M>
-struct MXFP4Rows {
-  static void run(int64_t row, float* out, const float* x, int64_t k, const uint8_t* w, const uint8_t* scale) {
-    mxfp4_row<M>(x, k, w + row * (k / 2), scale + row * (k / 32), out);
-  }
-};
+template <int kKind, class Body>
+at::Tensor with_int4_kind(bool bf16, bool zero, Body body) {
+  if (bf16) return zero ? with_int4_row<kKind, true, true>(body) : with_int4_row<kKind, true, false>(body);
+  return zero ? with_int4_row<kKind, false, true>(body) : with_int4_row<kKind, false, false>(body);
+}
+
+template <class Body>
+at::Tensor dispatch_int4(int kind, bool bf16, bool zero, Body body) {
+  if (kind == kWholeSpans) return with_int4_kind<kWholeSpans>(bf16, zero, body);
+  if (kind == kGroups32) return with_int4_kind<kGroups32>(bf16, zero, body);
+  return with_int4_kind<kAnyGroups>(bf16, zero, body);
+}
 
 }  // namespace
 
 // x [M, K] fp32; codes [N, K] float8_e4m3fn; scale [R, C] fp32 with C = ceil(K / block_cols); row_block [N]
-// int64 (each row's scale row) or empty (row / block_rows); bias [N] fp32 or empty. Returns y [M, N] fp32.
+// int64 (each row's scale row) or empty (row / block_rows); block_cols a multiple of 32; bias [N] fp32 or
+// empty. Returns y [M, N] fp32.
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const at::Tensor& row_block, int64_t block_rows, int64_t block_cols, const at::Tensor& bias) {
   check_x(x);
-  const int64_t k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(block_rows > 0 && block_cols > 0, "block sizes must be positive");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(block_rows > 0 && block_cols > 0 && block_cols % Fp8Chunk::kValues == 0,
+              "block sizes must be positive, the columns' a multiple of 32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == k && codes.element_size() == 1,
               "codes must be contiguous one-byte [N, K]");
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
@@ -280,9 +507,13 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
   } else {
     TORCH_CHECK((n + block_rows - 1) / block_rows <= scale.size(0), "fewer scale rows than blocks of rows");
   }
-  return stream_rows<FP8Rows>(x, n, bias_of(bias, n), x.data_ptr<float>(), k,
-                              static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), scale.size(1), rb,
-                              block_rows, block_cols);
+  const bool carry = fits_two_pow_100(x.data_ptr<float>(), m * k);
+  const std::vector<float> xp = permute_x<Fp8Chunk>(x.data_ptr<float>(), m, k, carry ? kTwoPow100 : 1.f);
+  const Fp8Args args{xp.data(), k, static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
+                     scale.size(1), rb, block_rows, block_cols, carry ? kTwoPow20 : kTwoPow120};
+  return stream_rows(x, n, bias_of(bias, n), args, [](auto g, const Fp8Args& a, int64_t w, int64_t r, float* out) {
+    fp8_row<decltype(g)::value>(a, w, a.xp + r * a.k, out);
+  });
 }
 
 // x [M, K] fp32; packed [N, ceil(K/8)] int32; scale [N, ceil(K/group)] fp32 or bf16; zero [N, groups]
@@ -290,7 +521,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
 at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& zero, int64_t group, const at::Tensor& bias) {
   check_x(x);
-  const int64_t k = x.size(1), n = packed.size(0);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(group > 0 && group % 8 == 0, "group must be a multiple of 8");
   const int64_t groups = (k + group - 1) / group;
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kInt &&
@@ -304,23 +535,35 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
                 "zero must be contiguous int8 [N, groups]");
     zp = zero.data_ptr<int8_t>();
   }
-  return stream_rows<Int4Rows>(x, n, bias_of(bias, n), x.data_ptr<float>(), k, packed.data_ptr<int32_t>(),
-                               packed.size(1), static_cast<const void*>(scale.data_ptr()),
-                               scale.scalar_type() == at::kBFloat16, groups, zp, group);
+  const int64_t span = group % Int4Chunk::kValues == 0 ? group : Int4Chunk::kValues;
+  const int64_t spans = std::max<int64_t>(1, (k / Int4Chunk::kValues * Int4Chunk::kValues + span - 1) / span);
+  const std::vector<float> xp = permute_x<Int4Chunk>(x.data_ptr<float>(), m, k, 1.f);
+  const std::vector<float> xsum = span_sums(x.data_ptr<float>(), m, k, span, spans);
+  const Int4Args args{xp.data(), k, packed.data_ptr<int32_t>(), packed.size(1), scale.data_ptr(),
+                      scale.scalar_type() == at::kBFloat16, groups, zp, group, span, xsum.data(), spans};
+  const int kind = group % Int4Chunk::kValues == 0 ? kWholeSpans : group == 32 ? kGroups32 : kAnyGroups;
+  return dispatch_int4(kind, args.bf16, zp != nullptr, [&](auto row_fn) {
+    return stream_rows(x, n, bias_of(bias, n), args, [row_fn](auto g, const Int4Args& a, int64_t w, int64_t r, float* out) {
+      row_fn(g, a, w, r, out);
+    });
+  });
 }
 
 // x [M, K] fp32 (K a multiple of 32); packed [N, K/2] uint8; scale [N, K/32] uint8 (E8M0); bias [N] fp32 or
 // empty. Returns y [M, N] fp32.
 at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& bias) {
   check_x(x);
-  const int64_t k = x.size(1), n = packed.size(0);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(k % 32 == 0, "MXFP4 needs a multiple of 32 inputs");
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.size(1) == k / 2,
               "packed must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kByte && scale.size(0) == n &&
                   scale.size(1) == k / 32, "scale must be contiguous uint8 [N, K/32]");
-  return stream_rows<MXFP4Rows>(x, n, bias_of(bias, n), x.data_ptr<float>(), k, packed.data_ptr<uint8_t>(),
-                                scale.data_ptr<uint8_t>());
+  const std::vector<float> xp = permute_x<Mxfp4Chunk>(x.data_ptr<float>(), m, k, 1.f);
+  const Mxfp4Args args{xp.data(), k, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>()};
+  return stream_rows(x, n, bias_of(bias, n), args, [](auto g, const Mxfp4Args& a, int64_t w, int64_t r, float* out) {
+    mxfp4_row<decltype(g)::value>(a, w, a.xp + r * a.k, out);
+  });
 }
 
 // Rows r0 .. r1 of a quantized weight as fp32 [r1 - r0, K]: the tile a GEMM multiplies by when x has more
@@ -354,7 +597,7 @@ at::Tensor fp8_block_dequant(const at::Tensor& codes, const at::Tensor& scale, c
       float* o = op + (row - r0) * k;
       for (int64_t c0 = 0, j = 0; c0 < k; c0 += block_cols, ++j) {
         const int64_t c1 = std::min(k, c0 + block_cols);
-        const Fp8Scale s(sp[srow * c + j]);
+        const Folded s(sp[srow * c + j], kTwoPow120);
         int64_t i = c0;
         for (; i + 8 <= c1; i += 8) *reinterpret_cast<v8u*>(o + i) = s.apply(fp8x8(w + i));
         for (; i < c1; ++i) o[i] = s.apply(fp8_one(w[i]));

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each --batch size")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--profile: decode batch sizes")
     p.add_argument("--steps", type=int, default=32, help="--profile: decode steps timed per batch size")
+    p.add_argument("--weights", choices=("fp8", "int4", "mxfp4"),
+                   help="with --model smollm2: its copy in that release format, as `strata bench quant` writes it")
 
 
 class _TwoCores:
@@ -127,6 +130,13 @@ def run(args: argparse.Namespace) -> int:
         from strata.gguf_checkpoint import ensure_smollm2
 
         model = ensure_smollm2()
+        if args.weights is not None:
+            from strata.bench.quant import quantized_copy
+
+            model = quantized_copy(model, args.weights)
+    elif args.weights is not None:
+        print("strata bench step: --weights takes --model smollm2", file=sys.stderr)
+        return 2
     else:
         model = bench_model_dir(args.model)
     if args.profile:

@@ -61,7 +61,7 @@ def _dense_model(args: argparse.Namespace) -> Path:
     return ensure_smollm2()
 
 
-def _checkpoint(dense: Path, fmt: str) -> Path:
+def quantized_copy(dense: Path, fmt: str) -> Path:
     """The ``fmt`` copy of ``dense``, cached under the dense checkpoint's weights identity (a new checkpoint
     or a new compressed-tensors is a new copy)."""
     import compressed_tensors
@@ -94,7 +94,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     dense = _dense_model(args)
-    dirs = {fmt: dense if FORMATS[fmt] is None else _checkpoint(dense, fmt) for fmt in args.formats}
+    dirs = {fmt: dense if FORMATS[fmt] is None else quantized_copy(dense, fmt) for fmt in args.formats}
     max_len = max(args.prefill_len, args.prompt_len + args.output_len) + 16
     engines = {fmt: build_engine(d, EngineConfig(dtype="bfloat16" if fmt == "bf16" else "float32",
                                                  max_model_len=max_len, enable_prefix_caching=False,
