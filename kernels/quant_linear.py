@@ -76,7 +76,7 @@ def _stream(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> 
         return None
     b = _NONE if bias is None else bias.float().contiguous()
     xf = x.float().contiguous()
-    if isinstance(weight, FP8BlockWeight) and weight.codes.is_contiguous() and weight.block_cols % 32 == 0:
+    if isinstance(weight, FP8BlockWeight) and weight.codes.is_contiguous() and weight.block_cols % 4 == 0:
         row_block = _NONE if weight.row_block is None else weight.row_block
         y = kernels.fp8_block_linear(xf, weight.codes, weight.scale, row_block, weight.block_rows, weight.block_cols, b)
     elif isinstance(weight, Int4GroupWeight) and weight.group % 8 == 0 and weight.packed.is_contiguous():

@@ -123,7 +123,8 @@ def _mxfp4_weight(rows: int, cols: int, seed: int) -> MXFP4Weight:
 
 def _streamed_weights() -> list[QuantWeight]:
     """One of each layout the streaming kernels tell apart: FP8 blocks with partial blocks both ways and a
-    partial 32-column chunk, fused FP8 rows, 64-wide blocks; INT4 groups of 32 (bf16 and fp32 scales,
+    partial 32-column chunk, fused FP8 rows, 64-wide blocks, and blocks of 16 and 48 (narrower than a chunk,
+    or not a whole number of chunks: each lane takes its own block's scale); INT4 groups of 32 (bf16 and fp32 scales,
     symmetric or not, a partial chunk of 8), of 128, and of a width that is neither (24, 96); MXFP4 with a
     last group of 32 past the 64-wide chunks."""
     codes, scale, _ = _fp8_block(200, 300, 128, 128, seed=5)
@@ -131,9 +132,12 @@ def _streamed_weights() -> list[QuantWeight]:
     codes2, scale2, _ = _fp8_block(70, 300, 128, 128, seed=6)
     fused = cat_rows([fp8, FP8Block(128, 128).build("w2", 70, 300, {"weight": codes2, "weight_scale_inv": scale2})])
     codes3, scale3, _ = _fp8_block(40, 200, 64, 64, seed=9)
+    codes4, scale4, _ = _fp8_block(40, 200, 16, 16, seed=16)
+    codes5, scale5, _ = _fp8_block(40, 200, 48, 48, seed=17)
     int4_fp32_scales = _int4_weight(48, 256, 32, True, 10)
     int4_fp32_scales = replace(int4_fp32_scales, scale=int4_fp32_scales.scale.float())
-    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64),
+    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64), FP8BlockWeight(40, 200, codes4, scale4, 16, 16),
+            FP8BlockWeight(40, 200, codes5, scale5, 48, 48),
             _int4_weight(96, 328, 32, True, 7), _int4_weight(96, 328, 32, False, 11), int4_fp32_scales,
             _int4_weight(64, 256, 128, False, 8), _int4_weight(40, 264, 24, False, 12), _int4_weight(40, 392, 96, True, 13),
             _mxfp4_weight(80, 96, 14), _mxfp4_weight(48, 512, 15)]

@@ -54,6 +54,18 @@ constexpr float kTwoPow20 = 1048576.f;
 constexpr v8 kE2M1 = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+// a * b + c rounded once, spelled out where a sum must not depend on how the compiler contracts each
+// instance (a row's bits must not depend on how many rows come with it)
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = std::fma(a[i], b[i], c[i]);
+  return out;
+#endif
+}
 inline v8 splat(float s) { return v8{s, s, s, s, s, s, s, s}; }
 inline u32x8 load_lanes(const void* p) {
   u32x8 v;
@@ -109,6 +121,9 @@ inline v8 fp8x8(const uint8_t* p) {
 // product is the exact value times the factor, rounded once or twice.
 struct Folded {
   Folded(float scale, float power) : folded(scale * power), plain(scale), power(power), fold(std::isfinite(scale * power)) {}
+  v8 add_to(v8 v, v8 acc) const {
+    return fold ? fma8(v, splat(folded), acc) : fma8(v * splat(power), splat(plain), acc);
+  }
   v8 apply(v8 v) const { return fold ? v * splat(folded) : (v * splat(power)) * splat(plain); }
   float apply(float v) const { return fold ? v * folded : (v * power) * plain; }
   float add_to(float v, float acc) const { return fold ? std::fma(v, folded, acc) : std::fma(v * power, plain, acc); }
@@ -291,10 +306,38 @@ __attribute__((noinline)) void fp8_row(const Fp8Args& a, int64_t row, const floa
     const Folded s(scale_row[j], a.power);
     v8 part[G];
     span_dot<G, Fp8Chunk>(w + c0, xp + c0, a.k, chunks, part);
-    for (int r = 0; r < G; ++r) total[r] += s.apply(part[r]);
+    for (int r = 0; r < G; ++r) total[r] = s.add_to(part[r], total[r]);
     const int64_t i0 = c0 + chunks * Fp8Chunk::kValues;  // the block's codes past its whole chunks
     if (i0 < c1)
       for (int r = 0; r < G; ++r) tail[r] = s.add_to(fp8_dot(w + i0, xp + r * a.k + i0, c1 - i0), tail[r]);
+  }
+  finish<G>(total, tail, out);
+}
+
+// Blocks narrower than a chunk or not a multiple of 32 wide (a multiple of 4: each lane's four codes in one
+// block): each chunk's lanes take their own block's scale, and codes past the whole chunks one at a time.
+template <int G>
+__attribute__((noinline)) void fp8_row_narrow(const Fp8Args& a, int64_t row, const float* xp, float* out) {
+  const int64_t srow = a.row_block != nullptr ? a.row_block[row] : row / a.block_rows;
+  const uint8_t* w = a.codes + row * a.k;
+  const float* scale_row = a.scale + srow * a.scale_cols;
+  const int64_t whole = a.k / Fp8Chunk::kValues * Fp8Chunk::kValues;
+  v8 total[G] = {};
+  float tail[G] = {};
+  for (int64_t c0 = 0; c0 < whole; c0 += Fp8Chunk::kValues) {
+    v8 part[G], plain, folded;
+    span_dot<G, Fp8Chunk, 1>(w + c0, xp + c0, a.k, 1, part);
+    bool fold = true;
+    for (int j = 0; j < 8; ++j) {
+      plain[j] = scale_row[(c0 + 4 * j) / a.block_cols];
+      folded[j] = plain[j] * a.power;
+      fold = fold && std::isfinite(folded[j]);
+    }
+    for (int r = 0; r < G; ++r) total[r] = fold ? fma8(part[r], folded, total[r]) : fma8(part[r] * splat(a.power), plain, total[r]);
+  }
+  for (int64_t i = whole; i < a.k; ++i) {
+    const Folded s(scale_row[i / a.block_cols], a.power);
+    for (int r = 0; r < G; ++r) tail[r] = s.add_to(fp8_dot(w + i, xp + r * a.k + i, 1), tail[r]);
   }
   finish<G>(total, tail, out);
 }
@@ -370,7 +413,7 @@ __attribute__((noinline)) void int4_row(const Int4Args& a, int64_t row, const fl
       span_dot<G, Int4Chunk, 1>(w + c0 / 2, xp + c0, a.k, 1, part);
     }
     span_params<kGroupKind, kBf16, kZero>(a, row, c0, s, off);
-    for (int r = 0; r < G; ++r) total[r] += s * (part[r] - off * load8(xs + r * a.spans * 8));
+    for (int r = 0; r < G; ++r) total[r] = fma8(s, fma8(-off, load8(xs + r * a.spans * 8), part[r]), total[r]);
   }
   for (int64_t i = whole; i < a.k; ++i) {
     const int64_t g = row * a.groups + i / a.group;
@@ -412,7 +455,7 @@ __attribute__((noinline)) void mxfp4_row(const Mxfp4Args& a, int64_t row, const 
     span_dot<G, Mxfp4Chunk, 1>(w + c0 / 2, xp + c0, a.k, 1, part);
     const float s0 = 0.5f * e8m0(sc[c0 / 32]), s1 = 0.5f * e8m0(sc[c0 / 32 + 1]);
     const v8 s = halves(s0, s1);
-    for (int r = 0; r < G; ++r) total[r] += s * part[r];
+    for (int r = 0; r < G; ++r) total[r] = fma8(s, part[r], total[r]);
   }
   for (int64_t i = whole; i < a.k; ++i) {  // a last group of 32 when K is an odd multiple of 32
     const uint8_t code = (w[i / 2] >> (4 * (i % 2))) & 0xF;
@@ -485,14 +528,14 @@ at::Tensor dispatch_int4(int kind, bool bf16, bool zero, Body body) {
 }  // namespace
 
 // x [M, K] fp32; codes [N, K] float8_e4m3fn; scale [R, C] fp32 with C = ceil(K / block_cols); row_block [N]
-// int64 (each row's scale row) or empty (row / block_rows); block_cols a multiple of 32; bias [N] fp32 or
-// empty. Returns y [M, N] fp32.
+// int64 (each row's scale row) or empty (row / block_rows); block_cols a multiple of 4 (of 32: the fast
+// path); bias [N] fp32 or empty. Returns y [M, N] fp32.
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const at::Tensor& row_block, int64_t block_rows, int64_t block_cols, const at::Tensor& bias) {
   check_x(x);
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(block_rows > 0 && block_cols > 0 && block_cols % Fp8Chunk::kValues == 0,
-              "block sizes must be positive, the columns' a multiple of 32");
+  TORCH_CHECK(block_rows > 0 && block_cols > 0 && block_cols % 4 == 0,
+              "block sizes must be positive, the columns' a multiple of 4");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == k && codes.element_size() == 1,
               "codes must be contiguous one-byte [N, K]");
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
@@ -511,6 +554,11 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
   const std::vector<float> xp = permute_x<Fp8Chunk>(x.data_ptr<float>(), m, k, carry ? kTwoPow100 : 1.f);
   const Fp8Args args{xp.data(), k, static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
                      scale.size(1), rb, block_rows, block_cols, carry ? kTwoPow20 : kTwoPow120};
+  if (block_cols % Fp8Chunk::kValues != 0) {
+    return stream_rows(x, n, bias_of(bias, n), args, [](auto g, const Fp8Args& a, int64_t w, int64_t r, float* out) {
+      fp8_row_narrow<decltype(g)::value>(a, w, a.xp + r * a.k, out);
+    });
+  }
   return stream_rows(x, n, bias_of(bias, n), args, [](auto g, const Fp8Args& a, int64_t w, int64_t r, float* out) {
     fp8_row<decltype(g)::value>(a, w, a.xp + r * a.k, out);
   });
