@@ -1,7 +1,9 @@
 """``x @ W^T`` for a weight kept quantized, never expanded whole.
 
 * A few rows on the CPU (decode): ``csrc/quant_linear_cpu.cpp`` streams the codes and widens them in
-  registers (FP8 blocks, INT4 groups, MXFP4), so a step reads one byte a weight, or half of one, not four.
+  registers (FP8 blocks, INT4 groups, MXFP4, GGUF's q4_0/q4_1/q8_0 blocks), so a step reads one byte a
+  weight, or half of one, not four.
+* On CUDA: one Triton kernel widens the codes inside the product (``quant_linear_triton``).
 * Otherwise (prefill, big decode batches, other devices): each tile of rows (a few MB of the compute
   dtype) is dequantized from the stored codes and multiplied at once, so memory holds the quantized
   model plus one tile, whatever the model's size. On the CPU the tile comes from the same C++ file in
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu_kernels import cpu_kernels
-from strata.kernels.quant_weight import FP8BlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight
+from strata.kernels.quant_linear_triton import supports, triton_importable, triton_quant_linear
+from strata.kernels.quant_weight import GGML_KINDS, FP8BlockWeight, GGMLBlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight
 
 TILE_ELEMENTS = 1 << 20  # weights dequantized per tile: 4 MB in fp32, L2/L3-sized
 STREAM_ROWS = 8  # most rows of x the streaming kernels take
@@ -30,6 +33,8 @@ def tile_rows(cols: int) -> int:
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)`` for 2-D ``x``, never holding more than one tile."""
+    if x.device.type == "cuda" and triton_importable() and supports(weight) and not torch.compiler.is_compiling():
+        return triton_quant_linear(x, weight, bias)
     streamed = _stream(x, weight, bias)
     if streamed is not None:
         return streamed
@@ -62,6 +67,8 @@ def dequantize_rows(weight: QuantWeight, r0: int, r1: int, dtype: torch.dtype, k
         tile = lib.int4_group_dequant(weight.packed, weight.scale.contiguous(), zero, weight.group, weight.cols, r0, r1)
     elif isinstance(weight, MXFP4Weight) and weight.packed.is_contiguous() and weight.scale.is_contiguous():
         tile = lib.mxfp4_dequant(weight.packed, weight.scale, r0, r1)
+    elif isinstance(weight, GGMLBlockWeight) and weight.data.is_contiguous():
+        tile = lib.ggml_block_dequant(weight.data, GGML_KINDS.index(weight.kind), weight.cols, r0, r1)
     else:
         return weight.tile(r0, r1, dtype)
     return tile.to(dtype)
@@ -69,7 +76,7 @@ def dequantize_rows(weight: QuantWeight, r0: int, r1: int, dtype: torch.dtype, k
 
 def _stream(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The streaming kernel's answer when one applies (None: use the tiles)."""
-    if x.shape[0] > STREAM_ROWS or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
+    if not 0 < x.shape[0] <= STREAM_ROWS or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     kernels = cpu_kernels()
     if kernels is None:
@@ -84,6 +91,8 @@ def _stream(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> 
         y = kernels.int4_group_linear(xf, weight.packed, weight.scale.contiguous(), zero, weight.group, b)
     elif isinstance(weight, MXFP4Weight) and weight.packed.is_contiguous() and weight.scale.is_contiguous():
         y = kernels.mxfp4_linear(xf, weight.packed, weight.scale, b)
+    elif isinstance(weight, GGMLBlockWeight) and weight.data.is_contiguous():
+        y = kernels.ggml_block_linear(xf, weight.data, GGML_KINDS.index(weight.kind), b)  # the C++ numbering
     else:
         return None
     return y.to(x.dtype)

@@ -71,6 +71,11 @@ class QuantWeight:
     def __getitem__(self, expert: int) -> "QuantWeight":
         return replace(self, **{f: getattr(self, f)[expert] for f in self._present()})
 
+    def take_rows(self, rows: torch.Tensor) -> "QuantWeight":
+        """The rows at indices ``rows`` as a weight of their own (an embedding lookup of a quantized table)."""
+        return replace(self, rows=rows.numel(), **{f: getattr(self, f).index_select(getattr(self, f).dim() + d, rows)
+                                                   for f, d in self._present().items()})
+
     def row_range(self, r0: int, r1: int) -> "QuantWeight":
         """Rows ``r0 .. r1`` as a weight of their own, sharing this one's storage (a fused part's view)."""
         return replace(self, rows=r1 - r0, **{f: getattr(self, f).narrow(d, r0, r1 - r0)
@@ -125,6 +130,10 @@ class FP8BlockWeight(QuantWeight):
 
     def __getitem__(self, expert: int) -> "FP8BlockWeight":
         return replace(self, codes=self.codes[expert], scale=self.scale[expert])
+
+    def take_rows(self, rows: torch.Tensor) -> "FP8BlockWeight":
+        return replace(self, rows=rows.numel(), codes=self.codes.index_select(-2, rows),
+                       row_block=self.scale_rows(0, self.rows)[rows])
 
     def row_range(self, r0: int, r1: int) -> "FP8BlockWeight":
         if self.row_block is None and r0 % self.block_rows == 0:
@@ -208,6 +217,44 @@ class MXFP4Weight(QuantWeight):
         values = E2M1_VALUES.to(b.device)[codes.long()]
         scale = torch.exp2(self.scale[r0:r1].float() - 127.0).repeat_interleave(self.GROUP, dim=-1)
         return (values * scale).to(dtype)
+
+
+GGML_KINDS = ("q4_0", "q4_1", "q8_0")  # in the C++ kernel's numbering
+
+
+@dataclass(frozen=True)
+class GGMLBlockWeight(QuantWeight):
+    """A GGUF tensor's rows as llama.cpp stores them: each row a run of blocks of 32 weights, a block an fp16
+    scale ``d`` (and for ``q4_1`` an fp16 minimum ``m``) before its codes. ``q8_0``: 32 int8 ``q``,
+    ``w = d * q``; ``q4_0``: 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31,
+    ``w = d * (q - 8)``; ``q4_1``: the same nibbles, ``w = d * q + m`` (ggml's ``dequantize_row_*``)."""
+
+    data: torch.Tensor  # uint8 [..., rows, cols / 32 * block_bytes]
+    kind: str  # "q4_0", "q4_1" or "q8_0"
+
+    GROUP = 32
+    BLOCK_BYTES = dict(zip(GGML_KINDS, (18, 20, 34)))
+
+    def row_dims(self) -> dict[str, int]:
+        return {"data": -2}
+
+    def _settings(self) -> tuple:
+        return (self.kind,)
+
+    def tile(self, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        n = r1 - r0
+        blocks = self.data[r0:r1].reshape(n, self.cols // self.GROUP, self.BLOCK_BYTES[self.kind])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+        if self.kind == "q8_0":
+            w = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+        else:
+            qs = blocks[..., 4:] if self.kind == "q4_1" else blocks[..., 2:]
+            q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()
+            if self.kind == "q4_0":
+                w = d * (q - 8.0)
+            else:
+                w = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        return w.reshape(n, self.cols).to(dtype)
 
 
 # e2m1: sign, two exponent bits, one mantissa bit (code 8 is -0)

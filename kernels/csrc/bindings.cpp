@@ -13,11 +13,13 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
 at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& zero, int64_t group, const at::Tensor& bias);
 at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& bias);
+at::Tensor ggml_block_linear(const at::Tensor& x, const at::Tensor& data, int64_t kind, const at::Tensor& bias);
 at::Tensor fp8_block_dequant(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& row_block,
                              int64_t block_rows, int64_t block_cols, int64_t r0, int64_t r1);
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero, int64_t group,
                               int64_t k, int64_t r0, int64_t r1);
 at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int64_t r0, int64_t r1);
+at::Tensor ggml_block_dequant(const at::Tensor& data, int64_t kind, int64_t k, int64_t r0, int64_t r1);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,8 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_linear", &fp8_block_linear, "x W^T + b for a few rows of x, streaming FP8-block W (CPU)");
   m.def("int4_group_linear", &int4_group_linear, "x W^T + b for a few rows of x, streaming INT4-group W (CPU)");
   m.def("mxfp4_linear", &mxfp4_linear, "x W^T + b for a few rows of x, streaming MXFP4 W (CPU)");
+  m.def("ggml_block_linear", &ggml_block_linear, "x W^T + b for a few rows of x, streaming GGUF q4_0/q4_1/q8_0 W (CPU)");
   m.def("fp8_block_dequant", &fp8_block_dequant, "rows of an FP8-block weight as fp32 (CPU)");
   m.def("int4_group_dequant", &int4_group_dequant, "rows of an INT4-group weight as fp32 (CPU)");
   m.def("mxfp4_dequant", &mxfp4_dequant, "rows of an MXFP4 weight as fp32 (CPU)");
+  m.def("ggml_block_dequant", &ggml_block_dequant, "rows of a GGUF q4_0/q4_1/q8_0 weight as fp32 (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf where a grammar's bitmask disallows a token (CPU, in place)");
 }

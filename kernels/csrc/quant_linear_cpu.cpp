@@ -1,5 +1,6 @@
 // y = x W^T + b for a handful of rows of x with W kept quantized: the weight-streaming GEMV of
-// small_linear_cpu.cpp, reading FP8 (one byte a weight), INT4 or MXFP4 (half a byte) instead of fp32.
+// small_linear_cpu.cpp, reading FP8 (one byte a weight), INT4 or MXFP4 (half a byte), or GGUF's q4_0,
+// q4_1 and q8_0 blocks (0.56, 0.63 and 1.06 bytes) instead of fp32.
 //
 // Decode is bound by reading the weights, so the fewer bytes a weight takes the faster a step can be, but
 // only if widening a code costs less than the bytes it saves. So the codes are widened a chunk at a time
@@ -224,6 +225,37 @@ struct Mxfp4Chunk {
     lookup((v >> 4) & 0x0F0F0F0Fu, hi);
     for (int p = 0; p < 4; ++p) out[p] = byte_of(lo, p);
     for (int p = 0; p < 4; ++p) out[4 + p] = byte_of(hi, p);
+  }
+};
+
+// GGUF's 4-bit blocks (q4_0, q4_1): 16 bytes, byte i's low nibble element i and its high nibble element
+// i + 16; two 8-byte widenings give the four vectors in element order (x needs no permutation).
+struct GgmlQ4Chunk {
+  static constexpr int kValues = 32, kBytes = 16, kVectors = 4;
+  static void widen(const uint8_t* w, v8 (&out)[kVectors]) {
+    const u32x8 lo = widen_bytes(w), hi = widen_bytes(w + 8);
+    out[0] = to_float(lo & 0xFu);
+    out[1] = to_float(hi & 0xFu);
+    out[2] = to_float(lo >> 4);
+    out[3] = to_float(hi >> 4);
+  }
+};
+
+// GGUF's q8_0 codes: 32 int8, in element order.
+struct GgmlQ8Chunk {
+  static constexpr int kValues = 32, kBytes = 32, kVectors = 4;
+  static v8 signed8(const uint8_t* p) {
+#if defined(__AVX2__)
+    __m128i b;
+    std::memcpy(&b, p, 8);
+    return __builtin_convertvector(reinterpret_cast<i32x8>(_mm256_cvtepi8_epi32(b)), v8);
+#else
+    const int8_t* q = reinterpret_cast<const int8_t*>(p);
+    return v8{float(q[0]), float(q[1]), float(q[2]), float(q[3]), float(q[4]), float(q[5]), float(q[6]), float(q[7])};
+#endif
+  }
+  static void widen(const uint8_t* w, v8 (&out)[kVectors]) {
+    for (int t = 0; t < 4; ++t) out[t] = signed8(w + 8 * t);
   }
 };
 
@@ -465,6 +497,49 @@ __attribute__((noinline)) void mxfp4_row(const Mxfp4Args& a, int64_t row, const 
   finish<G>(total, tail, out);
 }
 
+// GGUF block rows: q4_0 = 0 (w = d (q - 8)), q4_1 = 1 (w = d q + m), q8_0 = 2 (w = d q).
+constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
+constexpr int64_t kGgmlBlockBytes[3] = {18, 20, 34};
+
+struct GgmlArgs {
+  const float* x;  // [M, K], element order
+  int64_t k;
+  const uint8_t* data;  // [N, K / 32 * block bytes]
+  const float* xsum;  // [M, K / 32]: each block's sum of x, for the 4-bit formats' offsets
+};
+
+inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// Each block of 32: the sum of its codes times x, times d; the 4-bit formats' constant part (-8 d or m)
+// times the block's sum of x.
+template <int G, int kKind>
+__attribute__((noinline)) void ggml_row(const GgmlArgs& a, int64_t row, int64_t r, float* out) {
+  constexpr int64_t bb = kGgmlBlockBytes[kKind];
+  const int64_t blocks = a.k / 32;
+  const uint8_t* w = a.data + row * blocks * bb;
+  const float* xr = a.x + r * a.k;
+  const float* xs = a.xsum + r * blocks;
+  v8 total[G] = {};
+  float tail[G] = {};
+  for (int64_t b = 0; b < blocks; ++b, w += bb) {
+    const float d = half_at(w);
+    v8 part[G];
+    if constexpr (kKind == kQ8_0) {
+      span_dot<G, GgmlQ8Chunk, 1>(w + 2, xr + 32 * b, a.k, 1, part);
+    } else {
+      span_dot<G, GgmlQ4Chunk, 1>(w + (kKind == kQ4_1 ? 4 : 2), xr + 32 * b, a.k, 1, part);
+      const float off = kKind == kQ4_1 ? half_at(w + 2) : -8.f * d;
+      for (int i = 0; i < G; ++i) tail[i] = std::fma(off, xs[i * blocks + b], tail[i]);
+    }
+    for (int i = 0; i < G; ++i) total[i] = fma8(splat(d), part[i], total[i]);
+  }
+  finish<G>(total, tail, out);
+}
+
 void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "the streaming kernels take 1 to 8 rows");
@@ -614,6 +689,27 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   });
 }
 
+// x [M, K] fp32 (K a multiple of 32); data [N, K / 32 * block bytes] uint8, GGUF's rows of blocks of ``kind``
+// (0 q4_0, 1 q4_1, 2 q8_0); bias [N] fp32 or empty. Returns y [M, N] fp32.
+at::Tensor ggml_block_linear(const at::Tensor& x, const at::Tensor& data, int64_t kind, const at::Tensor& bias) {
+  check_x(x);
+  const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (q4_0), 1 (q4_1) or 2 (q8_0)");
+  TORCH_CHECK(k % 32 == 0, "GGUF blocks need a multiple of 32 inputs");
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte &&
+                  data.size(1) == k / 32 * kGgmlBlockBytes[kind], "data must be contiguous uint8 [N, K/32 * block bytes]");
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(m * (k / 32), 0.f);
+  for (int64_t i = 0; i < m * k; ++i) xsum[i / 32] += xp[i];
+  const GgmlArgs args{xp, k, data.data_ptr<uint8_t>(), xsum.data()};
+  auto run = [&](auto row_fn) { return stream_rows(x, n, bias_of(bias, n), args, row_fn); };
+  if (kind == kQ4_0)
+    return run([](auto g, const GgmlArgs& a, int64_t w, int64_t r, float* out) { ggml_row<decltype(g)::value, kQ4_0>(a, w, r, out); });
+  if (kind == kQ4_1)
+    return run([](auto g, const GgmlArgs& a, int64_t w, int64_t r, float* out) { ggml_row<decltype(g)::value, kQ4_1>(a, w, r, out); });
+  return run([](auto g, const GgmlArgs& a, int64_t w, int64_t r, float* out) { ggml_row<decltype(g)::value, kQ8_0>(a, w, r, out); });
+}
+
 // Rows r0 .. r1 of a quantized weight as fp32 [r1 - r0, K]: the tile a GEMM multiplies by when x has more
 // rows than the streaming kernels take (prefill, big decode batches). One pass, the codes widened as above.
 
@@ -713,6 +809,43 @@ at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int6
         uint32_t words[4];
         std::memcpy(words, wp + row * (k / 2) + g * 16, 16);
         for (int q = 0; q < 4; ++q) *reinterpret_cast<v8u*>(o + g * 32 + q * 8) = e2m1x8(nibbles(words[q]), table);
+      }
+    }
+  });
+  return out;
+}
+
+// GGUF blocks as fp32, as ggml's dequantize_row_* (and QuantWeight.tile) compute them: d * (q - 8), d * q + m
+// or d * q. An fp16 d times a code of at most 8 bits is exact in fp32, so d * q + m rounds once whether or
+// not the compiler fuses it into an FMA: the same bits as the reference.
+at::Tensor ggml_block_dequant(const at::Tensor& data, int64_t kind, int64_t k, int64_t r0, int64_t r1) {
+  TORCH_CHECK(kind >= 0 && kind <= 2 && k % 32 == 0, "kind must be 0, 1 or 2 and K a multiple of 32");
+  const int64_t bb = kGgmlBlockBytes[kind], blocks = k / 32;
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte && data.size(1) == blocks * bb &&
+                  0 <= r0 && r0 <= r1 && r1 <= data.size(0), "data must be contiguous uint8 [N, K/32 * block bytes] holding rows r0 .. r1");
+  at::Tensor out = at::empty({r1 - r0, k}, data.options().dtype(at::kFloat));
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t row = a; row < b; ++row) {
+      const uint8_t* w = dp + row * blocks * bb;
+      float* o = op + (row - r0) * k;
+      for (int64_t blk = 0; blk < blocks; ++blk, w += bb, o += 32) {
+        const float d = half_at(w);
+        if (kind == kQ8_0) {
+          for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(w[2 + j]));
+        } else if (kind == kQ4_0) {
+          for (int j = 0; j < 16; ++j) {
+            o[j] = d * static_cast<float>((w[2 + j] & 0xF) - 8);
+            o[j + 16] = d * static_cast<float>((w[2 + j] >> 4) - 8);
+          }
+        } else {
+          const float m = half_at(w + 2);
+          for (int j = 0; j < 16; ++j) {
+            o[j] = d * static_cast<float>(w[4 + j] & 0xF) + m;
+            o[j + 16] = d * static_cast<float>(w[4 + j] >> 4) + m;
+          }
+        }
       }
     }
   });

@@ -1,4 +1,5 @@
-"""Where a model reference points: a checkpoint directory, or a Hugging Face id already in the local cache.
+"""Where a model reference points: a checkpoint directory, a GGUF file, or a Hugging Face id already in the
+local cache.
 
 ``strata serve Qwen/Qwen2.5-VL-3B-Instruct`` resolves the id through the local Hugging Face cache
 (``HF_HOME`` / ``HF_HUB_CACHE``, ``local_files_only``), as vLLM does for a model already downloaded.
@@ -18,11 +19,17 @@ class ModelNotFound(ValueError):
     """Neither a checkpoint directory nor a cached Hugging Face model; the message says what to do."""
 
 
-def resolve_model_dir(ref: str | Path) -> Path:
-    """The checkpoint directory ``ref`` names (a directory with config.json, or a cached hub id)."""
+def resolve_model_dir(ref: str | Path, cache_dir: Path | None = None) -> Path:
+    """The checkpoint directory ``ref`` names (a directory with config.json, a cached hub id, or a ``.gguf``
+    file, read once into ``cache_dir`` with its quantized blocks kept)."""
     path = Path(ref).expanduser()
     if (path / "config.json").is_file():
         return path
+    if path.suffix == ".gguf" and path.is_file():
+        from strata.pipeline.models.gguf_source import gguf_checkpoint
+
+        root = cache_dir or Path(os.environ.get("STRATA_CACHE", "~/.cache/strata")).expanduser()
+        return gguf_checkpoint(path.resolve(), root)
     text = str(ref)
     if path.exists() or not HUB_ID.match(text):
         raise ModelNotFound(f"{text} is not a checkpoint directory (no config.json)")

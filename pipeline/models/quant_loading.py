@@ -17,7 +17,7 @@ from torch import nn
 
 from strata.kernels.quant_weight import QuantWeight, cat_rows, stack_experts
 from strata.pipeline.models.config_errors import ModelConfigError
-from strata.pipeline.models.quant_modules import QuantExperts, QuantLinear, install
+from strata.pipeline.models.quant_modules import QuantEmbedding, QuantExperts, QuantLinear, install
 from strata.pipeline.models.weight_formats import Int4Group, QuantScheme, WeightFormat, WeightFormatError
 
 if TYPE_CHECKING:
@@ -113,6 +113,9 @@ class QuantCollector:
         try:
             if m is None:
                 target = self.model.get_submodule(module)
+                if isinstance(target, QuantEmbedding):  # a table: one row per token
+                    target.weight = fmt.build(module, target.num_embeddings, target.embedding_dim, parts)
+                    return
                 assert isinstance(target, QuantLinear)
                 self._check_shape(fmt, name, parts, target.out_features, target.in_features)
                 target.weight = fmt.build(module, target.out_features, target.in_features, parts)
@@ -149,7 +152,7 @@ class QuantCollector:
         """Quantized modules some of whose tensors never arrived."""
         out = []
         for name, module in self.model.named_modules():
-            if isinstance(module, QuantLinear) and module.weight is None:
+            if isinstance(module, (QuantLinear, QuantEmbedding)) and module.weight is None:
                 out.append(f"{name}.weight")
             elif isinstance(module, QuantExperts) and (module.gate_up_proj is None or module.down_proj is None):
                 out.append(f"{name}.*")

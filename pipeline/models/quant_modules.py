@@ -40,6 +40,31 @@ class QuantLinear(nn.Module):
         return out
 
 
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in its stored format (a GGUF's ``q8_0`` token embeddings): a lookup widens
+    only the rows it takes. Tied, the same weight is the LM head's (:func:`tie_lm_head`)."""
+
+    def __init__(self, fmt: WeightFormat, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, num_embeddings, embedding_dim
+        self.weight: QuantWeight | None = None
+        self.dtype = torch.float32  # the model's compute dtype, set when the load finishes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None, "a quantized embedding used before its weights were loaded"
+        flat = ids.reshape(-1)
+        rows = self.weight.take_rows(flat).tile(0, flat.numel(), self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+def tie_lm_head(model: nn.Module) -> None:
+    """``model.lm_head`` becomes a quantized linear over ``model.embed_tokens``' quantized weight."""
+    embed = model.embed_tokens
+    head = QuantLinear(embed.fmt, embed.embedding_dim, embed.num_embeddings, bias=False)
+    head.weight = embed.weight
+    model.lm_head = head
+
+
 class QuantExperts(nn.Module):
     """Routed experts stacked like :class:`models.moe.MoEExperts` (gate_up [E, 2I, H], down [E, H, I]),
     each a QuantWeight of the stack."""
@@ -71,6 +96,8 @@ def install(model: nn.Module, formats: dict[str, WeightFormat]) -> None:
         current = getattr(parent, leaf)
         if isinstance(current, nn.Linear):
             replacement: nn.Module = QuantLinear(fmt, current.in_features, current.out_features, current.bias is not None)
+        elif isinstance(current, nn.Embedding):
+            replacement = QuantEmbedding(fmt, current.num_embeddings, current.embedding_dim)
         elif isinstance(getattr(current, "gate_up_proj", None), torch.Tensor):  # a stack of experts (models.moe)
             e, two_i, h = current.gate_up_proj.shape
             replacement = QuantExperts(fmt, e, h, two_i // 2)

@@ -80,7 +80,8 @@ class ParallelLanguageModel(LanguageModel):
         """Vocab-parallel lookup: each rank embeds the ids in its range (zeros elsewhere), summed."""
         mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_stop)
         local = torch.where(mine, token_ids - self.vocab_start, torch.zeros_like(token_ids))
-        out = self.embed_tokens(local) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        rows = self.embed_tokens(local)
+        out = rows * mine.unsqueeze(-1).to(rows.dtype)
         return self.group.all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from strata.pipeline.models.architectures import ARCHITECTURES, ModelArchitectur
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.file_digest import file_identity, hash_file, remember
 from strata.pipeline.models.quant_loading import QuantCollector, QuantLoadError
+from strata.pipeline.models.quant_modules import QuantEmbedding, tie_lm_head
 from strata.pipeline.models.weight_formats import QuantScheme, WeightFormatError, is_quant_tensor
 
 if TYPE_CHECKING:
@@ -353,7 +354,11 @@ def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger
 
 def _finish(modules: dict[str, nn.Module], dtype: torch.dtype, device: torch.device | str) -> None:
     text = modules.get("text")
-    if text is not None and text.lm_head.weight.is_meta and text.cfg.tie_word_embeddings:
+    if text is not None and isinstance(text.embed_tokens, QuantEmbedding):
+        text.embed_tokens.dtype = dtype
+        if isinstance(text.lm_head, nn.Linear) and text.lm_head.weight.is_meta and text.cfg.tie_word_embeddings:
+            tie_lm_head(text)
+    elif text is not None and text.lm_head.weight.is_meta and text.cfg.tie_word_embeddings:
         text.lm_head.weight = text.embed_tokens.weight
     missing = [f"{part}.{n}" for part, m in modules.items() for n, p in m.named_parameters() if p.is_meta]
     if missing:

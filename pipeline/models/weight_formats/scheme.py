@@ -17,14 +17,16 @@ from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.weight_formats.format import WeightFormat
 from strata.pipeline.models.weight_formats.fp8_block import FP8Block
 from strata.pipeline.models.weight_formats.fp8_row import FP8Row
+from strata.pipeline.models.weight_formats.ggml_block import GGML_KINDS, GGMLBlock
 from strata.pipeline.models.weight_formats.int4_group import Int4Group
 from strata.pipeline.models.weight_formats.mxfp4 import MXFP4
 
 IMPLEMENTED = ("fp8 (e4m3 block scales), compressed-tensors pack-quantized INT4 (groups), float-quantized FP8 "
-               "(tensor, channel or block scales) and mxfp4-pack-quantized MXFP4")
+               "(tensor, channel or block scales), mxfp4-pack-quantized MXFP4, and GGUF's q4_0, q4_1 and q8_0 blocks")
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_packed", "weight_zero_point", "weight_shape",
                   "input_scale", "weight_global_scale", "input_global_scale", "qweight", "qzeros", "scales", "g_idx",
-                  "blocks", "weight_blocks", "weight_scales")  # tensors that are no weight on their own
+                  "blocks", "weight_blocks", "weight_scales",
+                  *(f"weight_{k}" for k in GGML_KINDS))  # tensors that are no weight on their own
 
 
 def is_quant_tensor(name: str) -> bool:
@@ -91,6 +93,8 @@ def parse_quantization(raw: dict[str, Any]) -> QuantScheme | None:
         return QuantScheme("fp8", (FormatGroup(("Linear",), _fp8_block(qc)),))
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "gguf":
+        return _gguf(qc)
     raise ModelConfigError(f"quantization_config: quant_method {method!r} is not implemented (Strata reads {IMPLEMENTED})")
 
 
@@ -108,6 +112,19 @@ def _fp8_block(qc: dict[str, Any]) -> FP8Block:
         raise ModelConfigError("quantization_config: fp8 without weight_block_size (per-tensor fp8) is not "
                                "implemented; use compressed-tensors float-quantized")
     return FP8Block(*_block(block))
+
+
+def _gguf(qc: dict[str, Any]) -> QuantScheme:
+    """A GGUF read into a checkpoint (``pipeline.models.gguf_source``): each block type its tensors use, the
+    most used first (the planner sizes linears by the first); a tensor's name says which it is in."""
+    kinds = qc.get("ggml_types")
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
+        raise ModelConfigError("quantization_config: gguf needs ggml_types, a list of block types")
+    unknown = [k for k in kinds if k not in GGML_KINDS]
+    if unknown:
+        raise ModelConfigError(f"quantization_config: GGUF block type {unknown[0]!r} is not implemented "
+                               f"(Strata keeps {', '.join(GGML_KINDS)})")
+    return QuantScheme("gguf", tuple(FormatGroup(("Linear",), GGMLBlock(k)) for k in kinds))
 
 
 def _block(block: Any) -> tuple[int, int]:
