@@ -1,5 +1,5 @@
-"""Our Triton paged-attention kernel against the torch reference, run on CPU in Triton's interpreter
-(``TRITON_INTERPRET=1`` must be set before Triton is imported, so the check runs in a child process).
+"""Our Triton paged-attention kernel against the torch reference (bf16, fp32 and e4m3 caches), run on CPU in
+Triton's interpreter (``TRITON_INTERPRET=1`` must be set before Triton is imported, so the check runs in a child process).
 On a CUDA machine the same cases run compiled (``make gpu-check``)."""
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from strata.kernels import AttentionMetadata, get_attention_backend, merge_atten
 from strata.kernels.attention_triton import TritonAttentionBackend
 device = sys.argv[2]
 results = []
-# the last two cases are MLA's latent layout: one tensor passed as both keys and values (one "KV head")
-for hq, hkv, d, window, dtype, latent in [(4, 2, 16, None, "float32", False), (6, 1, 24, 7, "float32", False),
-                                          (8, 8, 32, None, "bfloat16", False), (8, 1, 40, None, "float32", True),
-                                          (4, 1, 72, None, "bfloat16", True)]:
+# latent: MLA's layout, one tensor passed as both keys and values (one "KV head"); fp8: an e4m3 cache
+# (``kv_cache_dtype: fp8``) read by a query in ``dtype``
+for hq, hkv, d, window, dtype, latent, fp8 in [
+        (4, 2, 16, None, "float32", False, False), (6, 1, 24, 7, "float32", False, False),
+        (8, 8, 32, None, "bfloat16", False, False), (8, 1, 40, None, "float32", True, False),
+        (4, 1, 72, None, "bfloat16", True, False), (4, 2, 16, None, "float32", False, True),
+        (8, 8, 32, 9, "bfloat16", False, True), (4, 1, 72, None, "float32", True, True)]:
     gen = torch.Generator().manual_seed(hq + d)
     # decodes, a whole prompt, chunks after context; the last two have spilled blocks before their table
     seq_lens, query_lens, spilled = [1, 17, 33, 50, 70], [1, 17, 1, 19, 30], [0, 0, 1, 0, 2]
@@ -41,13 +44,14 @@ for hq, hkv, d, window, dtype, latent in [(4, 2, 16, None, "float32", False), (6
     dt = getattr(torch, dtype)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS, device, kv_offsets=[s * BS for s in spilled])
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
-    kc = k_cache.to(device, dt); vc = kc if latent else v_cache.to(device, dt)
+    cache_dt = torch.float8_e4m3fn if fp8 else dt
+    kc = k_cache.to(device, cache_dt); vc = kc if latent else v_cache.to(device, cache_dt)
     args = (q.to(device, dt), kc, vc, meta, d ** -0.5, window)
     out, lse = TritonAttentionBackend().forward(*args, return_lse=True)
     cpu_meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS, "cpu", kv_offsets=[s * BS for s in spilled])
-    kr = k_cache.to(dt); vr = kr if latent else v_cache.to(dt)
+    kr = k_cache.to(cache_dt); vr = kr if latent else v_cache.to(cache_dt)
     ref, ref_lse = get_attention_backend("torch").forward(q.to(dt), kr, vr, cpu_meta, d ** -0.5, window, return_lse=True)
-    results.append({"case": [hq, hkv, d, window, dtype, latent], "out": (out.float().cpu() - ref.float()).abs().max().item(),
+    results.append({"case": [hq, hkv, d, window, dtype, latent, fp8], "out": (out.float().cpu() - ref.float()).abs().max().item(),
                     "lse": (lse.cpu() - ref_lse).abs().max().item()})
 print(json.dumps(results))
 """
