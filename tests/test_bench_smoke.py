@@ -127,3 +127,17 @@ def test_bench_structured_times_constrained_sampler_steps(tmp_path: Path, capsys
                                           "all 4 tools, auto, text", "all 4 tools, auto, 1-token marker",
                                           "all 4 tools, required"}
     assert "over unconstrained" in printed
+
+
+@pytest.mark.unit
+def test_bench_vs_vllm_says_which_side_is_better_and_needs_a_vllm_python(tmp_path: Path, capsys) -> None:
+    """vLLM is not installed here, so the run itself is measured by hand (docs: Measured); what is checked is
+    the table's direction (throughput: Strata over vLLM; latencies: vLLM over Strata) and the refusal."""
+    from strata.bench.vs_vllm import table
+
+    side = {"output_throughput": 100.0, "median_ttft_ms": 50.0, "median_tpot_ms": 20.0, "median_itl_ms": 20.0}
+    shown = table({"strata": {1: {**side, "output_throughput": 150.0, "median_tpot_ms": 10.0}}, "vllm": {1: side}}, [1])
+    rows = {line.split()[1] + " " + line.split()[2]: line.split()[-1] for line in shown.splitlines()[1:5]}
+    assert rows == {"output tok/s": "1.50x", "median TTFT": "1.00x", "median TPOT": "2.00x", "median ITL": "1.00x"}
+    assert main(["bench", "vs-vllm", "--vllm-python", str(tmp_path / "no-python")]) == 2
+    assert "is not a file: pass the python of a venv with vLLM" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from strata.commands import register
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
     from strata.bench import (cross_node, flow, mixed_step, mla, offline, quant, serve_overhead, soak,
-                              speculative, structured, tensor_parallel, tiers, vision)
+                              speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -45,5 +45,7 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
+        ("vs-vllm", "strata serve and vllm serve on one checkpoint, loaded by vllm bench serve at each concurrency",
+         vs_vllm),
     )
     register(bench, commands)
