@@ -249,3 +249,50 @@ def test_real_weights_with_an_fp8_cache_stay_close_to_bf16_kv(smollm2: Path) -> 
             else:  # a near-tie in the bf16 cache's own logits
                 assert w.max() - w[g.argmax()] < 1.0, (prompt, float(w.max() - w[g.argmax()]))
     assert agree / positions >= 0.9, (agree, positions)
+
+
+_CLUSTER_SCALES = r"""
+import json, os, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from strata.pipeline.models import kv_scales
+root, key, n = sys.argv[1], bytes(range(32)), 3
+a, b, c = [[0.5, 2.0]] * n, [[1.0, 4.0]] * n, [[2.0, 8.0]] * n
+calls = []
+def cal(s):
+    return lambda: (calls.append(s), [tuple(x) for x in s])[1]
+def on(node, scales):
+    os.environ["STRATA_DIGEST_CACHE"] = os.path.join(root, node)
+    return [list(x) for x in kv_scales.shared_scales(key, n, cal(scales))]
+out = {"alone": on("node-b", b)}  # no cluster: node B calibrates and keeps its own
+import ray
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+out["a"] = on("node-a", a)  # the first node in the cluster: its record, published
+out["b"] = on("node-b", b)  # node B has its own record on disk, but the cluster's wins
+os.environ["STRATA_DIGEST_CACHE"] = os.path.join(root, "node-b")
+out["worker"] = ray.get(ray.remote(lambda: [list(x) for x in kv_scales.shared_scales(key, n, cal(c))]).remote())
+# two nodes that calibrated at once: the later publish finds the first and adopts it
+late = kv_scales._cluster_kv()
+out["late_conflict"] = late.publish(f"{key.hex()[:32]}-{kv_scales._calibration_id()}".encode(), b"[]")
+out["calls"] = calls
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_every_node_of_a_cluster_uses_the_first_nodes_scales(tmp_path: Path) -> None:
+    """Each node keeps its scales under its own digest cache, so a prefill on one node and a decode on another
+    could calibrate differently and fail every hand-off between them. In a Ray cluster the first node's
+    scales go into the GCS key-value store, and every other process, a worker on another node's cache
+    included, adopts them without calibrating."""
+    import json
+
+    from helpers import run_python
+
+    res = run_python("-c", _CLUSTER_SCALES, str(tmp_path), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    a, b = [[0.5, 2.0]] * 3, [[1.0, 4.0]] * 3
+    assert out["alone"] == b and out["a"] == a and out["b"] == a and out["worker"] == a
+    assert out["late_conflict"] is True  # the key was taken: nothing overwritten
+    assert out["calls"] == [b, a]  # node B once alone, node A once in the cluster; nobody after
