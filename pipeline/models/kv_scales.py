@@ -9,13 +9,12 @@ calibration pass, times a headroom for larger values later, over 448) moves ever
 normal range. The scale is a power of two: dividing by it is exact. The scales are part of the KV
 fingerprint, so a block is only ever read with the scales it was written with.
 
-Calibrated once, then shared (``shared_scales``): a prefill replica at tp=1 and a decode group at tp=2 sum
-their partial outputs in other orders, and in bf16 that moves an amax by a rounding step, which may cross
-a power of two; two stages with different scales could not hand a prompt's KV over. So the first process
-on a node to calibrate a model (its fingerprint without scales, and this module's calibration) writes the
-scales under the digest cache, holding a lock while it does, and every later one on the node reads them;
-and in a Ray cluster the first node's scales are published in the GCS key-value store, which every other
-node adopts, so a prefill on one node hands its KV to a decode on another.
+Calibrated once per node, then shared (``shared_scales``): a prefill replica at tp=1 and a decode group at
+tp=2 sum their partial outputs in other orders, and in bf16 that moves an amax by a rounding step, which
+may cross a power of two; two stages with different scales could not hand a prompt's KV over. So the
+first process to calibrate a model (its fingerprint without scales, and this module's calibration)
+writes the scales under the digest cache, holding a lock while it does, and every later one on the node
+reads them.
 
 Reads never see the scales: a layer writes ``k / s_k`` and ``v / s_v``, attends with ``q * s_k`` over the
 stored keys and multiplies its output by ``s_v`` (softmax(q.(s k)) = softmax((s q).k)), so every backend and
@@ -30,7 +29,6 @@ import json
 import logging
 import math
 import os
-import sys
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -111,11 +109,6 @@ def _read(path: Path, num_layers: int) -> Scales | None:
         rows = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return _rows(rows, num_layers)
-
-
-def _rows(rows: object, num_layers: int) -> Scales | None:
-    """A record's scales, or None when it is not one (damaged: recalibrate)."""
     ok = (isinstance(rows, list) and len(rows) == num_layers
           and all(isinstance(r, list) and len(r) == 2 and all(_is_scale(x) for x in r) for r in rows))
     return [(float(k), float(v)) for k, v in rows] if ok else None
@@ -144,59 +137,6 @@ def _locked(path: Path) -> Iterator[bool]:
 
 
 def shared_scales(model_key: bytes, num_layers: int, calibrate: Callable[[], Scales]) -> Scales:
-    """The model's scales, the same in every process of a Ray cluster: the cluster's if a node published
-    them, else this node's (:func:`node_scales`), published for the others. Two nodes that calibrate at once
-    both publish; the first write wins, and the other adopts it."""
-    cluster = _cluster_kv()
-    key = f"{model_key.hex()[:32]}-{_calibration_id()}".encode()
-    if cluster is not None and (known := _parse(cluster.get(key), num_layers)) is not None:
-        return known
-    scales = node_scales(model_key, num_layers, calibrate)
-    if cluster is not None and cluster.publish(key, json.dumps([list(x) for x in scales]).encode()):
-        won = _parse(cluster.get(key), num_layers)  # another node published first: theirs, for everyone
-        if won is not None:
-            return won
-    return scales
-
-
-class _ClusterKV:
-    """Ray's GCS key-value store (what Ray Serve keeps its own state in), in a namespace of ours."""
-
-    NAMESPACE = b"strata-kv-scales"
-
-    def __init__(self, get: Callable, put: Callable) -> None:
-        self._get, self._put = get, put
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._get(key, namespace=self.NAMESPACE)
-
-    def publish(self, key: bytes, value: bytes) -> bool:
-        """Write ``value`` unless the key has one; True when it had (nothing was written)."""
-        return bool(self._put(key, value, overwrite=False, namespace=self.NAMESPACE))
-
-
-def _cluster_kv() -> _ClusterKV | None:
-    """The cluster's store when this process is connected to Ray (a Serve replica, a node actor); None in a
-    process that never imported Ray (the in-process engine, the CLI): the node's record is then all."""
-    if "ray" not in sys.modules:
-        return None
-    from ray.experimental import internal_kv
-
-    if not internal_kv._internal_kv_initialized():
-        return None
-    return _ClusterKV(internal_kv._internal_kv_get, internal_kv._internal_kv_put)
-
-
-def _parse(raw: bytes | None, num_layers: int) -> Scales | None:
-    if raw is None:
-        return None
-    try:
-        return _rows(json.loads(raw), num_layers)
-    except ValueError:
-        return None
-
-
-def node_scales(model_key: bytes, num_layers: int, calibrate: Callable[[], Scales]) -> Scales:
     """This node's scales for the model: read if a process calibrated it already, else calibrated now
     (under the lock, so concurrent starts calibrate once) and written (0600, atomically)."""
     path = scales_path(model_key)
