@@ -40,10 +40,6 @@ class GGUFError(ValueError):
     """A GGUF Strata cannot read; the message names what (one line)."""
 
 
-def is_gguf(path: Path) -> bool:
-    return path.suffix == ".gguf" and path.is_file()
-
-
 def gguf_checkpoint(gguf: Path, cache_dir: Path) -> Path:
     """The checkpoint directory of ``gguf`` under ``cache_dir/models``, written the first time (atomically:
     concurrent callers see nothing or a whole directory)."""
