@@ -50,9 +50,10 @@ def _tokens(e, reqs: list[dict]) -> list[list[int]]:
 def test_tp2_gives_the_logits_and_greedy_tokens_of_one_process(arch: str, tiny_models, demo_images) -> None:
     model_dir = tiny_models[arch]
     one = build(model_dir)
+    before = set(Path("/dev/shm").glob("strata-tp-*"))  # another run, killed mid-rendezvous, may have left one
     with engine(model_dir, tp=2) as two:
         assert two.core.runner.group.transport == "shared memory"
-        assert not list(Path("/dev/shm").glob("strata-tp-*"))  # channel and store unlinked once the group formed
+        assert set(Path("/dev/shm").glob("strata-tp-*")) <= before  # channel and store unlinked once the group formed
         ours = [addr for addr, proc in listening_sockets() if "python" in proc]
         loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
         assert ours and all(a.startswith(loopback) for a in ours), ours  # the group listens on lo only
