@@ -2,7 +2,7 @@
 
 A local cluster is bound to loopback: Ray's node IP is 127.0.0.1 (set through
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is imported: Ray reads it at import), the
-dashboard and the HTTP proxy listen on 127.0.0.1. ``--address`` joins an existing cluster
+dashboard and the HTTP ingress (HAProxy, or Serve's proxy) listen on 127.0.0.1. ``--address`` joins an existing cluster
 instead (multi-node: blocks move between nodes through each node's host tier).
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -65,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=int, help="logical CPUs of a local cluster (default: max(8, cores))")
     p.add_argument("--access-log", action="store_true",
                    help="log one INFO line per request in every replica (off by default)")
+    p.add_argument("--ingress", choices=("haproxy", "serve-proxy"), default="haproxy",
+                   help="what serves --port in a cluster this command starts: haproxy (default; Ray Serve's HAProxy "
+                        "mode: streams cross it in C, as fast as a replica's own port) or serve-proxy (Serve's "
+                        "Python proxy actor). Without the HAProxy binary, or with --no-fast-path, serve-proxy")
     p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                    help="use Ray Serve's default request path instead of its throughput-optimized one (replicas "
                         "that serve HTTP themselves, user code on the replica's event loop, calls between "
@@ -207,6 +213,8 @@ def _start_ray(args: argparse.Namespace) -> Any:
         if getattr(args, "direct_port", None) is not None:  # read by every Serve process at import
             os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(args.direct_port)
             os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(min(65535, args.direct_port + 1000))
+        if args.address is None and getattr(args, "ingress", "serve-proxy") == "haproxy":
+            _use_haproxy(args)
     import ray
 
     if args.address is not None:
@@ -219,6 +227,26 @@ def _start_ray(args: argparse.Namespace) -> Any:
         _metrics_export_port=args.metrics_port,
         runtime_env={"worker_process_setup_hook": "strata.deployments.loopback.bind_replica_servers_to_loopback"},
     )
+
+
+def _use_haproxy(args: argparse.Namespace) -> None:
+    """HAProxy on --port for the cluster about to start (``deployments.haproxy_ingress``), its files in a
+    directory of this server's own (removed at shutdown); Serve's proxy, said in one line, if it cannot."""
+    from strata.deployments.haproxy_ingress import HAPROXY_ENV, haproxy_env, why_not_haproxy
+
+    if os.environ.get(HAPROXY_ENV) == "0":  # the user's own choice, as Ray spells it
+        args.ingress = "serve-proxy"
+        return
+    args.haproxy_dir = Path(tempfile.mkdtemp(prefix="strata-hap-"))
+    env = haproxy_env(args.haproxy_dir)
+    os.environ.update(env)  # before this process imports Serve (the check below does), as in every other
+    why = why_not_haproxy()
+    if why is not None:
+        print(f"strata: {why}; --port is served by Ray Serve's proxy", file=sys.stderr, flush=True)
+        for key in env:
+            os.environ.pop(key)
+        shutil.rmtree(args.haproxy_dir, ignore_errors=True)
+        args.ingress, args.haproxy_dir = "serve-proxy", None
 
 
 def _auth_hint() -> str:
@@ -239,11 +267,14 @@ def _direct_endpoints(proxy_port: int, wait_s: float = 20.0) -> list[str]:
         from ray.serve.context import _get_global_client
 
         controller = _get_global_client()._controller
+        haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+        fallback_port = int(os.environ.get("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "8500")) if haproxy else None
         deadline = time.monotonic() + wait_s
         while True:
-            groups = ray.get(controller.get_target_groups.remote(), timeout=10)
+            # In HAProxy mode Serve names the replicas only to its proxy manager; to anyone else, HAProxy.
+            groups = ray.get(controller.get_target_groups.remote(from_proxy_manager=haproxy), timeout=10)
             ports = {t.port for g in groups if str(getattr(g, "protocol", "")).endswith("HTTP")
-                     for t in g.targets if t.port not in (None, proxy_port)}
+                     for t in g.targets if t.port not in (None, proxy_port, fallback_port)}
             if ports or time.monotonic() > deadline:
                 return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
             time.sleep(0.5)
@@ -300,7 +331,8 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
             return 0 if stop.is_set() else 1
         dashboard = getattr(context, "dashboard_url", None) or f"127.0.0.1:{args.dashboard_port}"
         print(f"Strata is serving {config.model_name} (from {config.model_dir})", flush=True)
-        print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1", flush=True)
+        via = "HAProxy" if getattr(args, "haproxy_dir", None) is not None else "Ray Serve's proxy"
+        print(f"  OpenAI endpoint: http://{args.host}:{args.port}/v1  ({via}, load-balanced)", flush=True)
         for url in _direct_endpoints(args.port):
             print(f"  Direct endpoint: {url}/v1  (an LLM/ingress replica's own port: no proxy hop)", flush=True)
         print(f"  Ray dashboard:   http://{dashboard}", flush=True)
@@ -312,6 +344,8 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
     finally:
         print("strata: shutting down", file=sys.stderr, flush=True)
         _quiet_shutdown()
+        if getattr(args, "haproxy_dir", None) is not None:
+            shutil.rmtree(args.haproxy_dir, ignore_errors=True)
     return 0
 
 

@@ -40,7 +40,7 @@ class LocalServer:
     """`strata serve` on free loopback ports with a given serve config; logs go to ``workdir``."""
 
     def __init__(self, model_dir: Path, workdir: Path, config: dict[str, Any], model_name: str = "strata",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, flags: list[str] | None = None) -> None:
         self.port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
@@ -56,7 +56,7 @@ class LocalServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata", "serve", "--model", str(model_dir), "--config", str(config_path),
              "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
-             "--metrics-port", str(self.metrics_port), "--model-name", model_name],
+             "--metrics-port", str(self.metrics_port), "--model-name", model_name, *(flags or [])],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=self.workdir, start_new_session=True,
         )
 

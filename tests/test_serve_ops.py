@@ -1,5 +1,5 @@
 """Operating the real server: disconnects free KV, overload is a 429, stages autoscale,
-and everything listens on loopback only."""
+and everything listens on loopback only (HAProxy, the default ingress, included)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,11 @@ def test_the_server_listens_on_loopback_only(serve_server) -> None:
     new = serve_server.sockets_before
     from serve_process import listening_sockets
 
-    opened = [addr for addr, proc in listening_sockets() - new if ("ray" in proc or "python" in proc or "raylet" in proc
-                                                                 or "gcs_server" in proc or "strata" in proc)]
+    now = listening_sockets() - new
+    opened = [addr for addr, proc in now if any(name in proc for name in ("ray", "python", "raylet", "gcs_server",
+                                                                          "strata", "haproxy"))]
     assert opened, "expected the server's sockets to show up"
+    # The OpenAI port is HAProxy's (the default ingress), and so are its stats and Prometheus listeners.
+    assert any(addr.endswith(f":{serve_server.port}") and "haproxy" in proc for addr, proc in now), now
     exposed = [a for a in opened if not (a.startswith("127.0.0.1:") or a.startswith("[::ffff:127.0.0.1]:") or a.startswith("[::1]:"))]
     assert not exposed, exposed

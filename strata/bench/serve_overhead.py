@@ -1,4 +1,4 @@
-"""`strata bench serve-overhead`: what the Serve path (HTTP + proxy + ingress + four stage
+"""`strata bench serve-overhead`: what the Serve path (HTTP + HAProxy or Serve's proxy + ingress + four stage
 replicas + KV hand-off through the host tier) adds to time-to-first-token and inter-token
 latency, against the in-process engine on the same model, the same prompts and the same
 concurrency, measured side by side in one run.
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import torch
@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-concurrency", type=int, default=16)
     p.add_argument("--handoff-lens", nargs="*", type=int, default=[1024, 8192, 32768],
                    help="prompt lengths of the prefill->decode hand-off measurement (none: skip it)")
+    p.add_argument("--ingress", nargs="+", choices=("haproxy", "serve-proxy"), default=["haproxy", "serve-proxy"],
+                   help="what serves the load-balanced port, one server each (`strata serve --ingress`)")
     p.add_argument("--modes", nargs="+", choices=("aggregated", "disaggregated"), default=["aggregated", "disaggregated"],
                    help="serving modes to start and measure (ignored with --url)")
     p.add_argument("--json", type=Path)
@@ -63,8 +65,9 @@ def _summary(ttfts: list[float], gaps: list[list[float]], out_tokens: int) -> di
             "itl_p50_ms": statistics.median(itls) * 1e3, "itl_p99_ms": _percentile(itls, 0.99) * 1e3}
 
 
-def _prompts(n: int, words: int) -> list[str]:
-    return [f"Request {i}: " + " ".join(f"wave{(i * 7 + j) % 97}" for j in range(words)) for i in range(n)]
+def _prompts(n: int, words: int, salt: str = "") -> list[str]:
+    """``salt`` differs per route: routes served by one server must not find each other's prompts cached."""
+    return [f"Request {salt}{i}: " + " ".join(f"wave{(i * 7 + j) % 97}" for j in range(words)) for i in range(n)]
 
 
 def _in_process(model: Path, prompts: list[str], concurrency: int, out_tokens: int) -> dict[str, float]:
@@ -136,7 +139,7 @@ def _served(url: str, prompts: list[str], concurrency: int, out_tokens: int) -> 
             c.close()
 
 
-def _start(model: Path, mode: str, stream_interval_ms: float = 0.0) -> Any:
+def _start(model: Path, mode: str, stream_interval_ms: float = 0.0, ingress: str = "haproxy") -> Any:
     import tempfile
 
     from strata.local_server import LocalServer
@@ -146,10 +149,23 @@ def _start(model: Path, mode: str, stream_interval_ms: float = 0.0) -> Any:
                                                       "llm": {"max_ongoing_requests": 1024}}}
     if mode == "disaggregated":
         config["engine"] = {"host_kv_blocks": 4096, "host_kv_dir": str(work / "host")}
-    return LocalServer(model, work, config, env={"RAY_AUTH_MODE": "disabled"}).wait_ready()
+    return LocalServer(model, work, config, env={"RAY_AUTH_MODE": "disabled"}, flags=["--ingress", ingress]).wait_ready()
 
 
-def _load_prompts(model: Path, n: int, length: int) -> list[str]:
+def _servers(args: argparse.Namespace, model: Path) -> Iterator[tuple[Any, list[tuple[str, str]]]]:
+    """One server per mode and ingress, each with its routes: the load-balanced port (named after its
+    ingress) and, for a mode's first server, a replica's own port (direct ingress). Stopped after use."""
+    for mode in args.modes:
+        for i, ingress in enumerate(args.ingress):
+            server = _start(model, mode, args.stream_interval_ms, ingress)
+            direct = [(f"{mode}/direct", server.direct_url)] if i == 0 and server.direct_url else []
+            try:
+                yield server, [(f"{mode}/{ingress}", server.base_url), *direct]
+            finally:
+                server.stop()
+
+
+def _load_prompts(model: Path, n: int, length: int, seed: int = 1234) -> list[str]:
     """Texts of about ``length`` tokens (random words added until the count is reached); both sides
     send the same texts, so they see the same token ids."""
     import random
@@ -158,7 +174,7 @@ def _load_prompts(model: Path, n: int, length: int) -> list[str]:
     from strata.pipeline.models.model_config import load_model_config
 
     tok = PromptTokenizer(model, load_model_config(model))
-    rng = random.Random(1234)
+    rng = random.Random(seed)
     texts = []
     for i in range(n):
         words = [f"Request {i}:"]
@@ -299,29 +315,24 @@ def _load(args: argparse.Namespace) -> list[dict[str, Any]]:
     from strata.bench.offline import bench_model_dir
 
     model = bench_model_dir(args.load_model)
-    texts = _load_prompts(model, args.load_prompts, args.load_in)
     print(f"\n# closed loop: {args.load_prompts} prompts of {args.load_in} tokens, {args.load_out} out, "
           f"concurrency {args.load_concurrency}, model {args.load_model} fp32; streamed /v1/completions vs the "
           f"in-process engine with the same prompts in flight")
     print(f"{'mode/route':<21} {'tok/s serve':>12} {'tok/s in-proc':>14} {'ratio':>6} {'TPOT serve':>11} "
           f"{'TPOT in-proc':>13} {'ratio':>6}")
     rows = []
-    for mode in args.modes:
-        server = _start(model, mode, args.stream_interval_ms)
-        routes = [(f"{mode}/proxy", server.base_url)] + ([(f"{mode}/direct", server.direct_url)] if server.direct_url else [])
-        try:
-            for name, route in routes:
-                served = _closed_loop_served(route, texts, args.load_out, args.load_concurrency)
-                local = _closed_loop_in_process(model, texts, args.load_out, args.load_concurrency)
-                row = {"mode": name, "serve": served, "in_process": local,
-                       "throughput_ratio": served["output_tok_s"] / local["output_tok_s"],
-                       "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
-                rows.append(row)
-                print(f"{name:<21} {served['output_tok_s']:>12.1f} {local['output_tok_s']:>14.1f} "
-                      f"{row['throughput_ratio']:>5.2f}x {served['tpot_p50_ms']:>8.1f} ms {local['tpot_p50_ms']:>10.1f} ms "
-                      f"{row['tpot_ratio']:>5.2f}x", flush=True)
-        finally:
-            server.stop()
+    for _, routes in _servers(args, model):
+        for k, (name, route) in enumerate(routes):
+            texts = _load_prompts(model, args.load_prompts, args.load_in, seed=1234 + k)  # no prefix hits across routes
+            served = _closed_loop_served(route, texts, args.load_out, args.load_concurrency)
+            local = _closed_loop_in_process(model, texts, args.load_out, args.load_concurrency)
+            row = {"mode": name, "serve": served, "in_process": local,
+                   "throughput_ratio": served["output_tok_s"] / local["output_tok_s"],
+                   "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
+            rows.append(row)
+            print(f"{name:<21} {served['output_tok_s']:>12.1f} {local['output_tok_s']:>14.1f} "
+                  f"{row['throughput_ratio']:>5.2f}x {served['tpot_p50_ms']:>8.1f} ms {local['tpot_p50_ms']:>10.1f} ms "
+                  f"{row['tpot_ratio']:>5.2f}x", flush=True)
     return rows
 
 
@@ -334,29 +345,21 @@ def run(args: argparse.Namespace) -> int:
           f"{args.output_tokens} output tokens, greedy, ignore EOS; text-delta timing on both sides")
     print(f"{'mode/route':<21} {'conc':>4} {'TTFT p50 in-proc':>17} {'TTFT p50 serve':>15} {'added':>9} "
           f"{'TPOT p50 in-proc':>17} {'TPOT p50 serve':>15} {'ratio':>7} {'ITL p50 in/serve':>17}")
-    targets = [("given", args.url, None)] if args.url else [(m, None, m) for m in args.modes]
-    for label, url, mode in targets:
-        server = _start(model, mode, args.stream_interval_ms) if url is None else None
-        # Through the proxy, and straight to the replica's own port when Serve's direct ingress is on.
-        routes = [(label, url)] if url else [(f"{label}/proxy", server.base_url)] + \
-            ([(f"{label}/direct", server.direct_url)] if server.direct_url else [])
-        try:
-            for name, route in routes:
-                for conc in args.concurrency:
-                    prompts = _prompts(args.requests, args.prompt_words)
-                    local = _in_process(model, prompts, conc, args.output_tokens)
-                    served = _served(route, prompts, conc, args.output_tokens)
-                    row = {"mode": name, "concurrency": conc, "in_process": local, "serve": served,
-                           "ttft_added_ms": served["ttft_p50_ms"] - local["ttft_p50_ms"],
-                           "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
-                    results["levels"].append(row)
-                    print(f"{name:<21} {conc:>4} {local['ttft_p50_ms']:>14.1f} ms {served['ttft_p50_ms']:>12.1f} ms "
-                          f"{row['ttft_added_ms']:>6.1f} ms {local['tpot_p50_ms']:>14.2f} ms "
-                          f"{served['tpot_p50_ms']:>12.2f} ms {row['tpot_ratio']:>6.2f}x "
-                          f"{local['itl_p50_ms']:>7.2f}/{served['itl_p50_ms']:.2f} ms", flush=True)
-        finally:
-            if server is not None:
-                server.stop()
+    servers = iter([(None, [("given", args.url)])]) if args.url else _servers(args, model)
+    for _, routes in servers:
+        for name, route in routes:
+            for conc in args.concurrency:
+                prompts = _prompts(args.requests, args.prompt_words, salt=name)
+                local = _in_process(model, prompts, conc, args.output_tokens)
+                served = _served(route, prompts, conc, args.output_tokens)
+                row = {"mode": name, "concurrency": conc, "in_process": local, "serve": served,
+                       "ttft_added_ms": served["ttft_p50_ms"] - local["ttft_p50_ms"],
+                       "tpot_ratio": served["tpot_p50_ms"] / local["tpot_p50_ms"]}
+                results["levels"].append(row)
+                print(f"{name:<21} {conc:>4} {local['ttft_p50_ms']:>14.1f} ms {served['ttft_p50_ms']:>12.1f} ms "
+                      f"{row['ttft_added_ms']:>6.1f} ms {local['tpot_p50_ms']:>14.2f} ms "
+                      f"{served['tpot_p50_ms']:>12.2f} ms {row['tpot_ratio']:>6.2f}x "
+                      f"{local['itl_p50_ms']:>7.2f}/{served['itl_p50_ms']:.2f} ms", flush=True)
     if args.load_model != "none" and not args.url:
         results["load"] = _load(args)
     if args.handoff_lens:
