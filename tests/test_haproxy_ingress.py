@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -77,3 +78,21 @@ def test_a_user_who_turned_haproxy_off_as_ray_spells_it_keeps_serves_proxy(monke
     args = argparse.Namespace(ingress="haproxy")
     serve_cli._use_haproxy(args)
     assert args.ingress == "serve-proxy" and getattr(args, "haproxy_dir", None) is None
+
+
+def test_without_a_usable_haproxy_serve_says_why_and_keeps_serves_proxy(monkeypatch, capsys) -> None:
+    """A Ray without the binary (or whose template moved): one line, Serve's proxy, nothing left behind."""
+    import argparse
+    import os
+
+    from strata.deployments import haproxy_ingress, serve_cli
+
+    monkeypatch.delenv(HAPROXY_ENV, raising=False)
+    monkeypatch.setattr(haproxy_ingress, "why_not_haproxy", lambda: "no HAProxy binary")
+    args = argparse.Namespace(ingress="haproxy")
+    before = set(Path(tempfile.gettempdir()).glob("strata-hap-*"))
+    serve_cli._use_haproxy(args)
+    assert args.ingress == "serve-proxy" and args.haproxy_dir is None
+    assert set(Path(tempfile.gettempdir()).glob("strata-hap-*")) <= before
+    assert not any(key.startswith("RAY_SERVE_HAPROXY_") or key == HAPROXY_ENV for key in os.environ)
+    assert capsys.readouterr().err.strip() == "strata: no HAProxy binary; --port is served by Ray Serve's proxy"
