@@ -152,15 +152,15 @@ def _start(model: Path, mode: str, stream_interval_ms: float = 0.0, ingress: str
     return LocalServer(model, work, config, env={"RAY_AUTH_MODE": "disabled"}, flags=["--ingress", ingress]).wait_ready()
 
 
-def _servers(args: argparse.Namespace, model: Path) -> Iterator[tuple[Any, list[tuple[str, str]]]]:
-    """One server per mode and ingress, each with its routes: the load-balanced port (named after its
+def _servers(args: argparse.Namespace, model: Path) -> Iterator[list[tuple[str, str]]]:
+    """One server per mode and ingress, as its routes (name, URL): the load-balanced port (named after its
     ingress) and, for a mode's first server, a replica's own port (direct ingress). Stopped after use."""
     for mode in args.modes:
         for i, ingress in enumerate(args.ingress):
             server = _start(model, mode, args.stream_interval_ms, ingress)
             direct = [(f"{mode}/direct", server.direct_url)] if i == 0 and server.direct_url else []
             try:
-                yield server, [(f"{mode}/{ingress}", server.base_url), *direct]
+                yield [(f"{mode}/{ingress}", server.base_url), *direct]
             finally:
                 server.stop()
 
@@ -321,7 +321,7 @@ def _load(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"{'mode/route':<21} {'tok/s serve':>12} {'tok/s in-proc':>14} {'ratio':>6} {'TPOT serve':>11} "
           f"{'TPOT in-proc':>13} {'ratio':>6}")
     rows = []
-    for _, routes in _servers(args, model):
+    for routes in _servers(args, model):
         for k, (name, route) in enumerate(routes):
             texts = _load_prompts(model, args.load_prompts, args.load_in, seed=1234 + k)  # no prefix hits across routes
             served = _closed_loop_served(route, texts, args.load_out, args.load_concurrency)
@@ -345,8 +345,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.output_tokens} output tokens, greedy, ignore EOS; text-delta timing on both sides")
     print(f"{'mode/route':<21} {'conc':>4} {'TTFT p50 in-proc':>17} {'TTFT p50 serve':>15} {'added':>9} "
           f"{'TPOT p50 in-proc':>17} {'TPOT p50 serve':>15} {'ratio':>7} {'ITL p50 in/serve':>17}")
-    servers = iter([(None, [("given", args.url)])]) if args.url else _servers(args, model)
-    for _, routes in servers:
+    servers = iter([[("given", args.url)]]) if args.url else _servers(args, model)
+    for routes in servers:
         for name, route in routes:
             for conc in args.concurrency:
                 prompts = _prompts(args.requests, args.prompt_words, salt=name)
