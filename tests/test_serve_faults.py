@@ -1,5 +1,5 @@
-"""Faults against a real disaggregated server of its own: overload, stalled uploads, killed replicas,
-disconnects during prefill, tier files deleted under load, a poisoned request in a batch, and
+"""Faults against a real disaggregated server of its own: overload, stalled uploads, killed replicas, a killed
+HAProxy, disconnects during prefill, tier files deleted under load, a poisoned request in a batch, and
 tensor-parallel ranks that fail mid-step.
 
 Every failure reaches its client (a JSON 4xx/5xx, or an in-band error then ``[DONE]``) without
@@ -373,3 +373,50 @@ def test_stalled_uploads_lock_nobody_out_and_are_cut_off(server, port: str) -> N
     finally:
         for sock in stalled:
             sock.close()
+
+
+def _ingress_pid(server) -> int:
+    """The process that listens on the server's load-balanced port: HAProxy, the default ingress."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == server.port and conn.pid is not None:
+            return conn.pid
+    raise AssertionError(f"nothing listens on port {server.port}")
+
+
+def test_killing_haproxy_cuts_only_its_own_streams_then_the_port_serves_again(server) -> None:
+    """HAProxy killed mid-stream: a stream through it breaks (its connection is gone) and its KV is freed;
+    a stream on a replica's own port beside it finishes whole; Serve's manager restarts HAProxy and the
+    load-balanced port gives the same answer as before."""
+    import psutil
+
+    expected = _post(server, _chat("A short tale of the sea.", max_tokens=12)).json()["choices"][0]["message"]["content"]
+    baseline = _baseline(server)
+    pid = _ingress_pid(server)
+    assert psutil.Process(pid).name() == "haproxy"
+    beside: dict[str, Any] = {}
+
+    def direct_stream() -> None:
+        body = _chat(_long_prompt(40, 11), max_tokens=60, ignore_eos=True, stream=True)
+        with httpx.stream("POST", server.direct_url + "/v1/chat/completions", json=body, timeout=120) as r:
+            beside["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    other = threading.Thread(target=direct_stream)
+    body = _chat(_long_prompt(50, 12), max_tokens=4000, ignore_eos=True, stream=True)
+    with pytest.raises(httpx.HTTPError):
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            _first_lines(lines, 5)
+            other.start()
+            os.kill(pid, signal.SIGKILL)
+            for _ in lines:
+                pass
+    other.join(timeout=120)
+    events = beside["lines"]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events[-3:]
+    finishes = [c.get("finish_reason") for e in events[:-1] for c in json.loads(e[len("data: "):]).get("choices", [])]
+    assert "length" in finishes, events[-3:]
+    assert _answer_after_restart(server) == expected  # within 60 s: Serve restarted HAProxy
+    assert _ingress_pid(server) != pid
+    _settled(server, baseline)
