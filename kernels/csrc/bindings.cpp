@@ -7,6 +7,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& kv_offsets, const at::Tensor& block_tables, const at::Tensor& seqs,
                      double scale, int64_t window);
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+bool amx_bf16_available();
+at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const at::Tensor& row_block, int64_t block_rows, int64_t block_cols,
                             const at::Tensor& bias);
@@ -25,6 +27,8 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");
   m.def("small_linear", &small_linear, "x W^T + b for a few rows of x, streaming W (CPU)");
+  m.def("amx_bf16_available", &amx_bf16_available, "whether AMX bf16 tiles can run here (asks Linux once)");
+  m.def("amx_bf16_linear", &amx_bf16_linear, "x W^T + b for bf16 x and W on AMX tiles, W streamed once per 32 rows (CPU)");
   m.def("fp8_block_linear", &fp8_block_linear, "x W^T + b for a few rows of x, streaming FP8-block W (CPU)");
   m.def("int4_group_linear", &int4_group_linear, "x W^T + b for a few rows of x, streaming INT4-group W (CPU)");
   m.def("mxfp4_linear", &mxfp4_linear, "x W^T + b for a few rows of x, streaming MXFP4 W (CPU)");

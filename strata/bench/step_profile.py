@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch.nn.functional as F
 
 from strata.kernels.cache_ops import write_cache, write_kv
-from strata.kernels.linear import linear
+from strata.kernels.linear import amx_in_use, linear, without_amx
 from strata.kernels.moe import moe_experts
 from strata.kernels.norm import layer_norm, rms_norm
 from strata.kernels.rope import apply_rope, rotate_fp32, rotate_heads
@@ -160,6 +160,10 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
         prompts = random_prompts(batch, args.prompt_len, 500, seed=batch)
         _decode_steps(engine, prompts, 4, f"warm{batch}")
         plain = _decode_steps(engine, prompts, args.steps, f"plain{batch}") / args.steps
+        no_amx = None
+        if args.dtype == "bfloat16" and amx_in_use():  # the same steps with the linears a CPU without AMX runs
+            with without_amx():
+                no_amx = _decode_steps(engine, prompts, args.steps, f"noamx{batch}") / args.steps
         recorded: list[StepProfile] = []
         profiled = _decode_steps(engine, prompts, args.steps, f"prof{batch}", recorded)
         split = {k: v / args.steps for k, v in recorded[0].split(profiled).items()}
@@ -167,6 +171,10 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
                                "split_ms": {k: v * 1e3 for k, v in split.items()}}
         print(f"batch {batch:>3}: {plain * 1e3:7.2f} ms a step unprofiled ({batch / plain:7.1f} tok/s), "
               f"{profiled / args.steps * 1e3:7.2f} ms profiled")
+        if no_amx is not None:
+            results[str(batch)]["step_ms_without_amx"] = no_amx * 1e3
+            print(f"  without AMX tiles (vector kernel, torch GEMM): {no_amx * 1e3:7.2f} ms a step "
+                  f"(AMX {no_amx / plain:.2f}x faster)")
         total = sum(split.values())
         for category in ORDER:
             print(f"  {category:<28} {split[category] * 1e3:7.2f} ms  {split[category] / total:6.1%}")
