@@ -25,7 +25,8 @@ from strata.deployments import metrics
 from strata.deployments.openai_protocol import usage
 from strata.deployments.openai_responses import (chat_chunk, chat_completion, completion, completion_chunk,
                                                  openai_finish_reason, sse, usage_chunk, with_tool_calls)
-from strata.deployments.responder import GenerationFailed, Responder, Timed, client_error, error_response
+from strata.deployments.responder import (GenerationFailed, Responder, StreamStatus, Timed, client_error,
+                                          error_response)
 from strata.deployments.request_end import at_request_end
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN
@@ -139,9 +140,11 @@ class ManyChoices:
 
     async def stream(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
                      tools: ToolFormat | None = None) -> Response:
-        return StreamingResponse(self._sse(req, kids, start, chat, t0, tools), media_type="text/event-stream")
+        status = StreamStatus("chat" if chat else "completions")
+        at_request_end(status.count)
+        return StreamingResponse(self._sse(req, kids, start, chat, t0, status, tools), media_type="text/event-stream")
 
-    async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
+    async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float, status: StreamStatus,
                    tools: ToolFormat | None) -> AsyncIterator[str]:
         r = self.responder
         model, rid, created = r.model_name, kids[0].request_id, int(time.time())
@@ -163,7 +166,7 @@ class ManyChoices:
                 body["choices"][0]["logprobs"] = r.chat_logprobs([ev]) if chat else r.completion_logprobs([ev], offset)
             return sse(body)
 
-        status, total, offsets, cached = "499", 0, [0] * len(kids), 0
+        total, offsets, cached = 0, [0] * len(kids), 0
         try:
             if chat:
                 for i in range(len(kids)):
@@ -200,10 +203,10 @@ class ManyChoices:
             if req.include_usage:
                 tail.append(sse(usage_chunk(rid, model, created, obj, usage(kids[0].num_prompt_tokens, total, cached))))
             tail.append(sse("[DONE]"))
-            status = "200"
+            status.status = "200"
             yield "".join(tail)
         except Exception as exc:  # headers are sent: report in-band
-            status, lines = r.stream_failure(rid, exc)
+            status.status, lines = r.stream_failure(rid, exc)
             yield lines
         finally:
-            metrics.requests().inc(tags={"endpoint": endpoint, "status": status})
+            status.count()

@@ -86,6 +86,23 @@ def _check(batch: list[TokenEvent]) -> list[TokenEvent]:
     return batch
 
 
+class StreamStatus:
+    """A stream's line in ``strata_requests_total``, counted exactly once: when its generator ends, or when
+    its HTTP request ends, whichever comes first. A client that leaves between chunks leaves the generator
+    suspended until the garbage collector closes it, seconds or minutes later; counting only in its
+    ``finally`` put that 499 in whatever window a dashboard (or a test) was reading then."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.status = "499"  # until the last event is written: a stream that ends early was cancelled
+        self._counted = False
+
+    def count(self) -> None:
+        if not self._counted:
+            self._counted = True
+            metrics.requests().inc(tags={"endpoint": self.endpoint, "status": self.status})
+
+
 class Timed:
     """Event batches passed through, observing TTFT, inter-token gaps (a batch of k tokens after a gap
     g counts k gaps of g/k) and, at the end, the end-to-end latency."""
@@ -215,16 +232,17 @@ class Responder:
             log.warning("request %s failed before its first token: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         deltas = ToolCallDeltas(tools) if tools is not None else None
-        return StreamingResponse(self._sse(req, prepared, timed, first, chat, deltas), media_type="text/event-stream")
+        status = StreamStatus(endpoint)
+        at_request_end(status.count)
+        return StreamingResponse(self._sse(req, prepared, timed, first, chat, status, deltas),
+                                 media_type="text/event-stream")
 
     async def _sse(self, req: Any, prepared: Request, timed: Timed, first: list[TokenEvent] | None,
-                   chat: bool, tool_deltas: ToolCallDeltas | None = None) -> AsyncIterator[str]:
+                   chat: bool, status: StreamStatus, tool_deltas: ToolCallDeltas | None = None) -> AsyncIterator[str]:
         model, rid, created = self.model_name, prepared.request_id, int(time.time())
-        endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
         content = ContentChunks(rid, model, created, chat)
-        status = "499"  # until the last event is written: a stream that ends early was cancelled by the client
         n, cached, reason, offset, text = 0, 0, None, 0, ""
         try:
             if chat:
@@ -254,7 +272,7 @@ class Responder:
                     if req.include_usage:
                         out.append(sse(usage_chunk(rid, model, created, obj, usage(prepared.num_prompt_tokens, n, cached))))
                     out.append(sse("[DONE]"))
-                    status = "200"  # complete as far as the client is concerned, whatever happens next
+                    status.status = "200"  # complete as far as the client is concerned, whatever happens next
                     timed.done()
                 if out:
                     yield "".join(out)
@@ -263,10 +281,10 @@ class Responder:
                 batch = await timed.next()
             raise GenerationFailed("the token stream ended before the request finished")
         except Exception as exc:  # headers are sent: report in-band, as OpenAI-compatible servers do
-            status, lines = self.stream_failure(rid, exc)
+            status.status, lines = self.stream_failure(rid, exc)
             yield lines
         finally:
-            metrics.requests().inc(tags={"endpoint": endpoint, "status": status})
+            status.count()
             await timed.close()
 
     def stream_failure(self, rid: str, exc: BaseException) -> tuple[str, str]:

@@ -214,3 +214,47 @@ def test_a_body_that_stalls_or_is_abandoned_is_a_clear_4xx(messages, status: int
     got_status, got = asyncio.run(go())
     assert got_status == status
     assert got == ({"model": "m"} if status == 200 else code)
+
+
+class _Counts:
+    """Stands in for ``metrics.requests()``: the (endpoint, status) of every count."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.seen.append((tags["endpoint"], tags["status"]))
+
+
+@pytest.mark.parametrize("read_all", [False, True], ids=["left-after-one-chunk", "read-to-done"])
+def test_a_streams_status_is_counted_once_when_its_request_ends(monkeypatch, read_all: bool) -> None:
+    """A client that leaves mid-stream leaves the generator suspended; its 499 is counted as the request
+    ends, not whenever the garbage collector closes the generator (a dashboard's window, or never)."""
+    from strata.deployments import metrics
+
+    counts = _Counts()
+    monkeypatch.setattr(metrics, "requests", lambda: counts)
+
+    async def events() -> AsyncIterator[list[TokenEvent]]:
+        for i in range(3):
+            yield [TokenEvent("chatcmpl-1", 5 + i, "x", finish_reason="length" if i == 2 else None)]
+
+    async def go() -> list[tuple[str, str]]:
+        responder = Responder("m", lambda ids: "x" * len(ids), retry_after_s=2.0, deadline_s=30.0)
+        req = parse_request(ChatCompletionRequest, {"model": "m", "stream": True,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        prepared = Request("chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=3))
+        async with request_scope():
+            resp = await responder.stream(req, prepared, events(), True, time.perf_counter())
+            chunks = resp.body_iterator
+            if read_all:
+                body = "".join([c async for c in chunks])
+                assert body.endswith("data: [DONE]\n\n")
+            else:
+                await chunks.__anext__()  # the role chunk, then the client is gone: the generator stays suspended
+        at_end = list(counts.seen)
+        await chunks.aclose()  # what the garbage collector does, later: must not count again
+        assert counts.seen == at_end
+        return at_end
+
+    assert asyncio.run(go()) == [("chat", "200" if read_all else "499")]
