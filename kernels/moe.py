@@ -8,8 +8,8 @@ weights and expert ids that :func:`moe_experts` dispatches.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from strata.kernels.layer_ops import silu_mul
 from strata.kernels.linear import linear
 
 
@@ -76,9 +76,7 @@ def moe_experts(
         if not 0 <= local < num_experts:
             continue
         tok, slot = torch.where(ids == e)
-        h = linear(x[tok], gate_up[local])
-        gate, up = h.chunk(2, dim=-1)
-        h = linear(F.silu(gate) * up, down[local])
+        h = linear(silu_mul(linear(x[tok], gate_up[local])), down[local])
         h = h * weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.layer_ops import bf16_layer_ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses).
@@ -15,6 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dim() in (2, 3) and (kernels := bf16_layer_ops(x, weight)) is not None:  # one pass (layer_ops)
+        return kernels.rms_norm_bf16(x if x.dim() == 3 else x.unsqueeze(1), weight, eps).view(x.shape)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from strata.kernels.layer_ops import bf16_layer_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -145,6 +147,8 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     """:func:`apply_rope` for one tensor of heads x [T, H, D] in three ops: rotate_half(x) * sin equals
     swap_halves(x) * signed_sin(sin) product for product (the sign moves from x to sin, exactly), so
     the result is the same to the bit. q and k heads can go through in one call."""
+    if x.dim() == 3 and (kernels := bf16_layer_ops(x, cos, sin_signed)) is not None:  # one pass, same bits
+        return kernels.rope_bf16(x, cos, sin_signed)
     half = x.shape[-1] // 2
     swapped = x.view(*x.shape[:-1], 2, half).flip(-2).view(x.shape)
     return x * cos.unsqueeze(1) + swapped * sin_signed.unsqueeze(1)

@@ -23,6 +23,9 @@ at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scale,
 at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int64_t r0, int64_t r1);
 at::Tensor ggml_block_dequant(const at::Tensor& data, int64_t kind, int64_t k, int64_t r0, int64_t r1);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor rope_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed);
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");
@@ -37,5 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_group_dequant", &int4_group_dequant, "rows of an INT4-group weight as fp32 (CPU)");
   m.def("mxfp4_dequant", &mxfp4_dequant, "rows of an MXFP4 weight as fp32 (CPU)");
   m.def("ggml_block_dequant", &ggml_block_dequant, "rows of a GGUF q4_0/q4_1/q8_0 weight as fp32 (CPU)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows in one pass, rounding where the eager ops do (CPU)");
+  m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of bf16 heads in one pass, bit-identical to the eager ops (CPU)");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a fused bf16 gate/up projection in one pass (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf where a grammar's bitmask disallows a token (CPU, in place)");
 }

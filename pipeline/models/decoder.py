@@ -18,7 +18,6 @@ parts are pure tensor functions in :class:`DenseSteps`, which ``pipeline.compile
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import (
@@ -32,6 +31,7 @@ from strata.kernels import (
     signed_sin,
     write_kv,
 )
+from strata.kernels.layer_ops import silu_mul
 from strata.pipeline.models.architectures import TEXT_FAMILIES
 from strata.pipeline.models.attention_mla import MLAAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
@@ -71,8 +71,7 @@ def out_proj_mlp(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: to
                  down_b: torch.Tensor | None) -> torch.Tensor:
     """Everything after attention in a dense layer: output projection, residual, norm, SwiGLU MLP, residual."""
     x, h = out_proj_norm(x, attn, o_w, o_b, ln_w, eps)
-    gate, up = linear(h, gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down_w, down_b)
+    return x + linear(silu_mul(linear(h, gate_up_w, gate_up_b)), down_w, down_b)
 
 
 class DenseSteps:

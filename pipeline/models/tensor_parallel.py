@@ -22,9 +22,9 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from strata.kernels import linear, rms_norm
+from strata.kernels.layer_ops import silu_mul
 from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.moe import MoEExperts
@@ -48,8 +48,7 @@ class ParallelDecoderLayer(DecoderLayer):
         if isinstance(mlp, DenseMLP):
             if mlp.gate_up_weight is None:
                 mlp.fuse()
-            gate, up = linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
-            out = linear(F.silu(gate) * up, mlp.down_proj.weight)
+            out = linear(silu_mul(linear(h, mlp.gate_up_weight, mlp.gate_up_bias)), mlp.down_proj.weight)
             return x + self._reduce(out, mlp.down_proj.bias)
         return x + self._reduce(mlp.forward(h, self.first_expert), None)
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch.nn.functional as F
 
 from strata.kernels.cache_ops import write_cache, write_kv
+from strata.kernels.layer_ops import bf16_layer_ops, eager_layer_ops, silu_mul
 from strata.kernels.linear import amx_in_use, linear, without_amx
 from strata.kernels.moe import moe_experts
 from strata.kernels.norm import layer_norm, rms_norm
@@ -32,7 +33,7 @@ from strata.kernels.rope import apply_rope, rotate_fp32, rotate_heads
 # the functions each category times (by identity, wherever a strata module imported them)
 KERNEL_CATEGORIES: dict[str, tuple[Callable[..., Any], ...]] = {
     "linears": (linear, moe_experts),
-    "norms / RoPE / activations": (rms_norm, layer_norm, rotate_heads, apply_rope, rotate_fp32),
+    "norms / RoPE / activations": (rms_norm, layer_norm, rotate_heads, apply_rope, rotate_fp32, silu_mul),
     "KV writes": (write_cache, write_kv),
 }
 ACTIVATIONS = ("silu", "gelu")  # torch.nn.functional's, looked up as F.<name> at each call
@@ -160,10 +161,13 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
         prompts = random_prompts(batch, args.prompt_len, 500, seed=batch)
         _decode_steps(engine, prompts, 4, f"warm{batch}")
         plain = _decode_steps(engine, prompts, args.steps, f"plain{batch}") / args.steps
-        no_amx = None
+        no_amx = eager_ops = None
         if args.dtype == "bfloat16" and amx_in_use():  # the same steps with the linears a CPU without AMX runs
             with without_amx():
                 no_amx = _decode_steps(engine, prompts, args.steps, f"noamx{batch}") / args.steps
+        if args.dtype == "bfloat16" and bf16_layer_ops(torch.empty(1, dtype=torch.bfloat16)) is not None:
+            with eager_layer_ops():  # the same steps with torch's eager norm, RoPE and gate ops
+                eager_ops = _decode_steps(engine, prompts, args.steps, f"eager{batch}") / args.steps
         recorded: list[StepProfile] = []
         profiled = _decode_steps(engine, prompts, args.steps, f"prof{batch}", recorded)
         split = {k: v / args.steps for k, v in recorded[0].split(profiled).items()}
@@ -175,6 +179,10 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
             results[str(batch)]["step_ms_without_amx"] = no_amx * 1e3
             print(f"  without AMX tiles (vector kernel, torch GEMM): {no_amx * 1e3:7.2f} ms a step "
                   f"(AMX {no_amx / plain:.2f}x faster)")
+        if eager_ops is not None:
+            results[str(batch)]["step_ms_eager_layer_ops"] = eager_ops * 1e3
+            print(f"  with torch's eager norm / RoPE / gate ops:    {eager_ops * 1e3:7.2f} ms a step "
+                  f"(one-pass kernels {eager_ops / plain:.2f}x faster)")
         total = sum(split.values())
         for category in ORDER:
             print(f"  {category:<28} {split[category] * 1e3:7.2f} ms  {split[category] / total:6.1%}")
