@@ -31,7 +31,8 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
     return {"running": engine.num_running, "queued_prompt_tokens": engine.num_queued_prompt_tokens(),
             "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
             "preemptions": engine.scheduler.num_preemptions, "tp": engine.core.runner.tp_size,
-            "threads": torch.get_num_threads(), **speculation_stats(engine.core)}
+            "threads": torch.get_num_threads(), "step_totals": dict(engine.step_totals),
+            **speculation_stats(engine.core)}
 
 
 class EngineStreams:

@@ -97,6 +97,26 @@ def test_empirical_distribution_matches_softmax() -> None:
     assert chi_square < 16.27  # p = 0.001 critical value for 3 degrees of freedom
 
 
+def test_a_masked_token_is_never_drawn_without_filters() -> None:
+    """With no top-k/top-p the draw runs in vocabulary order (no sort): tokens a grammar or a logits
+    processor masked (-inf) sit anywhere in it and must never come out, even when a uniform near 1 rounds
+    past the last token with mass."""
+    from strata.pipeline.core.sampler import _inverse_cdf
+
+    logits = _logits(1, seed=4)
+    logits[0, ::3] = float("-inf")
+    logits[0, VOCAB - 2 :] = float("-inf")
+    generator = make_generator(11)
+    masked_by_design = torch.tensor([True])  # as the engine passes a processed row: only the model's NaN is invalid
+    drawn = {Sampler().sample(logits, [SamplingParams(temperature=1.0)], [generator], masked_by_design)[0]
+             for _ in range(400)}
+    assert drawn and all(torch.isfinite(logits[0, t]) for t in drawn)
+    assert len(drawn) > 5
+    probs = torch.softmax(logits, dim=-1)
+    last_with_mass = max(i for i in range(VOCAB) if probs[0, i] > 0)
+    assert _inverse_cdf(probs, torch.tensor([1.0])).tolist() == [last_with_mass]
+
+
 def test_temperature_sharpens_distribution() -> None:
     logits = torch.tensor([[0.0, 1.0]]).expand(4000, -1).contiguous()
     params = [SamplingParams(temperature=0.25)] * 4000

@@ -9,6 +9,7 @@ preemption. The disaggregated stages (``stages/``) keep their own single-purpose
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -62,6 +63,7 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0
+        self.step_totals = {"steps": 0, "seconds": 0.0, "tokens": 0}  # where a served token's time goes
         self.on_close: list[Callable[[], None]] = []  # e.g. stop a tensor-parallel group's workers
         self.healthy: Callable[[], bool] = lambda: True  # False once a tensor-parallel worker died
 
@@ -148,8 +150,13 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """One iteration: one forward over every running decode and as many prefill chunks as the
         rest of the token budget allows."""
+        t0 = time.perf_counter()
         events = [event for _, event in self.core.step(self.config.max_num_batched_tokens)]
         self.last_step_tokens = self.core.last_num_tokens
+        totals = self.step_totals
+        totals["steps"] += 1
+        totals["seconds"] += time.perf_counter() - t0
+        totals["tokens"] += self.last_step_tokens
         for ev in events:
             if ev.finished:
                 self._requests.pop(ev.request_id, None)

@@ -1,8 +1,11 @@
 """Token sampling and stop detection.
 
-Sampling is inverse-CDF over the filtered, sorted distribution, driven by exactly one uniform draw per row
-from that request's own CPU generator. That keeps a seeded request reproducible regardless of which other
-requests share its batch, and regardless of the device the logits live on.
+Sampling is inverse-CDF driven by exactly one uniform draw per row from that request's own CPU generator.
+That keeps a seeded request reproducible regardless of which other requests share its batch, and
+regardless of the device the logits live on. Rows with a top-k or top-p filter draw from the filtered,
+sorted distribution; a batch whose rows have only a temperature draws in vocabulary order, with no sort:
+sorting 16 rows of a 49K vocabulary took 24 ms of a 64 ms step (the step took 40 ms greedy), and an
+OpenAI client that sets no filter is the common case.
 """
 
 from __future__ import annotations
@@ -125,20 +128,29 @@ def _sample_rows(
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scaled = logits.float() / temperature.unsqueeze(1)
+    uniforms = torch.tensor([uniform(g) for g in generators], dtype=torch.float32, device=device)
+    if not _filters(params, logits.shape[-1]):  # temperature only: the vocabulary's order, no sort
+        return _inverse_cdf(torch.softmax(scaled, dim=-1), uniforms)
     # Stable descending sort: equal logits keep ascending token order, like argmax's tie-break.
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = _mask_top_p(torch.softmax(_mask_top_k(sorted_logits, params), dim=-1), params)
+    return sorted_ids.gather(1, _inverse_cdf(probs, uniforms).unsqueeze(1)).squeeze(1)
 
-    probs = torch.softmax(_mask_top_k(sorted_logits, params), dim=-1)
-    probs = _mask_top_p(probs, params)
 
+def _filters(params: Sequence[SamplingParams], vocab: int) -> bool:
+    """Whether any row has a top-k or top-p filter that removes tokens."""
+    return any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the position where the cumulative mass first exceeds that row's uniform share of it."""
     cumulative = probs.cumsum(dim=-1)
-    uniforms = torch.tensor([uniform(g) for g in generators], dtype=torch.float32, device=device)
     targets = uniforms.unsqueeze(1) * cumulative[:, -1:]
     positions = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
-    # Rounding can push the target to the total mass; fall back to the last token that has any.
-    last_kept = (probs > 0).sum(dim=-1) - 1
-    positions = torch.minimum(positions, last_kept)
-    return sorted_ids.gather(1, positions.unsqueeze(1)).squeeze(1)
+    # Rounding can push the target to the total mass; fall back to the last position that has any.
+    has_mass = probs > 0
+    last_kept = probs.shape[-1] - 1 - has_mass.flip(-1).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(positions, last_kept)
 
 
 def _mask_top_k(sorted_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -177,6 +189,8 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     """[B, V] probabilities (vocab order) that :meth:`Sampler.sample` draws each row from: temperature,
     top-k, then top-p, as ``_sample_rows`` applies them (what speculative verification must match)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    if not _filters(params, logits.shape[-1]):
+        return torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1)
     sorted_logits, sorted_ids = torch.sort(logits.float() / temperature.unsqueeze(1), dim=-1, descending=True,
                                            stable=True)
     probs = _mask_top_p(torch.softmax(_mask_top_k(sorted_logits, params), dim=-1), params)

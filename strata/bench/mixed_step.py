@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each --batch size")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--profile: decode batch sizes")
     p.add_argument("--steps", type=int, default=32, help="--profile: decode steps timed per batch size")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="--profile: sampling temperature of the decoding requests (0: greedy; served clients "
+                        "that send none sample at 1)")
     p.add_argument("--weights", choices=("fp8", "int4", "mxfp4"),
                    help="with --model smollm2: its copy in that release format, as `strata bench quant` writes it")
 

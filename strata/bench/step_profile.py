@@ -114,12 +114,12 @@ def profiling(engine: Any) -> Iterator[StepProfile]:
 
 
 def _decode_steps(engine: Any, prompts: list[list[int]], steps: int, tag: str,
-                  profile: list[StepProfile] | None = None) -> float:
+                  profile: list[StepProfile] | None = None, temperature: float = 0.0) -> float:
     """Seconds of ``steps`` engine steps once every prompt is prefilled and decoding (then the rest aborted);
     with ``profile``, those steps (only) are profiled and their :class:`StepProfile` appended to it."""
     from strata.pipeline.contract.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 4, temperature=temperature, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=p, params=params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
     for _ in range(10_000):  # prefill every prompt (bounded: a stuck engine is an error, not a hang)
         if not engine.num_queued_prompt_tokens() and engine.num_running == len(prompts):
@@ -155,21 +155,26 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
                                               max_num_batched_tokens=max(2048, max(batches)),
                                               max_model_len=args.prompt_len + args.steps + 64))
     print(f"# step profile: {model.name} ({args.dtype}, {torch.get_num_threads()} threads), decode steps over "
-          f"{args.prompt_len}-token prompts, {args.steps} steps per batch size; ms per step")
+          f"{args.prompt_len}-token prompts, {args.steps} steps per batch size, temperature {args.temperature}; "
+          "ms per step")
     results: dict[str, Any] = {}
     for batch in batches:
         prompts = random_prompts(batch, args.prompt_len, 500, seed=batch)
-        _decode_steps(engine, prompts, 4, f"warm{batch}")
-        plain = _decode_steps(engine, prompts, args.steps, f"plain{batch}") / args.steps
+
+        def timed(tag: str, steps: int = args.steps) -> float:
+            return _decode_steps(engine, prompts, steps, f"{tag}{batch}", temperature=args.temperature) / steps
+
+        timed("warm", 4)
+        plain = timed("plain")
         no_amx = eager_ops = None
         if args.dtype == "bfloat16" and amx_in_use():  # the same steps with the linears a CPU without AMX runs
             with without_amx():
-                no_amx = _decode_steps(engine, prompts, args.steps, f"noamx{batch}") / args.steps
+                no_amx = timed("noamx")
         if args.dtype == "bfloat16" and bf16_layer_ops(torch.empty(1, dtype=torch.bfloat16)) is not None:
             with eager_layer_ops():  # the same steps with torch's eager norm, RoPE and gate ops
-                eager_ops = _decode_steps(engine, prompts, args.steps, f"eager{batch}") / args.steps
+                eager_ops = timed("eager")
         recorded: list[StepProfile] = []
-        profiled = _decode_steps(engine, prompts, args.steps, f"prof{batch}", recorded)
+        profiled = _decode_steps(engine, prompts, args.steps, f"prof{batch}", recorded, args.temperature)
         split = {k: v / args.steps for k, v in recorded[0].split(profiled).items()}
         results[str(batch)] = {"step_ms": plain * 1e3, "profiled_step_ms": profiled / args.steps * 1e3,
                                "split_ms": {k: v * 1e3 for k, v in split.items()}}

@@ -82,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"# strata bench vs-vllm: {model.name} in {args.dtype}; random {args.input_len} in / {args.output_len} out, "
           f"{args.num_prompts} prompts, EOS ignored; client: vllm bench serve; one server at a time", flush=True)
     with _VLLMServer(args, launcher, model, work) as url:
-        results["vllm"] = {c: _client(args, launcher, model, url, c, work / f"vllm-c{c}.json") for c in args.concurrency}
+        results["vllm"] = {c: _client(args, launcher, model, url, c, work / f"vllm-c{c}.json", "vllm")
+                           for c in args.concurrency}
     server = LocalServer(model, work / "strata", {"engine": {"dtype": args.dtype, "max_model_len": args.max_model_len}},
                          model_name=NAME, env={"RAY_AUTH_MODE": "disabled"})
     try:
         server.wait_ready(args.ready_timeout)
-        results["strata"] = {c: _client(args, launcher, model, server.base_url, c, work / f"strata-c{c}.json")
+        results["strata"] = {c: _client(args, launcher, model, server.base_url, c, work / f"strata-c{c}.json", "strata")
                              for c in args.concurrency}
     finally:
         server.stop()
@@ -116,7 +117,8 @@ def _smollm2() -> Path:
     return ensure_smollm2()
 
 
-def _client(args: argparse.Namespace, launcher: Path, model: Path, url: str, concurrency: int, out: Path) -> dict:
+def _client(args: argparse.Namespace, launcher: Path, model: Path, url: str, concurrency: int, out: Path,
+            name: str) -> dict:
     cmd = [str(args.vllm_python), str(launcher), "bench", "serve", "--backend", "vllm", "--endpoint", "/v1/completions",
            "--base-url", url, "--model", NAME, "--tokenizer", str(model), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
@@ -128,7 +130,7 @@ def _client(args: argparse.Namespace, launcher: Path, model: Path, url: str, con
     result = json.loads(out.read_text())
     if result.get("completed") != args.num_prompts:
         raise RuntimeError(f"vllm bench serve against {url}: {result.get('completed')} of {args.num_prompts} completed")
-    print(f"# {url} c={concurrency}: " + ", ".join(f"{label} {float(result[key]):.1f}" for key, label, _ in METRICS),
+    print(f"# {name} ({url}) c={concurrency}: " + ", ".join(f"{label} {float(result[key]):.1f}" for key, label, _ in METRICS),
           flush=True)
     return {key: result[key] for key, _, _ in METRICS}
 
