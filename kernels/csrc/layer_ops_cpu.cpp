@@ -123,7 +123,8 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 3 && w.dim() == 1 && w.size(0) == x.size(2), "rms_norm_bf16: x [A, B, D], w [D]");
   const int64_t a = x.size(0), b = x.size(1), d = x.size(2), sa = x.stride(0), sb = x.stride(1);
   at::Tensor out = at::empty({a, b, d}, x.options());
-  const uint16_t *xp = u16(x), *wp = u16(w.contiguous());
+  const at::Tensor wc = w.contiguous();  // held: a copy must outlive the pointer into it
+  const uint16_t *xp = u16(x), *wp = u16(wc);
   uint16_t* op = u16(out);
   const float feps = static_cast<float>(eps);
   const int64_t full = d / kLanes * kLanes;
