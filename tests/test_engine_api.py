@@ -66,3 +66,19 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
     assert alone.output_token_ids == batch.output_token_ids
     other_seed = engine.generate([{"prompt": "Pick words.", "params": SamplingParams(**{**params, "seed": 99})}])[0]
     assert other_seed.output_token_ids != alone.output_token_ids
+
+
+def test_stats_count_the_steps_their_time_and_tokens(engine) -> None:
+    """``/strata/stats`` splits a served token into the engine's step and the path around it from these."""
+    from strata.stages.engine_service import engine_stats
+
+    before = dict(engine_stats(engine)["step_totals"])
+    engine.add_request(prompt_token_ids=[5, 6, 7, 8, 9], params=greedy(3, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    after = engine_stats(engine)["step_totals"]
+    assert after["steps"] - before["steps"] == steps
+    assert after["seconds"] > before["seconds"]
+    assert after["tokens"] - before["tokens"] == 5 + 2  # the prompt's 5, then one for each later token
