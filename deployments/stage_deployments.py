@@ -23,6 +23,7 @@ from strata.deployments.tp_actors import RayWorkers, group_host
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import Request, pack_events
+from strata.pipeline.parallel.fault_points import stall_point
 from strata.stages.factory import build_decode_service, build_prefill_service
 from strata.stages.kv_transfer import KVPuller
 from strata.stages.pixel_budget import PixelBudget
@@ -60,12 +61,16 @@ class Preprocess:
         t0 = time.perf_counter()
         deadline = self.budget.deadline()  # from arrival: time queued for a worker thread counts too
         try:
-            return await asyncio.to_thread(self.preprocessor.process, data, deadline, mm_processor_kwargs)
+            return await asyncio.to_thread(self._process, data, deadline, mm_processor_kwargs)
         except ImageError as exc:
             return exc.with_traceback(None)  # its frames would keep the decoded pixels alive
         finally:
             self.pending -= 1
             metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "preprocess"})
+
+    def _process(self, data: bytes, deadline: float | None, mm_processor_kwargs: dict[str, Any] | None) -> PreprocessedImage:
+        stall_point("preprocess")
+        return self.preprocessor.process(data, deadline, mm_processor_kwargs)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         metrics.queue_depth().set(float(self.pending), tags={"stage": "preprocess"})
@@ -89,12 +94,16 @@ class Encode:
         t0 = time.perf_counter()
         try:
             async with self._lock:
-                return await asyncio.to_thread(self.encoder.encode, batch)
+                return await asyncio.to_thread(self._encode, batch)
         finally:
             self.pending -= len(batch)
             metrics.processing_time().observe(time.perf_counter() - t0, tags={"stage": "encode"})
             self.deltas.inc(metrics.encoder_cache(), float(self.encoder.cache_hits), {"result": "hit"})
             self.deltas.inc(metrics.encoder_cache(), float(self.encoder.cache_misses), {"result": "miss"})
+
+    def _encode(self, batch: list[PreprocessedImage]) -> list[np.ndarray]:
+        stall_point("encode")
+        return self.encoder.encode(batch)
 
     def stats(self) -> dict[str, int]:
         return {"cache_hits": self.encoder.cache_hits, "cache_misses": self.encoder.cache_misses}

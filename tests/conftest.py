@@ -262,17 +262,20 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def qwen_vl_server(tmp_path_factory: pytest.TempPathFactory):
-    """A real `strata serve` of a tiny Qwen2.5-VL (native-resolution images, aggregated, a 4K context), shared by
-    the Qwen2.5-VL and photo tests; ``server.model`` is its checkpoint."""
+    """A real `strata serve` of a tiny Qwen2.5-VL (native-resolution images, aggregated, a 34K context: the
+    head-of-line test sends a 32K-token prompt), shared by the Qwen2.5-VL, photo and head-of-line tests;
+    ``server.model`` is its checkpoint, ``server.faults`` its fault directory (stall points)."""
     from serve_process import ServeProcess
 
     from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
     model = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen-vl") / "qwen")
-    server = ServeProcess(model, tmp_path_factory.mktemp("qwen-vl-serve"),
-                          {"mode": "aggregated", "engine": {"max_model_len": 4096}},
-                          env={"STRATA_ALLOW_LONG_MAX_MODEL_LEN": "1"})
-    server.model = model
+    workdir = tmp_path_factory.mktemp("qwen-vl-serve")
+    faults = workdir / "faults"
+    faults.mkdir()
+    server = ServeProcess(model, workdir, {"mode": "aggregated", "engine": {"max_model_len": 34816, "num_kv_blocks": 3072}},
+                          env={"STRATA_ALLOW_LONG_MAX_MODEL_LEN": "1", "STRATA_FAULT_DIR": str(faults)})
+    server.model, server.faults = model, faults
     try:
         server.wait_ready()
         _RUNNING["qwen_vl_server"] = server

@@ -33,6 +33,7 @@ import torch
 
 from strata.kernels.token_bitmask import apply_token_bitmask
 from strata.pipeline.frontend.structured import grammar_for, llg_tokenizer, parser_limits, tokenizer_spec
+from strata.pipeline.parallel.fault_points import stall_point
 
 log = logging.getLogger(__name__)
 COMPILE_STACK_BYTES = 256 << 20  # far deeper than the sandbox's 8 MiB: what compiled there compiles here
@@ -130,6 +131,7 @@ class GrammarRunner:
     def _compile(self, spec: tuple[str, str]) -> Any:
         from llguidance import LLMatcher
 
+        stall_point("grammar_compile")
         matcher = LLMatcher(self._llg_tokenizer(), grammar_for(*spec), limits=parser_limits(), log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()  # the first mask compiles the lexer against the vocabulary

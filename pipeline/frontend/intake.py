@@ -19,6 +19,7 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import ImageEmbedding, Request
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.grammar_sandbox import GrammarSandbox, sandbox_for
+from strata.pipeline.parallel.fault_points import stall_point
 from strata.pipeline.frontend.structured import check_limits, tokenizer_spec
 from strata.pipeline.frontend.template_bounds import TemplateBoundError
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, EncodedPrompt, PromptTokenizer
@@ -61,6 +62,7 @@ class Intake:
             params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
         self.check_grammar(params)
+        stall_point("tokenize")
         encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
@@ -84,6 +86,7 @@ class Intake:
         calls this before it takes a tokenizing slot, so other requests are not held up behind it."""
         if params.structured is None:
             return
+        stall_point("grammar")
         check_limits(*params.structured)
         self._sandbox().check(*params.structured)
 

@@ -6,11 +6,17 @@ Ray actors of a served replica, where no test can monkeypatch. With ``STRATA_FAU
 ``<name>.rank<R>`` in that directory makes the next pass of rank R through point ``name`` raise
 :class:`InjectedFault`; the file holds how many times (default once) and is consumed. Unset (always,
 outside tests), a point costs one environment lookup.
+
+A stall point (:func:`stall_point`) makes work slow instead of failing: a file ``<name>.stall`` holding
+seconds makes the next pass through ``name`` sleep that long (consumed). Sleeping burns no core, so a test
+can tell where slow work runs (off a loop that must keep streaming, say) without the CPU contention that
+real slow work adds on a small host.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 ENV = "STRATA_FAULT_DIR"
 _rank = 0
@@ -55,3 +61,18 @@ def armed(name: str, rank: int | None = None) -> bool:
         except FileNotFoundError:
             pass
     return True
+
+
+def stall_point(name: str) -> None:
+    """Sleep for the seconds armed for point ``name``, once (see the module)."""
+    root = os.environ.get(ENV)
+    if not root:
+        return
+    path = os.path.join(root, f"{name}.stall")
+    try:
+        with open(path) as fh:
+            seconds = float(fh.read().strip() or 0)
+        os.unlink(path)
+    except (FileNotFoundError, ValueError, OSError):
+        return
+    time.sleep(max(0.0, seconds))
