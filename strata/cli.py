@@ -19,6 +19,7 @@ from strata.pipeline.contract.errors import RequestFailed
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.models.gguf_source import GGUFError
 from strata.pipeline.models.model_source import HUB_ID, ModelNotFound, resolve_model_dir
+from strata.offline import load_engine
 from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
 from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model
 
@@ -31,13 +32,6 @@ OPTIONAL_PACKAGES = {"matplotlib": "bench", "locust": "bench", "openai": "bench"
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2, no traceback."""
-
-
-def load_engine(model_dir: str | Path, config: EngineConfig | None = None) -> Any:
-    """Build the in-process engine: the four stages composed in this process."""
-    from strata.stages.factory import build_engine
-
-    return build_engine(model_dir, config)
 
 
 NATIVE_VLMS = ("kimi_k25", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision")
