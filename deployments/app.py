@@ -80,7 +80,7 @@ def deployment_options(config: ServeConfig, stage: str, access_log: bool = False
 def engine_for(config: ServeConfig, stage: str) -> dict[str, Any]:
     """The engine config of one stage's replicas. A replica that reserves CPUs (``num_cpus``) runs torch
     on that many threads, so replicas packed onto a node do not each run a full set; one that reserves
-    none (the default) runs on every core of its node (``EngineConfig.apply_threads``)."""
+    none (the default) runs on every core of its node (``kernels.threads.apply_threads``)."""
     engine = config.engine.to_dict()
     engine["tp"] = config.tp(stage)
     cpus = config.stages[stage].num_cpus

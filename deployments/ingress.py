@@ -278,7 +278,7 @@ class Ingress:
         try:
             req = await off_loop(request, parse_request, ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
-            params = req.sampling_params(default_max_tokens=1)
+            params = req.sampling_params()
             tools = req.tool_request() if chat else None
             reads_calls = tools is not None and tools.parses_calls
             if reads_calls:
@@ -289,11 +289,11 @@ class Ingress:
             await self._engine_ready()
             if chat:
                 messages, images = await off_loop(request, split_chat, req.messages, self.config.max_image_bytes)
-                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, images, messages=messages,
+                prepared = await self.flow.prepare(rid, params, images, messages=messages,
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
             else:
-                prepared = await self.flow.prepare(rid, params, req.max_tokens is None, [], raw_prompt=req.prompt_text())
+                prepared = await self.flow.prepare(rid, params, [], raw_prompt=req.prompt_text())
         except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)

@@ -142,13 +142,13 @@ class _SamplingFields(LenientModel):
     structured_outputs: dict[StrictStr, Any] | None = None
     skip_special_tokens: StrictBool = True  # vLLM extension
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """The request's sampling; ``max_tokens`` None when absent (intake gives it the room the context leaves)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if len(stop) > 16:
             raise APIError(400, "at most 16 stop strings are supported", param="stop")
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=max(0, self.top_k or 0),

@@ -56,7 +56,7 @@ class RequestFlow:
         self.traces = FlowTraces()
         self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
-    async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
+    async def prepare(self, request_id: str, params: SamplingParams, images: list[bytes],
                       mm_processor_kwargs: dict[str, Any] | None = None, **prompt: Any) -> Request:
         """Tokenize, check lengths, embed images: the request to run. User errors -> 400. The prompt's length
         is checked before any image is decoded: a native-resolution image's token count follows from its
@@ -70,8 +70,7 @@ class RequestFlow:
                 await asyncio.get_running_loop().run_in_executor(self._grammars, self.intake.check_grammar, params)
             async with self.tokenizing:
                 request, offsets = await asyncio.to_thread(
-                    self.intake.make_request, request_id, params, len(images), image_tokens=counts,
-                    max_tokens_default=default_max_tokens, **prompt)
+                    self.intake.make_request, request_id, params, len(images), image_tokens=counts, **prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from exc
         except ValueError as exc:

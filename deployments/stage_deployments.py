@@ -19,6 +19,7 @@ from ray import serve
 
 from strata.deployments import metrics
 from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
+from strata.kernels.threads import apply_threads
 from strata.deployments.tp_actors import RayWorkers, group_host
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
@@ -44,7 +45,7 @@ class Preprocess:
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         config = EngineConfig.from_dict(engine)
-        config.apply_threads()
+        apply_threads(config.num_threads, config.tp)
         self.budget = PixelBudget(config.image_pixels_in_flight, config.image_wait_timeout_s)
         self.preprocessor = image_preprocessor(model_dir, load_model_config(model_dir), max_pixels=config.max_image_pixels,
                                                pixel_budget=self.budget)
@@ -83,7 +84,7 @@ class Encode:
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
         config = EngineConfig.from_dict(engine)
-        config.apply_threads()
+        apply_threads(config.num_threads, config.tp)
         self.encoder = VisionEncoder(model_dir, config)
         self.pending = 0
         self.deltas = metrics.CounterDelta()

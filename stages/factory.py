@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from strata.kernels import get_attention_backend
+from strata.kernels.threads import apply_threads
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.compiled import compile_model
@@ -65,7 +66,7 @@ class LanguageStage:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, launcher: Launcher | None = None,
                  group_host: str = "127.0.0.1") -> None:
-        self._restore_threads = config.apply_threads()  # undone on close (an engine inside a test process)
+        self._restore_threads = apply_threads(config.num_threads, config.tp)  # undone on close (an engine inside a test process)
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         cfg = self.model_config

@@ -30,14 +30,13 @@ MODEL = "m"
 
 
 class FakeFlow:
-    """Records the params and the "no limit given" flag of each prepared request."""
+    """Records the params of each prepared request."""
 
     def __init__(self) -> None:
-        self.prepared: list[tuple[SamplingParams, bool]] = []
+        self.prepared: list[SamplingParams] = []
 
-    async def prepare(self, request_id: str, params: SamplingParams, default_max_tokens: bool, images: list[bytes],
-                      **prompt: Any) -> Request:
-        self.prepared.append((params, default_max_tokens))
+    async def prepare(self, request_id: str, params: SamplingParams, images: list[bytes], **prompt: Any) -> Request:
+        self.prepared.append(params)
         return Request(request_id, [1, 2, 3], params)
 
     async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
@@ -117,13 +116,13 @@ def test_completions_check_max_tokens_the_same_way(bad: Any) -> None:
 def test_the_limit_in_force(limits: dict[str, Any], expected: int) -> None:
     status, body, flow = _post(_chat(**limits))
     assert status == 200, body
-    (params, default_max_tokens), = flow.prepared
-    assert params.max_tokens == expected and not default_max_tokens
+    (params,) = flow.prepared
+    assert params.max_tokens == expected
     assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_no_limit_leaves_the_rest_of_the_context() -> None:
     status, _, flow = _post(_chat())
     assert status == 200
-    (_, default_max_tokens), = flow.prepared
-    assert default_max_tokens  # intake widens it to the room the prompt leaves
+    (params,) = flow.prepared
+    assert params.max_tokens is None  # intake widens it to the room the prompt leaves

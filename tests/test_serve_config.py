@@ -99,12 +99,12 @@ def test_a_replica_that_reserves_no_cpus_still_computes_on_every_core() -> None:
 
     script = (
         "import json, os, torch\n"
-        "from strata.pipeline.contract.config import EngineConfig\n"
+        "from strata.kernels.threads import apply_threads\n"
         "out = {'start': torch.get_num_threads()}\n"
-        "undo = EngineConfig().apply_threads(); out['auto'] = torch.get_num_threads(); undo()\n"
+        "undo = apply_threads(); out['auto'] = torch.get_num_threads(); undo()\n"
         "out['undone'] = [torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]\n"
-        "EngineConfig(tp=2).apply_threads(); out['tp2'] = [torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]\n"
-        "EngineConfig(num_threads=3).apply_threads(); out['reserved'] = torch.get_num_threads()\n"
+        "apply_threads(tp=2); out['tp2'] = [torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]\n"
+        "apply_threads(num_threads=3); out['reserved'] = torch.get_num_threads()\n"
         "print(json.dumps(out))\n"
     )
     proc = run_python("-c", script, env={"OMP_NUM_THREADS": "1"})

@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -169,29 +169,6 @@ class EngineConfig(ConfigModel):
             # every running sequence must be able to decode in one step
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         return self
-
-    def apply_threads(self) -> Callable[[], None]:
-        """Give torch this process's thread budget; returns what puts the previous one back.
-
-        ``num_threads``, or else the cores in this process's affinity mask divided among the tp ranks.
-        The budget is set explicitly either way: Ray gives a replica that reserves no CPUs
-        ``OMP_NUM_THREADS=1``, which would leave the model on one core of many. Processes this one
-        starts (tensor-parallel workers) inherit the same figure through the environment."""
-        import torch
-
-        before, env_before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-        threads = self.num_threads or max(1, len(os.sched_getaffinity(0)) // self.tp)
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-
-        def restore() -> None:
-            torch.set_num_threads(before)
-            if env_before is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_before
-
-        return restore
 
     @property
     def image_pixels_in_flight(self) -> int:

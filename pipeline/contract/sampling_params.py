@@ -18,7 +18,7 @@ MAX_LOGIT_BIAS = 1024  # OpenAI's limit is 300 entries; more only slows the step
 class SamplingParams:
     """How one request turns logits into tokens and when its generation ends."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the room the context leaves (OpenAI's default), fixed at intake
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> disabled
@@ -45,7 +45,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field, so API callers get an actionable message."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS:
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or not 1 <= self.max_tokens <= MAX_TOKENS):
             raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from strata.kernels import get_attention_backend
+from strata.kernels.threads import apply_threads
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
@@ -61,7 +62,7 @@ Launcher = Callable[[WorkerSpec], Workers]
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """Rank ``rank``'s whole life: join, load, serve commands until the driver says stop."""
     config = EngineConfig.from_dict(spec.config)
-    config.apply_threads()
+    apply_threads(config.num_threads, config.tp)
     set_fault_rank(rank)
     group = TPGroup.join(spec.address, rank, spec.size, config.device)
     try:

@@ -48,25 +48,22 @@ class Intake:
         messages: list[dict[str, Any]] | None = None,
         raw_prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
-        max_tokens_default: bool = False,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[Request, list[int]]:
         """Validate and tokenize exactly one of prompt / messages / raw_prompt / prompt_token_ids.
 
         ``tools`` (OpenAI function tools) are rendered by the chat template with ``messages``.
-        Returns the request (images not attached yet) and each image's placeholder offset. With
-        ``max_tokens_default`` the request may generate whatever room the context leaves (the
-        OpenAI default when ``max_tokens`` is absent).
+        Returns the request (images not attached yet) and each image's placeholder offset. A request
+        whose ``max_tokens`` is None may generate whatever room the context leaves (the OpenAI default
+        when ``max_tokens`` is absent): it is set here, where the prompt's length is known.
         """
-        if max_tokens_default:
-            params.max_tokens = 1  # validated as 1, then widened to the room left
         params.validate()
         self.check_grammar(params)
         stall_point("tokenize")
         encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
-        if max_tokens_default:
+        if params.max_tokens is None:
             params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
@@ -185,10 +182,11 @@ def check_length(config: EngineConfig, num_prompt: int, params: SamplingParams, 
     at native resolution may cost thousands)."""
     if num_prompt == 0:
         raise ValueError("prompt is empty after tokenization")
-    total = num_prompt + params.max_tokens
+    wanted = 1 if params.max_tokens is None else params.max_tokens  # None: at least one token of room
+    total = num_prompt + wanted
     if total > config.max_model_len:
         of_images = f", {image_tokens} of them for images" if image_tokens else ""
-        raise PromptTooLongError(f"prompt ({num_prompt} tokens{of_images}) + max_tokens ({params.max_tokens}) exceeds "
+        raise PromptTooLongError(f"prompt ({num_prompt} tokens{of_images}) + max_tokens ({wanted}) exceeds "
                                  f"max_model_len {config.max_model_len}")
     blocks = blocks_for_tokens(total, config.block_size)
     if config.has_lower_tiers and config.enable_prefix_caching:
