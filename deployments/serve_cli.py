@@ -191,7 +191,7 @@ def check_model_len(max_model_len: int, model_dir: str) -> None:
 
 
 # Ray Serve's throughput-optimized path (read by every Serve process when it imports Serve, so set before
-# Ray starts). Measured with `strata bench serve-overhead` (docs/architecture.md): the replica's own HTTP
+# Ray starts). Measured with `strata bench serve-overhead` (docs/measured.md): the replica's own HTTP
 # port takes the proxy hop out of every streamed token. Replica logs stay on the console.
 FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
 

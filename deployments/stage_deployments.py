@@ -117,8 +117,28 @@ class Encode:
         return {"pending_images": float(self.pending)}
 
 
+class LanguageReplica:
+    """What a Prefill and a Decode replica share: the service that steps their (maybe tensor-parallel) stage."""
+
+    service: Any
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.service.stats()
+
+    async def ready(self) -> bool:
+        return True
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose tensor-parallel worker died (its group cannot step any more)."""
+        if not self.service.healthy():
+            raise RuntimeError("a tensor-parallel worker of this replica died")
+
+    def __del__(self) -> None:
+        self.service.close()
+
+
 @serve.deployment(name="Prefill")
-class Prefill:
+class Prefill(LanguageReplica):
     """Chunked prefill with prefix reuse; returns the first token and a KVHandle."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
@@ -140,17 +160,6 @@ class Prefill:
             metrics.prefix_tokens().inc(float(handoff.num_cached_tokens), tags={"kind": "hit"})
         return pack_events([handoff.first]), handoff.to_msgpack()
 
-    async def stats(self) -> dict[str, Any]:
-        return await self.service.stats()
-
-    async def ready(self) -> bool:
-        return True
-
-    def check_health(self) -> None:
-        """Serve replaces a replica whose tensor-parallel worker died (its group cannot step any more)."""
-        if not self.service.healthy():
-            raise RuntimeError("a tensor-parallel worker of this replica died")
-
     async def record_autoscaling_stats(self) -> dict[str, float]:
         try:
             stats = await self.service.stats()
@@ -160,12 +169,9 @@ class Prefill:
         metrics.record_kv("prefill", stats, self.deltas)
         return {"queued_prompt_tokens": float(stats["queued_prompt_tokens"])}
 
-    def __del__(self) -> None:
-        self.service.close()
-
 
 @serve.deployment(name="Decode")
-class Decode:
+class Decode(LanguageReplica):
     """Continuous batching of every sequence admitted to this replica; streams token events."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any]) -> None:
@@ -180,17 +186,6 @@ class Decode:
         async for batch in self.service.generate(Handoff.from_msgpack(handoff)):
             yield pack_events(batch)
 
-    async def stats(self) -> dict[str, Any]:
-        return await self.service.stats()
-
-    async def ready(self) -> bool:
-        return True
-
-    def check_health(self) -> None:
-        """Serve replaces a replica whose tensor-parallel worker died (its group cannot step any more)."""
-        if not self.service.healthy():
-            raise RuntimeError("a tensor-parallel worker of this replica died")
-
     async def record_autoscaling_stats(self) -> dict[str, float]:
         try:
             stats = await self.service.stats()
@@ -201,6 +196,3 @@ class Decode:
         for result, count in stats["kv_transfer_blocks"].items():
             self.deltas.inc(metrics.kv_transfer_blocks(), float(count), {"result": result})
         return {"running_sequences": float(stats["running"]), "kv_occupancy": float(stats["kv_occupancy"])}
-
-    def __del__(self) -> None:
-        self.service.close()

@@ -131,7 +131,7 @@ def test_bench_structured_times_constrained_sampler_steps(tmp_path: Path, capsys
 
 @pytest.mark.unit
 def test_bench_vs_vllm_says_which_side_is_better_and_needs_a_vllm_python(tmp_path: Path, capsys) -> None:
-    """vLLM is not installed here, so the run itself is measured by hand (docs: Measured); what is checked is
+    """vLLM is not installed here, so the run itself is measured by hand (docs/measured.md); what is checked is
     the table's direction (throughput: Strata over vLLM; latencies: vLLM over Strata) and the refusal."""
     from strata.bench.vs_vllm import table
 
