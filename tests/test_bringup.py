@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from strata.cli import main
-from strata.tiny_model import ARCHITECTURES
+from strata.checkpoints.tiny_model import ARCHITECTURES
 
 
 def _strata(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

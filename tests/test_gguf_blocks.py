@@ -24,7 +24,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    from strata.gguf_checkpoint import GGUFUnavailable, smollm2_gguf
+    from strata.checkpoints.gguf_checkpoint import GGUFUnavailable, smollm2_gguf
 
     try:
         return smollm2_gguf()

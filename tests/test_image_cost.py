@@ -30,9 +30,9 @@ def _png(width: int, height: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from strata.tiny_kimi import build_tiny_kimi_k25
-    from strata.tiny_llava_onevision import build_tiny_llava_onevision
-    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+    from strata.checkpoints.tiny_kimi import build_tiny_kimi_k25
+    from strata.checkpoints.tiny_llava_onevision import build_tiny_llava_onevision
+    from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
     root = tmp_path_factory.mktemp("image-cost")
     return {"qwen2_5_vl": build_tiny_qwen2_5_vl(root / "qwen"), "kimi_k25": build_tiny_kimi_k25(root / "kimi"),

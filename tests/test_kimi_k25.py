@@ -21,7 +21,7 @@ from PIL import Image
 from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
 from strata.stages.native_preprocessor import NativeResolutionPreprocessor
-from strata.tiny_kimi import build_tiny_kimi_k25
+from strata.checkpoints.tiny_kimi import build_tiny_kimi_k25
 
 # (width, height) -> patch grid after the processor's resize (max side 224) and padding to 28 px:
 # tokens = rows * cols / 4

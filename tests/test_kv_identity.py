@@ -21,7 +21,7 @@ from helpers import build, greedy, run_strata
 from strata.kvstore import KVLayout
 from strata.pipeline.models import file_digest
 from strata.pipeline.models.model_identity import kv_fingerprint
-from strata.tiny_model import TinyModelSpec, build_tiny_model
+from strata.checkpoints.tiny_model import TinyModelSpec, build_tiny_model
 
 LAYOUT = KVLayout(2, 2, 16, 16, torch.float32)
 WORDS = ("harbour storm lantern keel gull tide rope sail anchor compass chart mast").split()

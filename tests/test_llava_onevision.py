@@ -24,7 +24,7 @@ from strata.pipeline.models.anyres import anyres_grid
 from strata.pipeline.models.model_config import load_model_config
 from strata.stages.anyres_preprocessor import AnyresPreprocessor
 from strata.stages.preprocessor import ImageError
-from strata.tiny_llava_onevision import build_tiny_llava_onevision
+from strata.checkpoints.tiny_llava_onevision import build_tiny_llava_onevision
 
 # (width, height): tiles of 56 px up to 3x3; a square of 224 px is 12x12 features, downsampled to 8x8
 SIZES = {"tiny-40": (40, 40), "wide-300x120": (300, 120), "tall-90x200": (90, 200), "large-224": (224, 224)}

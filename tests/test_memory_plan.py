@@ -21,7 +21,7 @@ from strata.planning.memory_plan import (
     parse_count,
     plan_memory,
 )
-from strata.tiny_model import ARCHITECTURES
+from strata.checkpoints.tiny_model import ARCHITECTURES
 
 GiB = 1 << 30
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from helpers import build, sequence_logits
-from strata.tiny_model import ARCHITECTURES
+from strata.checkpoints.tiny_model import ARCHITECTURES
 
 PROMPT = "Tell me a story about the sea and the stars."
 NEW_TOKENS = 24

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from helpers import build, greedy, prefill_logits
-from strata.tiny_model import ARCHITECTURES
+from strata.checkpoints.tiny_model import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("attention_backend")  # fast and reference backends
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 import strata
 from helpers import build, transformers_reference
-from strata.tiny_model import IMAGE
+from strata.checkpoints.tiny_model import IMAGE
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ def test_a_tp_split_that_cuts_a_block_is_refused_naming_the_tensor(quantized_mod
     rank would read a scale that half belongs to the other: refused before any rank starts, naming the tensor,
     by the engine and by `strata serve` alike."""
     from strata.pipeline.parallel.shard_plan import ShardingError
-    from strata.quantized_checkpoint import quantize_checkpoint
+    from strata.checkpoints.quantized_checkpoint import quantize_checkpoint
 
     dense = quantized_models["deepseek_v3-fp8"][0].parent / "deepseek_v3-fp8-dense"
     coarse = quantize_checkpoint(dense, tmp_path / "blocks32", "fp8-block", block=32)

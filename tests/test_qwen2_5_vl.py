@@ -26,7 +26,7 @@ from strata.pipeline.frontend.intake import PromptTooLongError
 from strata.pipeline.models.mrope import MRopeLayout
 from strata.stages.native_preprocessor import NativeResolutionPreprocessor
 from strata.stages.preprocessor import ImageError
-from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
 # (width, height); the processor resizes to multiples of 28 within [28*28, 224*224] pixels: a token per 28x28
 SIZES = {"square-64": (64, 64), "wide-300x120": (300, 120), "tall-90x200": (90, 200), "large-224": (224, 224)}

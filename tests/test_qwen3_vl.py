@@ -22,7 +22,7 @@ from PIL import Image
 
 from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
-from strata.tiny_qwen_vl import build_tiny_qwen3_vl
+from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen3_vl
 
 # (width, height); the processor resizes to multiples of 32 within [32*32, 256*256] pixels: a token per 32x32
 SIZES = {"square-64": (64, 64), "wide-300x120": (300, 120), "tall-90x200": (90, 200), "large-256": (256, 256)}

@@ -201,7 +201,7 @@ def test_every_stop_of_a_tool_call_parses_and_satisfies_its_schema(tmp_path) -> 
     from strata.pipeline.frontend.tools.calls import constrain
     from strata.pipeline.frontend.tools.formats import Hermes
     from strata.pipeline.frontend.tools.request import tool_request
-    from strata.tiny_text_models import build_tiny_text_model
+    from strata.checkpoints.tiny_text_models import build_tiny_text_model
 
     engine = build(build_tiny_text_model("qwen2", tmp_path / "hermes", tool_format="hermes"))
     fmt = Hermes(engine.tokenizer.tokenizer)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.tiny_model import (
+from strata.checkpoints.tiny_model import (
     ARCHITECTURES,
     TinyModelSpec,
     build_tiny_model,
@@ -156,3 +156,14 @@ def test_demo_image_is_deterministic(tmp_path: Path) -> None:
     with Image.open(a) as img:
         assert img.mode == "RGB" and img.size == (64, 64)
         assert len(img.getcolors(64 * 64)) > 10
+
+
+def test_the_catalog_names_each_tiny_architecture_once_and_refuses_others(tmp_path) -> None:
+    from strata.checkpoints.catalog import LLAVA_ARCHITECTURES, TINY_ARCHITECTURES, VLM_BUILDERS, build_tiny
+    from strata.checkpoints.tiny_text_models import TEXT_ARCHITECTURES
+
+    assert len(set(TINY_ARCHITECTURES)) == len(TINY_ARCHITECTURES)
+    assert set(TINY_ARCHITECTURES) == set(LLAVA_ARCHITECTURES) | set(TEXT_ARCHITECTURES) | set(VLM_BUILDERS)
+    with pytest.raises(ValueError, match="unknown tiny architecture 'llava-gpt2'; known: llava-llama, "):
+        build_tiny("llava-gpt2", tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -19,8 +19,8 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.frontend.tools.calls import ToolCallDeltas, constrain, tool_calls_message
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS, detect_tool_format, tool_format_for
 from strata.pipeline.frontend.tools.request import tool_request
-from strata.tiny_text_models import build_tiny_text_model
-from strata.tiny_tool_templates import TOOL_TEMPLATES
+from strata.checkpoints.tiny_text_models import build_tiny_text_model
+from strata.checkpoints.tiny_tool_templates import TOOL_TEMPLATES
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"],
            "additionalProperties": False}

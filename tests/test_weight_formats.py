@@ -191,7 +191,7 @@ def test_every_format_reads_what_compressed_tensors_writes(fmt: str) -> None:
     """A weight encoded by compressed-tensors (the library vLLM and llm-compressor use), read by the format the
     config names: Strata's dequantization equals the library's decompression bit for bit, and the decode
     kernel's product equals the tiled reference (blocks of 16 over 40 x 96: a partial last row block)."""
-    from strata.quantized_checkpoint import decompress, encode, recipe
+    from strata.checkpoints.quantized_checkpoint import decompress, encode, recipe
 
     g = torch.Generator().manual_seed(11)
     dense = {"layer.proj.weight": torch.randn(40, 96, generator=g) * 0.05}

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.pipeline.contract.config import EngineConfig
     from strata.pipeline.contract.sampling_params import SamplingParams
     from strata.stages.factory import build_engine
-    from strata.tiny_model import ensure_demo_model
+    from strata.checkpoints.tiny_model import ensure_demo_model
 
     model = args.model or ensure_demo_model()
     engine = build_engine(model, EngineConfig(max_model_len=16384))

@@ -130,7 +130,7 @@ def _run(side: Any, prompts: list[list[int]], args: argparse.Namespace, tag: str
 
 def run(args: argparse.Namespace) -> int:
     if args.model == "smollm2":
-        from strata.gguf_checkpoint import ensure_smollm2
+        from strata.checkpoints.gguf_checkpoint import ensure_smollm2
 
         model = ensure_smollm2()
         if args.weights is not None:

@@ -27,7 +27,7 @@ import torch
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.stages.factory import build_engine
-from strata.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
+from strata.checkpoints.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
 
 SIZES = {
     "tiny": TinyModelSpec(),

@@ -1,7 +1,7 @@
 """`strata bench quant`: one model in every weight format, side by side in one run.
 
 The model is the real SmolLM2-135M-Instruct (or ``--model DIR``), loaded as it is (fp32 and bf16) and as
-copies quantized by compressed-tensors in the release formats (``strata.quantized_checkpoint``): FP8 with
+copies quantized by compressed-tensors in the release formats (``strata.checkpoints.quantized_checkpoint``): FP8 with
 128x128 blocks (DeepSeek's layout; 576 columns leave a partial block), INT4 groups of 32 (Kimi's) and
 MXFP4; and the GGUF SmolLM2 ships as, read with its Q4_1 blocks (and Q8_0 embeddings, the tied LM head)
 kept: the fp32 model is that file dequantized, so this row computes the same weights. Quantized linears
@@ -29,7 +29,7 @@ from strata.bench.offline import _interleaved, random_prompts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.stages.factory import build_engine
-from strata.tiny_model import default_cache_dir
+from strata.checkpoints.tiny_model import default_cache_dir
 
 TEXT = (
     "The lighthouse stood at the end of the harbour wall, and every evening the keeper climbed its hundred and "
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _dense_model(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return args.model
-    from strata.gguf_checkpoint import ensure_smollm2
+    from strata.checkpoints.gguf_checkpoint import ensure_smollm2
 
     return ensure_smollm2()
 
@@ -70,7 +70,7 @@ def quantized_copy(dense: Path, fmt: str) -> Path:
     import compressed_tensors
 
     from strata.pipeline.models.model_identity import weights_content_digest
-    from strata.quantized_checkpoint import quantize_checkpoint
+    from strata.checkpoints.quantized_checkpoint import quantize_checkpoint
 
     key = f"{weights_content_digest(dense)[:16]}-{FORMATS[fmt]}-ct{compressed_tensors.__version__}"
     out = default_cache_dir() / "bench" / "quantized" / key
@@ -97,7 +97,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def _copy(dense: Path, fmt: str) -> Path:
     if fmt == "gguf":  # the file the dense model was dequantized from, read with its blocks kept
-        from strata.gguf_checkpoint import smollm2_gguf
+        from strata.checkpoints.gguf_checkpoint import smollm2_gguf
         from strata.pipeline.models.gguf_source import gguf_checkpoint
 
         return gguf_checkpoint(smollm2_gguf(), default_cache_dir())

@@ -337,7 +337,7 @@ def _load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.tiny_model import ensure_demo_model
+    from strata.checkpoints.tiny_model import ensure_demo_model
 
     model = args.model or ensure_demo_model()
     results: dict[str, Any] = {"levels": []}

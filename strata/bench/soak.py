@@ -146,7 +146,7 @@ def _idle_state(kv: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from strata.local_server import LocalServer
-    from strata.tiny_model import ensure_demo_model
+    from strata.checkpoints.tiny_model import ensure_demo_model
 
     if args.url and not args.dashboard_url:
         raise ValueError("--url needs --dashboard-url (the replicas' RSS is read through the Ray dashboard)")

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.pipeline.contract.config import EngineConfig
 
     if args.model is None:
-        from strata.gguf_checkpoint import ensure_smollm2
+        from strata.checkpoints.gguf_checkpoint import ensure_smollm2
 
         args.model = ensure_smollm2()
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,

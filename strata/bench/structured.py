@@ -51,11 +51,11 @@ def _tokenizer() -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     try:
-        from strata.gguf_checkpoint import ensure_smollm2
+        from strata.checkpoints.gguf_checkpoint import ensure_smollm2
 
         path, name = ensure_smollm2(), "SmolLM2-135M-Instruct"
     except Exception:  # no real weights here: the demo model's tokenizer
-        from strata.tiny_model import ensure_demo_model
+        from strata.checkpoints.tiny_model import ensure_demo_model
 
         path, name = ensure_demo_model(), "the demo model"
     return AutoTokenizer.from_pretrained(path), name

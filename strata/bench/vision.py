@@ -28,7 +28,7 @@ import numpy as np
 
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
-from strata.tiny_model import default_cache_dir
+from strata.checkpoints.tiny_model import default_cache_dir
 
 # A small Qwen2.5-VL: a 12-block ViT of width 256 (windows of 112 px, full attention every 4th block) over a
 # 4-layer decoder of width 512; images up to 1792 x 1792 px = 4096 tokens.
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_model_dir(size: str = "small") -> Path:
-    from strata.tiny_qwen_vl import build_tiny_qwen2_5_vl
+    from strata.checkpoints.tiny_qwen_vl import build_tiny_qwen2_5_vl
 
     path = default_cache_dir() / "bench" / f"{size}-qwen2.5-vl"
     if not (path / "config.json").is_file():

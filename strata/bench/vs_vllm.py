@@ -112,7 +112,7 @@ def table(results: dict[str, dict[int, dict[str, Any]]], concurrency: list[int])
 
 
 def _smollm2() -> Path:
-    from strata.gguf_checkpoint import ensure_smollm2
+    from strata.checkpoints.gguf_checkpoint import ensure_smollm2
 
     return ensure_smollm2()
 

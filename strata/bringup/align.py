@@ -266,7 +266,7 @@ def _input(args: argparse.Namespace, takes_images: bool = True) -> AlignInput:
         else:
             import tempfile
 
-            from strata.tiny_model import make_demo_image
+            from strata.checkpoints.tiny_model import make_demo_image
 
             with tempfile.TemporaryDirectory() as tmp:
                 image = make_demo_image(Path(tmp) / "demo.png", 64).read_bytes()

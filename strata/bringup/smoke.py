@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.pipeline.contract.config import EngineConfig
     from strata.pipeline.contract.sampling_params import SamplingParams
     from strata.stages.factory import build_engine
-    from strata.tiny_model import ensure_demo_model, make_demo_image
+    from strata.checkpoints.tiny_model import ensure_demo_model, make_demo_image
 
     model = args.model or ensure_demo_model()
     work = Path(tempfile.mkdtemp(prefix="strata-smoke-"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from strata.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
-from strata.tiny_text_models import make_text_config, save_tiny_vlm
+from strata.checkpoints.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
+from strata.checkpoints.tiny_text_models import make_text_config, save_tiny_vlm
 
 TILE = 56
 PINPOINTS = [[TILE * a, TILE * b] for a in (1, 2, 3) for b in (1, 2, 3)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from strata.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
-from strata.tiny_text_models import make_text_config, save_tiny_vlm
+from strata.checkpoints.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
+from strata.checkpoints.tiny_text_models import make_text_config, save_tiny_vlm
 
 QWEN2_5_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=14, temporal_patch_size=2,
                       spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1], hidden_act="silu",
@@ -65,7 +65,7 @@ def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0, moe: bool = False, m
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    from strata.tiny_model import BOS, EOS, PAD, SPECIAL_TOKENS
+    from strata.checkpoints.tiny_model import BOS, EOS, PAD, SPECIAL_TOKENS
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from strata.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
+from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 
@@ -104,7 +104,7 @@ def build_tiny_text_model(arch: str, out_dir: str | Path, seed: int = 0, overrid
     tok = train_tokenizer(512, 4096)
     tok.chat_template = TEXT_CHAT_TEMPLATE
     if tool_format is not None:
-        from strata.tiny_tool_templates import add_tool_template
+        from strata.checkpoints.tiny_tool_templates import add_tool_template
 
         add_tool_template(tok, tool_format)
     config = make_text_config(arch, len(tok), overrides)

