@@ -290,7 +290,7 @@ class TieredKVCache:
         resident_full = table.num_full_blocks() - table.num_spilled
         tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
         handle = KVHandle(  # block_hashes: the published blocks (all full ones when prefix caching is on)
-            fingerprint=self.fingerprint, layout=self.layout, num_tokens=table.num_tokens,
+            fingerprint=self.fingerprint, num_tokens=table.num_tokens,
             block_hashes=list(table.hashes), block_ids=list(table.block_ids[:resident_full]),
             pool_id=self.pool.pool_id, tail_block=tail, num_spilled=table.num_spilled,
         )

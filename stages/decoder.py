@@ -21,10 +21,12 @@ class Decoder:
         # recompute (a block missing from the host tier, no room, or no shipped tail).
         self.handoff_tokens = {"adopted": 0, "recomputed": 0}
 
-    def admit(self, seq: Sequence, kv_handle: bytes, tail_kv: bytes = b"") -> None:
+    def admit(self, seq: Sequence, kv_handle: KVHandle | None, tail_kv: bytes = b"") -> None:
         """Rebuild the sequence's block table from its handle and join the running batch. ``tail_kv``
         is the partial last block a prefill on another pool shipped along."""
-        handle = KVHandle.from_bytes(kv_handle, expected_fingerprint=self.kv.fingerprint)
+        if kv_handle is None:
+            raise HandleError("the hand-off carries no KV handle (its request finished at prefill)")
+        handle = kv_handle.check(self.kv.fingerprint)
         if handle.num_tokens != seq.num_tokens - 1:
             raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
         table = self.kv.adopt(handle)

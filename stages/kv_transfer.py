@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from typing import Awaitable, Callable, Sequence
 
-from strata.kvstore import KVHandle, TieredKVCache
+from strata.kvstore import TieredKVCache
 from strata.pipeline.contract.handoff import Handoff
 
 log = logging.getLogger("strata.kv_transfer")
@@ -36,7 +36,9 @@ class KVPuller:
 
     async def pull(self, handoff: Handoff) -> int:
         """Bring the hand-off's missing full blocks here; returns how many were stored."""
-        handle = KVHandle.from_bytes(handoff.kv_handle, expected_fingerprint=self.kv.fingerprint)
+        if handoff.kv_handle is None:  # the request finished at prefill: nothing to bring
+            return 0
+        handle = handoff.kv_handle.check(self.kv.fingerprint)
         full = handle.block_hashes[: handle.num_tokens // self.kv.layout.block_size]
         missing = await self._on_loop(lambda: self.kv.lower.missing(full))
         if not missing:

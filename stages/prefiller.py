@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from strata.kvstore import KVHandle
 from strata.pipeline.contract.request import TokenEvent
 from strata.pipeline.core.engine_core import EngineCore
 from strata.pipeline.core.sequence import Sequence
@@ -19,7 +20,7 @@ class PrefillResult:
 
     seq: Sequence
     event: TokenEvent
-    kv_handle: bytes | None  # msgpack KVHandle; None when the first token already finished the request
+    kv_handle: KVHandle | None  # None when the first token already finished the request
     tail_kv: bytes = b""  # the partial last block, shipped when the decoder is on another pool
 
 
@@ -50,7 +51,7 @@ class Prefiller:
             handle = self.kv.make_handle(seq.block_table, release=self.release_on_handoff)
             log.debug("prefill %s: done, %d tokens (%d cached), handing off", seq.request_id, seq.num_tokens,
                       seq.num_cached_tokens)
-            results.append(PrefillResult(seq, event, handle.to_bytes(), tail))
+            results.append(PrefillResult(seq, event, handle, tail))
         return results
 
     def abort(self, seq: Sequence) -> None:

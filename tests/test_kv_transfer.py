@@ -12,7 +12,7 @@ from typing import Sequence
 import pytest
 
 from helpers import build, greedy
-from strata.kvstore import KVHandle, LowerTiers
+from strata.kvstore import LowerTiers
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
 from strata.stages.factory import build_decode_service, build_prefill_service
@@ -111,7 +111,7 @@ def test_verify_blob_refuses_damage(llama_dir: Path, tmp_path: Path, damage: str
         engine = build(llama_dir)
         request = engine.intake.make_request("r", greedy(5), prompt=PROMPT)[0]
         handoff = asyncio.run(prefill.prefill(request))
-        h = KVHandle.from_bytes(handoff.kv_handle).block_hashes[0]
+        h = handoff.kv_handle.block_hashes[0]
         blob = kv.lower.read_encoded_many([h])[0]
         verify_blob(blob, h, kv.fingerprint, kv.layout)  # intact: accepted
         with pytest.raises(BlockFileError):

@@ -109,8 +109,9 @@ def test_the_handoff_round_trip_keeps_decoding_state() -> None:
     seq.text, seq.emitted_text_len = "ab", 1
     torch.rand(3, generator=seq.generator)  # advance the generator
     first = TokenEvent("w", 42, "ab", None, 0)
-    back = Handoff.from_msgpack(seq.to_handoff(first, b"kv").to_msgpack())
-    assert back.first == first and back.kv_handle == b"kv"
+    handle = KVHandle(b"fp" * 8, 4, [], [3], "pool", tail_block=3)
+    back = Handoff.from_msgpack(seq.to_handoff(first, handle).to_msgpack())
+    assert back.first == first and back.kv_handle == handle
     again = Sequence.from_handoff(back, 16)
     assert again.token_ids == seq.token_ids and again.num_prompt_tokens == 4 and again.output_token_ids == [42]
     assert again.params == seq.params and again.text == "ab" and again.emitted_text_len == 1
@@ -142,7 +143,7 @@ def test_the_arrival_time_travels_so_decode_keeps_the_request_deadline() -> None
     assert req.arrival_time == arrived
     seq = Sequence.from_request(req, 16)
     seq.token_ids.append(7)
-    decode_side = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("r", 7), b"kv").to_msgpack()), 16)
+    decode_side = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("r", 7), None).to_msgpack()), 16)
     assert decode_side.arrival_time == arrived
     assert 499 < time.monotonic() - decode_side.arrival < 510
 
@@ -158,8 +159,13 @@ def test_an_old_message_version_is_refused_with_a_clear_error() -> None:
     with pytest.raises(WireError, match=r"expected a request message version 2, got \('request', 1\)"):
         Request.from_msgpack(old_request)
     old_handoff = msgpack.packb({"kind": "handoff", "v": 1, "id": "r", "tokens": [1, 2]})
-    with pytest.raises(WireError, match=r"expected a handoff message version 2, got \('handoff', 1\)"):
+    with pytest.raises(WireError, match=r"expected a handoff message version 3, got \('handoff', 1\)"):
         Handoff.from_msgpack(old_handoff)
+    state = Sequence("r", [1, 2], SamplingParams(), 16).to_handoff(TokenEvent("r", 2), None)
+    v2 = msgpack.unpackb(state.to_msgpack())
+    v2.update(v=2, kv_handle=b"a hand-packed handle")  # the previous release's hand-off: the handle as bytes
+    with pytest.raises(WireError, match=r"expected a handoff message version 3, got \('handoff', 2\)"):
+        Handoff.from_msgpack(msgpack.packb(v2))
     newer = Request("r", [1], SamplingParams()).to_msgpack().replace(b"\xa1v\x02", b"\xa1v\x03")
     with pytest.raises(WireError, match=r"version 2, got \('request', 3\)"):
         Request.from_msgpack(newer)
@@ -184,7 +190,7 @@ def test_every_field_of_the_sequence_state_reaches_decode() -> None:
     seq.detokenizer.prefix_offset, seq.detokenizer.read_offset = 1, 2
     seq.arrived_at(time.time() - 30)
     sent = seq.state()
-    got = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("req-7", 41), b"kv").to_msgpack()), 16)
+    got = Sequence.from_handoff(Handoff.from_msgpack(seq.to_handoff(TokenEvent("req-7", 41), None).to_msgpack()), 16)
     received = got.state()
     for name in SequenceState.__struct_fields__:
         a, b = getattr(sent, name), getattr(received, name)
@@ -209,7 +215,7 @@ def test_a_block_missing_from_the_host_tier_is_recomputed_by_decode(services, ll
 
     async def main() -> tuple[list[int], dict]:
         handoff = await prefill.prefill(_request(engine, "lost-block", prompt, greedy(8)))
-        handle = KVHandle.from_bytes(handoff.kv_handle)
+        handle = handoff.kv_handle
         tier = prefill.prefiller.kv.lower.top
         tier.remove(handle.block_hashes[1])  # gone from the host tier before decode adopts it
         before = (await decode.stats())["handoff_tokens"]

@@ -6,8 +6,9 @@ reproducible), the detokenizer offsets and emitted text (no repeated or lost cha
 embeddings (a recompute after preemption needs them), the prefix-cache figure and the arrival time
 (the deadline keeps counting). It is declared once: ``core.sequence`` copies a ``Sequence`` into it
 and back field by field, by name, so a field added here reaches decode with no other change than
-the ``Sequence`` attribute of the same name. KV is not in here: ``kv_handle`` (a msgpack
-:class:`~kvstore.KVHandle`) names it in the KV store, and ``tail_kv`` carries the partial last block.
+the ``Sequence`` attribute of the same name. KV is not in here: ``kv_handle`` (a
+:class:`~kvstore.KVHandle`, declared in the KV store and encoded with the rest) names it there, and
+``tail_kv`` carries the partial last block.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
+from strata.kvstore.handle import KVHandle
 from strata.pipeline.contract.request import ImageEmbedding, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.contract.wire import decode, encode
@@ -41,14 +43,14 @@ class SequenceState(msgspec.Struct):
 class Handoff(msgspec.Struct, tag_field="kind", tag="handoff"):
     """One prefilled request, ready for a decode stage to continue."""
 
-    VERSION: ClassVar[int] = 2  # v2: declared state (arrival time included)
+    VERSION: ClassVar[int] = 3  # v3: the KV handle declared, not bytes within bytes; v2: declared state
 
     state: SequenceState
     first: TokenEvent  # prefill's token event (its token is the last of state.token_ids)
-    kv_handle: bytes
+    kv_handle: KVHandle | None = None  # None: the first token already finished the request
     tail_kv: bytes = b""  # the partial last block's KV (every layer), so decode does not recompute it
     source: str = ""  # the node whose host tier holds the full blocks ("": this node's)
-    v: Literal[2] = 2
+    v: Literal[3] = 3
 
     @property
     def request_id(self) -> str:

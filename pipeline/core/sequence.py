@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from strata.kvstore import BlockTable, ImageSpan, hash_chain
+from strata.kvstore import BlockTable, ImageSpan, KVHandle, hash_chain
 from strata.pipeline.contract.handoff import Handoff, SequenceState
 from strata.pipeline.contract.request import ImageEmbedding, Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
@@ -112,7 +112,7 @@ class Sequence:
                 setattr(seq, name, list(value) if isinstance(value, list) else value)
         return seq
 
-    def to_handoff(self, first: TokenEvent, kv_handle: bytes, tail_kv: bytes = b"") -> Handoff:
+    def to_handoff(self, first: TokenEvent, kv_handle: KVHandle | None, tail_kv: bytes = b"") -> Handoff:
         """What decode needs to continue exactly where this (prefilled) sequence stands."""
         return Handoff(self.state(), first, kv_handle, tail_kv)
 
