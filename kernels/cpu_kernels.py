@@ -42,7 +42,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention_cpu.cpp", "small_linear_cpu.cpp", "amx_linear_cpu.cpp", "quant_linear_cpu.cpp", "token_bitmask_cpu.cpp",
+                for name in ("paged_attention_cpu.cpp", "small_linear_cpu.cpp", "amx_linear_cpu.cpp", "quant_linear_cpu.cpp", "dequant_gemm_cpu.cpp",
+                          "token_bitmask_cpu.cpp",
                           "layer_ops_cpu.cpp",
                           "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -1,14 +1,18 @@
 """``x @ W^T`` for a weight kept quantized, never expanded whole.
 
-* A few rows on the CPU (decode): ``csrc/quant_linear_cpu.cpp`` streams the codes and widens them in
+* Up to 8 rows on the CPU (decode): ``csrc/quant_linear_cpu.cpp`` streams the codes and widens them in
   registers (FP8 blocks, INT4 groups, MXFP4, GGUF's q4_0/q4_1/q8_0 blocks), so a step reads one byte a
   weight, or half of one, not four.
+* 9 to ``GEMM_ROWS`` rows on the CPU (bigger decode batches, speculative verification, short chunks): the
+  same entry points run ``csrc/dequant_gemm_cpu.cpp``, a GEMM whose packing step is the dequantization:
+  a few rows of W at a time are widened into a buffer that stays in cache and multiplied by every row of
+  x there, so a weight is widened once a call and nothing dequantized reaches memory.
 * On CUDA: one Triton kernel widens the codes inside the product (``quant_linear_triton``).
-* Otherwise (prefill, big decode batches, other devices): each tile of rows (a few MB of the compute
-  dtype) is dequantized from the stored codes and multiplied at once, so memory holds the quantized
-  model plus one tile, whatever the model's size. On the CPU the tile comes from the same C++ file in
-  one pass (``*_dequant``), bit for bit the tile :meth:`QuantWeight.tile` computes with torch ops; that
-  torch path, :func:`tiled_linear` with ``kernels=False``, is the reference everything is tested against.
+* Otherwise (prefill, other devices): each tile of rows (a few MB of the compute dtype) is dequantized
+  from the stored codes and multiplied by torch's GEMM, so memory holds the quantized model plus one
+  tile, whatever the model's size. On the CPU the tile comes from the same C++ file in one pass
+  (``*_dequant``), bit for bit the tile :meth:`QuantWeight.tile` computes with torch ops; that torch
+  path, :func:`tiled_linear` with ``kernels=False``, is the reference everything is tested against.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from strata.kernels.quant_linear_triton import supports, triton_importable, trit
 from strata.kernels.quant_weight import GGML_KINDS, FP8BlockWeight, GGMLBlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight
 
 TILE_ELEMENTS = 1 << 20  # weights dequantized per tile: 4 MB in fp32, L2/L3-sized
-STREAM_ROWS = 8  # most rows of x the streaming kernels take
+GEMM_ROWS = 128  # most rows the C++ GEMM takes: past it torch's GEMM on dequantized tiles is as fast or faster
 _NONE = torch.empty(0)
 
 
@@ -75,8 +79,9 @@ def dequantize_rows(weight: QuantWeight, r0: int, r1: int, dtype: torch.dtype, k
 
 
 def _stream(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The streaming kernel's answer when one applies (None: use the tiles)."""
-    if not 0 < x.shape[0] <= STREAM_ROWS or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
+    """The C++ kernels' answer (streaming up to 8 rows, the GEMM past them up to ``GEMM_ROWS``) when
+    one applies (None: use the tiles)."""
+    if not 0 < x.shape[0] <= GEMM_ROWS or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     kernels = cpu_kernels()
     if kernels is None:

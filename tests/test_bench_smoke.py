@@ -30,6 +30,17 @@ def test_bench_offline_compares_engine_and_transformers(tmp_path: Path, capsys) 
 
 
 @pytest.mark.unit
+def test_bench_quant_linear_times_each_path_of_each_format(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "quant-linear", "--shape", "96", "64", "--rows", "1", "20", "200",
+                             "--calls", "1")
+    assert result["shape"] == [96, 64]
+    cells = {(r["rows"], r["format"]) for r in result["results"]}
+    assert cells == {(m, f) for m in (1, 20, 200) for f in ("fp8", "int4", "mxfp4")}
+    assert all(r["engine_ms"] > 0 and r["tiles_ms"] > 0 and r["fp32_ms"] > 0 for r in result["results"])
+    assert "engine path (streamed <= 8 rows, GEMM <= 128, tiles past) / tile path / fp32 F.linear" in printed
+
+
+@pytest.mark.unit
 def test_bench_kv_measures_every_tier_and_decode_vs_context(tmp_path: Path, capsys) -> None:
     result, printed = _bench(tmp_path, capsys, "kv", "--parts", "ttft", "decode", "--model", "tiny",
                              "--prompt-len", "64", "--repeats", "1", "--contexts", "256", "512",

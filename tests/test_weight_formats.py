@@ -94,10 +94,12 @@ def test_gguf_blocks_dequantize_as_gguf_py_does(kind: str) -> None:
     assert torch.equal(dequantize_rows(w, 3, 21, torch.float32), exact[3:21])  # the C++ tile a prefill multiplies by
 
 
-@pytest.mark.parametrize("rows_of_x", [1, 3, 8])
-def test_the_streaming_kernels_equal_the_tiled_reference(rows_of_x: int) -> None:
-    """The decode kernels (a few rows of x, codes widened in registers, x in their lanes' order, scales
-    applied once a block or group) against the torch reference, for every layout they tell apart."""
+@pytest.mark.parametrize("rows_of_x", [1, 3, 8, 9, 40, 70, 128])
+def test_the_cpu_kernels_equal_the_tiled_reference(rows_of_x: int) -> None:
+    """The decode kernels against the torch reference, for every layout they tell apart: up to 8 rows
+    streamed (codes widened in registers, x in their lanes' order, scales applied once a block or group),
+    past that the GEMM that dequantizes a few rows of W at a time into cache (one vector of x^T a pass up
+    to 16 rows, two past it, and a last pass of fewer rows than its width)."""
     assert cpu_kernels() is not None, "the CPU kernels must build here"
     for w in streamed_weights():
         x, bias = torch.randn(rows_of_x, w.cols), torch.randn(w.rows)
@@ -111,14 +113,17 @@ def test_the_streaming_kernels_equal_the_tiled_reference(rows_of_x: int) -> None
 
 def test_a_row_streams_the_same_alone_or_in_a_batch() -> None:
     """Batch invariance: a row of x gives the same bits alone as among up to eight rows (a draft verified with
-    its row, a request decoded with others), and activations too large to carry the FP8 kernel's 2^100
-    still compute right."""
+    its row, a request decoded with others), and among 9 rows as among 70 in the GEMM; activations too
+    large to carry the FP8 kernel's 2^100 still compute right."""
     for w in streamed_weights():
         x = torch.randn(8, w.cols)
         together = quant_linear(x, w)
         for r in (0, 3, 7):
             assert torch.equal(quant_linear(x[r:r + 1], w)[0], together[r]), (type(w).__name__, w.shape, r)
         assert torch.equal(quant_linear(x[2:5], w), together[2:5])
+    for w in streamed_weights():  # the GEMM's rows: the same bits among 9 rows as among 70
+        x = torch.randn(70, w.cols)
+        assert torch.equal(quant_linear(x[:9], w), quant_linear(x, w)[:9]), (type(w).__name__, w.shape)
     w = streamed_weights()[0]
     big = torch.randn(2, w.cols) * 1e8
     scale_of_sum = (big.abs() @ w.dequantize().abs().T).max().item()

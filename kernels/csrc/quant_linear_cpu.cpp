@@ -40,6 +40,10 @@
 #include <immintrin.h>
 #endif
 
+// The GEMM for more rows than the streaming kernels take (dequant_gemm_cpu.cpp): W by one row function.
+using DequantRow = void (*)(const void* args, int64_t row, float* out);
+at::Tensor dequant_gemm(const at::Tensor& x, int64_t n, const float* bias, DequantRow row_fn, const void* args);
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -542,7 +546,7 @@ __attribute__((noinline)) void ggml_row(const GgmlArgs& a, int64_t row, int64_t 
 
 void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "the streaming kernels take 1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1, "x needs at least one row");
 }
 
 const float* bias_of(const at::Tensor& bias, int64_t n) {
@@ -600,6 +604,113 @@ at::Tensor dispatch_int4(int kind, bool bf16, bool zero, Body body) {
   return with_int4_kind<kAnyGroups>(bf16, zero, body);
 }
 
+// ---- one row of W as fp32, per format: what the C++ GEMM (dequant_gemm_cpu.cpp) and the tiles multiply by ----
+
+struct Fp8Rows {
+  const uint8_t* codes;
+  const float* scale;
+  int64_t scale_cols;
+  const int64_t* row_block;  // each row's scale row, or null (row / block_rows)
+  int64_t block_rows, block_cols, k;
+};
+
+// each block's codes times 2^-120, times its scale with the 2^120 folded in: the exact value, rounded once
+void fp8_dequant_row(const void* p, int64_t row, float* o) {
+  const Fp8Rows& a = *static_cast<const Fp8Rows*>(p);
+  const int64_t srow = a.row_block != nullptr ? a.row_block[row] : row / a.block_rows;
+  const uint8_t* w = a.codes + row * a.k;
+  for (int64_t c0 = 0, j = 0; c0 < a.k; c0 += a.block_cols, ++j) {
+    const int64_t c1 = std::min(a.k, c0 + a.block_cols);
+    const Folded s(a.scale[srow * a.scale_cols + j], kTwoPow120);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) *reinterpret_cast<v8u*>(o + i) = s.apply(fp8x8(w + i));
+    for (; i < c1; ++i) o[i] = s.apply(fp8_one(w[i]));
+  }
+}
+
+struct Int4Rows {
+  const int32_t* words;
+  int64_t row_words;
+  const void* scale;
+  bool bf16;
+  const int8_t* zero;  // null: symmetric
+  int64_t group, groups, k;
+};
+
+// (q - 8 - zero) * scale, a group at a time
+void int4_dequant_row(const void* p, int64_t row, float* o) {
+  const Int4Rows& a = *static_cast<const Int4Rows*>(p);
+  const int32_t* w = a.words + row * a.row_words;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t c0 = g * a.group, c1 = std::min(a.k, c0 + a.group);
+    const float s1 = scale_at(a.bf16, a.scale, row * a.groups + g);
+    const float off1 = 8.f + (a.zero != nullptr ? static_cast<float>(a.zero[row * a.groups + g]) : 0.f);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {
+      const v8 q = __builtin_convertvector(reinterpret_cast<i32x8>(nibbles(w[i / 8])), v8);
+      *reinterpret_cast<v8u*>(o + i) = (q - splat(off1)) * splat(s1);
+    }
+    for (; i < c1; ++i) o[i] = (static_cast<float>((static_cast<uint32_t>(w[i / 8]) >> (4 * (i % 8))) & 0xF) - off1) * s1;
+  }
+}
+
+struct Mxfp4Rows {
+  const uint8_t* packed;
+  const uint8_t* scale;
+  int64_t k;
+};
+
+// e2m1 times the group's E8M0 scale, 32 codes a group
+void mxfp4_dequant_row(const void* p, int64_t row, float* o) {
+  const Mxfp4Rows& a = *static_cast<const Mxfp4Rows*>(p);
+  for (int64_t g = 0; g < a.k / 32; ++g) {
+    const v8 table = kE2M1 * splat(e8m0(a.scale[row * (a.k / 32) + g]));
+    uint32_t words[4];
+    std::memcpy(words, a.packed + row * (a.k / 2) + g * 16, 16);
+    for (int q = 0; q < 4; ++q) *reinterpret_cast<v8u*>(o + g * 32 + q * 8) = e2m1x8(nibbles(words[q]), table);
+  }
+}
+
+struct GgmlRows {
+  const uint8_t* data;
+  int64_t kind, k;
+};
+
+// GGUF blocks as ggml's dequantize_row_* (and QuantWeight.tile) compute them: d * (q - 8), d * q + m or
+// d * q. An fp16 d times a code of at most 8 bits is exact in fp32, so d * q + m rounds once whether or not
+// the compiler fuses it into an FMA: the same bits as the reference.
+void ggml_dequant_row(const void* p, int64_t row, float* o) {
+  const GgmlRows& a = *static_cast<const GgmlRows*>(p);
+  const int64_t bb = kGgmlBlockBytes[a.kind], blocks = a.k / 32;
+  const uint8_t* w = a.data + row * blocks * bb;
+  for (int64_t blk = 0; blk < blocks; ++blk, w += bb, o += 32) {
+    const float d = half_at(w);
+    if (a.kind == kQ8_0) {
+      for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(w[2 + j]));
+    } else if (a.kind == kQ4_0) {
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>((w[2 + j] & 0xF) - 8);
+        o[j + 16] = d * static_cast<float>((w[2 + j] >> 4) - 8);
+      }
+    } else {
+      const float m = half_at(w + 2);
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>(w[4 + j] & 0xF) + m;
+        o[j + 16] = d * static_cast<float>(w[4 + j] >> 4) + m;
+      }
+    }
+  }
+}
+
+at::Tensor dequant_tile(int64_t r0, int64_t r1, int64_t k, DequantRow row_fn, const void* args) {
+  at::Tensor out = at::empty({r1 - r0, k}, at::TensorOptions().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t row = a; row < b; ++row) row_fn(args, row, op + (row - r0) * k);
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [M, K] fp32; codes [N, K] float8_e4m3fn; scale [R, C] fp32 with C = ceil(K / block_cols); row_block [N]
@@ -624,6 +735,11 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
     rb = row_block.data_ptr<int64_t>();
   } else {
     TORCH_CHECK((n + block_rows - 1) / block_rows <= scale.size(0), "fewer scale rows than blocks of rows");
+  }
+  if (m > kMaxRows) {
+    const Fp8Rows rows{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), scale.size(1), rb,
+                       block_rows, block_cols, k};
+    return dequant_gemm(x, n, bias_of(bias, n), &fp8_dequant_row, &rows);
   }
   const bool carry = fits_two_pow_100(x.data_ptr<float>(), m * k);
   const std::vector<float> xp = permute_x<Fp8Chunk>(x.data_ptr<float>(), m, k, carry ? kTwoPow100 : 1.f);
@@ -658,6 +774,11 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
                 "zero must be contiguous int8 [N, groups]");
     zp = zero.data_ptr<int8_t>();
   }
+  if (m > kMaxRows) {
+    const Int4Rows rows{packed.data_ptr<int32_t>(), packed.size(1), scale.data_ptr(), scale.scalar_type() == at::kBFloat16,
+                        zp, group, groups, k};
+    return dequant_gemm(x, n, bias_of(bias, n), &int4_dequant_row, &rows);
+  }
   const int64_t span = group % Int4Chunk::kValues == 0 ? group : Int4Chunk::kValues;
   const int64_t spans = std::max<int64_t>(1, (k / Int4Chunk::kValues * Int4Chunk::kValues + span - 1) / span);
   const std::vector<float> xp = permute_x<Int4Chunk>(x.data_ptr<float>(), m, k, 1.f);
@@ -682,6 +803,10 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& packed, const at:
               "packed must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kByte && scale.size(0) == n &&
                   scale.size(1) == k / 32, "scale must be contiguous uint8 [N, K/32]");
+  if (m > kMaxRows) {
+    const Mxfp4Rows rows{packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), k};
+    return dequant_gemm(x, n, bias_of(bias, n), &mxfp4_dequant_row, &rows);
+  }
   const std::vector<float> xp = permute_x<Mxfp4Chunk>(x.data_ptr<float>(), m, k, 1.f);
   const Mxfp4Args args{xp.data(), k, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>()};
   return stream_rows(x, n, bias_of(bias, n), args, [](auto g, const Mxfp4Args& a, int64_t w, int64_t r, float* out) {
@@ -698,6 +823,10 @@ at::Tensor ggml_block_linear(const at::Tensor& x, const at::Tensor& data, int64_
   TORCH_CHECK(k % 32 == 0, "GGUF blocks need a multiple of 32 inputs");
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte &&
                   data.size(1) == k / 32 * kGgmlBlockBytes[kind], "data must be contiguous uint8 [N, K/32 * block bytes]");
+  if (m > kMaxRows) {
+    const GgmlRows rows{data.data_ptr<uint8_t>(), kind, k};
+    return dequant_gemm(x, n, bias_of(bias, n), &ggml_dequant_row, &rows);
+  }
   const float* xp = x.data_ptr<float>();
   std::vector<float> xsum(m * (k / 32), 0.f);
   for (int64_t i = 0; i < m * k; ++i) xsum[i / 32] += xp[i];
@@ -710,8 +839,8 @@ at::Tensor ggml_block_linear(const at::Tensor& x, const at::Tensor& data, int64_
   return run([](auto g, const GgmlArgs& a, int64_t w, int64_t r, float* out) { ggml_row<decltype(g)::value, kQ8_0>(a, w, r, out); });
 }
 
-// Rows r0 .. r1 of a quantized weight as fp32 [r1 - r0, K]: the tile a GEMM multiplies by when x has more
-// rows than the streaming kernels take (prefill, big decode batches). One pass, the codes widened as above.
+// Rows r0 .. r1 of a quantized weight as fp32 [r1 - r0, K]: the tile torch's GEMM multiplies by where the
+// C++ GEMM does not apply. One pass, each row by the format's row function.
 
 at::Tensor fp8_block_dequant(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& row_block,
                              int64_t block_rows, int64_t block_cols, int64_t r0, int64_t r1) {
@@ -729,26 +858,9 @@ at::Tensor fp8_block_dequant(const at::Tensor& codes, const at::Tensor& scale, c
   } else {
     TORCH_CHECK(block_rows > 0 && (r1 + block_rows - 1) / block_rows <= scale.size(0), "fewer scale rows than blocks");
   }
-  at::Tensor out = at::empty({r1 - r0, k}, scale.options());
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t c = scale.size(1);
-  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t row = a; row < b; ++row) {
-      const int64_t srow = rb != nullptr ? rb[row] : row / block_rows;
-      const uint8_t* w = cp + row * k;
-      float* o = op + (row - r0) * k;
-      for (int64_t c0 = 0, j = 0; c0 < k; c0 += block_cols, ++j) {
-        const int64_t c1 = std::min(k, c0 + block_cols);
-        const Folded s(sp[srow * c + j], kTwoPow120);
-        int64_t i = c0;
-        for (; i + 8 <= c1; i += 8) *reinterpret_cast<v8u*>(o + i) = s.apply(fp8x8(w + i));
-        for (; i < c1; ++i) o[i] = s.apply(fp8_one(w[i]));
-      }
-    }
-  });
-  return out;
+  const Fp8Rows rows{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), scale.size(1), rb,
+                     block_rows, block_cols, k};
+  return dequant_tile(r0, r1, k, &fp8_dequant_row, &rows);
 }
 
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero, int64_t group,
@@ -763,32 +875,9 @@ at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scale,
               "scale must be contiguous fp32 or bf16 [N, groups]");
   TORCH_CHECK(zero.numel() == 0 || (zero.is_contiguous() && zero.scalar_type() == at::kChar &&
                                     zero.numel() == packed.size(0) * groups), "zero must be contiguous int8 [N, groups]");
-  const int8_t* zp = zero.numel() > 0 ? zero.data_ptr<int8_t>() : nullptr;
-  const bool bf16 = scale.scalar_type() == at::kBFloat16;
-  at::Tensor out = at::empty({r1 - r0, k}, packed.options().dtype(at::kFloat));
-  const int32_t* wp = packed.data_ptr<int32_t>();
-  const void* sp = scale.data_ptr();
-  float* op = out.data_ptr<float>();
-  const int64_t words = packed.size(1);
-  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t row = a; row < b; ++row) {
-      const int32_t* w = wp + row * words;
-      float* o = op + (row - r0) * k;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t c0 = g * group, c1 = std::min(k, c0 + group);
-        const float s1 = scale_at(bf16, sp, row * groups + g);
-        const float off1 = 8.f + (zp != nullptr ? static_cast<float>(zp[row * groups + g]) : 0.f);
-        int64_t i = c0;
-        for (; i + 8 <= c1; i += 8) {
-          const v8 q = __builtin_convertvector(reinterpret_cast<i32x8>(nibbles(w[i / 8])), v8);
-          *reinterpret_cast<v8u*>(o + i) = (q - splat(off1)) * splat(s1);
-        }
-        for (; i < c1; ++i)
-          o[i] = (static_cast<float>((static_cast<uint32_t>(w[i / 8]) >> (4 * (i % 8))) & 0xF) - off1) * s1;
-      }
-    }
-  });
-  return out;
+  const Int4Rows rows{packed.data_ptr<int32_t>(), packed.size(1), scale.data_ptr(), scale.scalar_type() == at::kBFloat16,
+                      zero.numel() > 0 ? zero.data_ptr<int8_t>() : nullptr, group, groups, k};
+  return dequant_tile(r0, r1, k, &int4_dequant_row, &rows);
 }
 
 at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int64_t r0, int64_t r1) {
@@ -797,57 +886,15 @@ at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int6
                   0 <= r0 && r0 <= r1 && r1 <= packed.size(0), "packed must be contiguous uint8 [N, K/2] holding rows r0 .. r1");
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kByte &&
                   scale.size(0) == packed.size(0) && scale.size(1) == k / 32, "scale must be contiguous uint8 [N, K/32]");
-  at::Tensor out = at::empty({r1 - r0, k}, packed.options().dtype(at::kFloat));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const uint8_t* sp = scale.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t row = a; row < b; ++row) {
-      float* o = op + (row - r0) * k;
-      for (int64_t g = 0; g < k / 32; ++g) {
-        const v8 table = kE2M1 * splat(e8m0(sp[row * (k / 32) + g]));
-        uint32_t words[4];
-        std::memcpy(words, wp + row * (k / 2) + g * 16, 16);
-        for (int q = 0; q < 4; ++q) *reinterpret_cast<v8u*>(o + g * 32 + q * 8) = e2m1x8(nibbles(words[q]), table);
-      }
-    }
-  });
-  return out;
+  const Mxfp4Rows rows{packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), k};
+  return dequant_tile(r0, r1, k, &mxfp4_dequant_row, &rows);
 }
 
-// GGUF blocks as fp32, as ggml's dequantize_row_* (and QuantWeight.tile) compute them: d * (q - 8), d * q + m
-// or d * q. An fp16 d times a code of at most 8 bits is exact in fp32, so d * q + m rounds once whether or
-// not the compiler fuses it into an FMA: the same bits as the reference.
 at::Tensor ggml_block_dequant(const at::Tensor& data, int64_t kind, int64_t k, int64_t r0, int64_t r1) {
   TORCH_CHECK(kind >= 0 && kind <= 2 && k % 32 == 0, "kind must be 0, 1 or 2 and K a multiple of 32");
   const int64_t bb = kGgmlBlockBytes[kind], blocks = k / 32;
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte && data.size(1) == blocks * bb &&
                   0 <= r0 && r0 <= r1 && r1 <= data.size(0), "data must be contiguous uint8 [N, K/32 * block bytes] holding rows r0 .. r1");
-  at::Tensor out = at::empty({r1 - r0, k}, data.options().dtype(at::kFloat));
-  const uint8_t* dp = data.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t row = a; row < b; ++row) {
-      const uint8_t* w = dp + row * blocks * bb;
-      float* o = op + (row - r0) * k;
-      for (int64_t blk = 0; blk < blocks; ++blk, w += bb, o += 32) {
-        const float d = half_at(w);
-        if (kind == kQ8_0) {
-          for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(w[2 + j]));
-        } else if (kind == kQ4_0) {
-          for (int j = 0; j < 16; ++j) {
-            o[j] = d * static_cast<float>((w[2 + j] & 0xF) - 8);
-            o[j + 16] = d * static_cast<float>((w[2 + j] >> 4) - 8);
-          }
-        } else {
-          const float m = half_at(w + 2);
-          for (int j = 0; j < 16; ++j) {
-            o[j] = d * static_cast<float>(w[4 + j] & 0xF) + m;
-            o[j + 16] = d * static_cast<float>(w[4 + j] >> 4) + m;
-          }
-        }
-      }
-    }
-  });
-  return out;
+  const GgmlRows rows{data.data_ptr<uint8_t>(), kind, k};
+  return dequant_tile(r0, r1, k, &ggml_dequant_row, &rows);
 }

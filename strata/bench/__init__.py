@@ -7,7 +7,8 @@ Ray nodes vs recompute), ``tensor_parallel`` (a tp group vs one process on the s
 decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-then-prefill), ``vision``
 (native-resolution images: the encoder's packed batch vs one by one, TTFT by image count), ``structured``
 (the sampler's step with grammar-constrained rows), ``speculative`` (prompt lookup vs plain decoding), ``flow`` (a real server's request flow, traced: bytes and
-time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill); ``serve`` is
+time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill), ``quant_linear`` (one
+quantized linear: the CPU kernels vs tiles vs fp32); ``serve`` is
 the HTTP load generator in
 ``loadtest``.
 """
@@ -21,8 +22,8 @@ from strata.commands import register
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
-    from strata.bench import (cross_node, flow, mixed_step, mla, offline, quant, serve_overhead, soak,
-                              speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
+    from strata.bench import (cross_node, flow, mixed_step, mla, offline, quant, quant_linear, serve_overhead,
+                              soak, speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -40,6 +41,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
         ("flow", "a real server's request flow, traced: bytes each way and time per hop, text to 8 images", flow),
         ("quant", "one model as fp32, bf16, FP8 blocks, INT4 groups and MXFP4: resident bytes, decode and prefill "
          "tok/s", quant),
+        ("quant-linear", "one quantized linear on the CPU: the engine's kernels vs dequantized tiles vs fp32 F.linear, "
+         "by rows of x", quant_linear),
         ("spec", "prompt-lookup speculative decoding vs plain decoding on a real model: tok/s at batch 1, "
          "acceptance, identical greedy answers", speculative),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),

@@ -130,9 +130,12 @@ def run(args: argparse.Namespace) -> int:
 
         def decode_tok_s(e: Any) -> Callable[[], float]:
             def once() -> float:
-                whole = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": decode} for p in prompts]))
-                head = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": first} for p in prompts]))
-                return batch * (args.output_len - 1) / max(whole - head, 1e-9)
+                for _ in range(3):  # a round where the prefill alone took longer than the whole was noise: again
+                    whole = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": decode} for p in prompts]))
+                    head = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": first} for p in prompts]))
+                    if whole > head:
+                        return batch * (args.output_len - 1) / (whole - head)
+                return float("nan")  # printed as n/a: this machine was too busy to tell
             return once
 
         res = _interleaved({fmt: decode_tok_s(e) for fmt, e in engines.items()}, args.repeats)
@@ -179,6 +182,9 @@ def _print(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         cells = []
         for c in cols:
             v = row[c]
+            if v != v:  # NaN: no valid round
+                cells.append(f"{'n/a':>24}")
+                continue
             shown = f"{v / 2**20:.1f} MiB" if c == "resident_bytes" else f"{v:.1f}"
             if base is not None:
                 ratio = (base[c] / v) if c == "resident_bytes" else (v / base[c])
