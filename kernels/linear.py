@@ -5,6 +5,10 @@ is measured on, torch's GEMM path reads them at ~11 GB/s while ``csrc/small_line
 them at ~30 GB/s (near the machine's copy bandwidth), which is most of a batch-1 decode step. In
 bf16 on a CPU with AMX, ``csrc/amx_linear_cpu.cpp`` takes up to :data:`AMX_ROWS` rows on the tile
 unit, where the vector kernel would be bound by its FMAs and torch's GEMM by reordering W every call.
+An fp32 W past those rows, up to :data:`GEMM_ROWS`, goes to ``csrc/dequant_gemm_cpu.cpp`` (a few rows of W
+copied into cache at a time and multiplied by x^T in registers): level with torch's fp32 GEMM on a layer's
+shapes, about 2x on a wide one such as a 49K-row LM head, which torch's GEMM reads at a third of the
+memory's speed. bf16 stays with torch there (its bf16 dot products are ~2x the FMA kernel on AVX512-BF16).
 Larger batches, other devices, and code being traced by ``torch.compile`` use ``F.linear``.
 """
 
@@ -23,6 +27,7 @@ from strata.kernels.quant_linear import quant_linear
 from strata.kernels.quant_weight import QuantWeight
 
 SMALL_ROWS = 8  # most rows of x the streaming kernel takes (beyond it, GEMM blocking wins)
+GEMM_ROWS = 64  # most rows of fp32 x the C++ GEMM takes (at 64 it is 1.3x torch's on SmolLM2's shapes; then level)
 AMX_ROWS = 32  # most rows of bf16 x the AMX kernel takes (W streamed once; from 64 rows torch's GEMM is faster)
 _NO_BIAS = torch.empty(0)
 _amx_allowed = True
@@ -51,6 +56,21 @@ def without_amx() -> Iterator[None]:
         _amx_allowed = saved
 
 
+_gemm_allowed = True
+
+
+@contextmanager
+def with_torch_gemm() -> Iterator[None]:
+    """fp32 linears past the streaming kernel's rows through torch's GEMM (the C++ GEMM off), for
+    side-by-side benchmarks."""
+    global _gemm_allowed
+    saved, _gemm_allowed = _gemm_allowed, False
+    try:
+        yield
+    finally:
+        _gemm_allowed = saved
+
+
 def _amx_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_amx_allowed and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.shape[0] <= AMX_ROWS
             and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0)
@@ -68,4 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tens
             return amx.amx_bf16_linear(x.contiguous(), weight, b).to(x.dtype)
         if x.shape[0] <= SMALL_ROWS and (kernels := cpu_kernels()) is not None:
             return kernels.small_linear(x.float().contiguous(), weight, b).to(x.dtype)
+        if (_gemm_allowed and x.shape[0] <= GEMM_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and (kernels := cpu_kernels()) is not None):
+            return kernels.dense_gemm_linear(x.contiguous(), weight, b)
     return F.linear(x, weight, bias)

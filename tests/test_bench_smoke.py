@@ -35,8 +35,8 @@ def test_bench_quant_linear_times_each_path_of_each_format(tmp_path: Path, capsy
                              "--calls", "1")
     assert result["shape"] == [96, 64]
     cells = {(r["rows"], r["format"]) for r in result["results"]}
-    assert cells == {(m, f) for m in (1, 20, 200) for f in ("fp8", "int4", "mxfp4")}
-    assert all(r["engine_ms"] > 0 and r["tiles_ms"] > 0 and r["fp32_ms"] > 0 for r in result["results"])
+    assert cells == {(m, f) for m in (1, 20, 200) for f in ("fp8", "int4", "mxfp4", "fp32")}
+    assert all(r["engine_ms"] > 0 and r.get("tiles_ms", 1) > 0 and r["fp32_ms"] > 0 for r in result["results"])
     assert "engine path (streamed <= 8 rows, GEMM <= 128, tiles past) / tile path / fp32 F.linear" in printed
 
 
@@ -69,8 +69,9 @@ def test_bench_step_profile_splits_a_decode_step_and_puts_everything_back(tmp_pa
 
     silu, linear = F.silu, decoder.linear
     result, printed = _bench(tmp_path, capsys, "step", "--profile", "--model", "tiny", "--prompt-len", "40",
-                             "--steps", "3", "--batch", "1", "2")
-    for batch in ("1", "2"):
+                             "--steps", "3", "--batch", "1", "2", "12")
+    assert result["12"]["step_ms_torch_gemm"] > 0 and "step_ms_torch_gemm" not in result["2"]  # fp32 past 8 rows
+    for batch in ("1", "2", "12"):
         split = result[batch]["split_ms"]
         assert split["linears"] > 0 and split["attention"] > 0 and split["norms / RoPE / activations"] > 0
         assert sum(split.values()) == pytest.approx(result[batch]["profiled_step_ms"], rel=1e-6)

@@ -352,13 +352,17 @@ def test_a_rows_linear_result_does_not_depend_on_the_rows_beside_it(dtype: torch
     alone = torch.cat([linear(x[r : r + 1], w) for r in range(8)])
     for rows in range(2, 9):
         assert torch.equal(linear(x[:rows], w), alone[:rows]), rows
+    if dtype == torch.float32:  # the C++ GEMM past 8 rows: a row's bits the same among 9 as among 64
+        many = torch.randn(64, 200, generator=gen)
+        assert torch.equal(linear(many[:9], w), linear(many, w)[:9])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64, 65])
 @pytest.mark.parametrize("k", [64, 200, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_torch_for_every_batch_size_and_shape(rows: int, k: int, dtype: torch.dtype) -> None:
-    """The streaming kernel (<= 8 rows) and the GEMM path (more) both equal F.linear, bias included."""
+    """The streaming kernel (<= 8 rows), the C++ GEMM (fp32, 9 to 64 rows: one and two vectors of x^T a pass)
+    and torch's GEMM (more) all equal F.linear, bias included."""
     from strata.kernels import linear
 
     gen = torch.Generator().manual_seed(rows * k)

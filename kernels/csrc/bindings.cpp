@@ -21,6 +21,7 @@ at::Tensor fp8_block_dequant(const at::Tensor& codes, const at::Tensor& scale, c
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero, int64_t group,
                               int64_t k, int64_t r0, int64_t r1);
 at::Tensor mxfp4_dequant(const at::Tensor& packed, const at::Tensor& scale, int64_t r0, int64_t r1);
+at::Tensor dense_gemm_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor ggml_block_dequant(const at::Tensor& data, int64_t kind, int64_t k, int64_t r0, int64_t r1);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
@@ -36,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_group_linear", &int4_group_linear, "x W^T + b for a few rows of x, streaming INT4-group W (CPU)");
   m.def("mxfp4_linear", &mxfp4_linear, "x W^T + b for a few rows of x, streaming MXFP4 W (CPU)");
   m.def("ggml_block_linear", &ggml_block_linear, "x W^T + b for a few rows of x, streaming GGUF q4_0/q4_1/q8_0 W (CPU)");
+  m.def("dense_gemm_linear", &dense_gemm_linear, "x W^T + b for a dense fp32/bf16 W, W a few rows at a time in cache (CPU)");
   m.def("fp8_block_dequant", &fp8_block_dequant, "rows of an FP8-block weight as fp32 (CPU)");
   m.def("int4_group_dequant", &int4_group_dequant, "rows of an INT4-group weight as fp32 (CPU)");
   m.def("mxfp4_dequant", &mxfp4_dequant, "rows of an MXFP4 weight as fp32 (CPU)");

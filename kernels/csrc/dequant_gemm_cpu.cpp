@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX__)
@@ -138,4 +139,42 @@ at::Tensor dequant_gemm(const at::Tensor& x, int64_t n, const float* bias, Dequa
     }
   });
   return y;
+}
+
+namespace {
+
+struct DenseRows {
+  const void* w;
+  bool bf16;
+  int64_t k;
+};
+
+// a row of a dense fp32 or bf16 W, as fp32 (a copy: the buffer's padded rows keep clear of L1 set conflicts)
+void dense_row(const void* p, int64_t row, float* out) {
+  const DenseRows& a = *static_cast<const DenseRows*>(p);
+  if (!a.bf16) {
+    std::memcpy(out, static_cast<const float*>(a.w) + row * a.k, a.k * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(a.w) + row * a.k;
+  for (int64_t i = 0; i < a.k; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
+}  // namespace
+
+// x [M, K] fp32; w [N, K] fp32 or bf16, contiguous; bias [N] fp32 or empty. Returns y [M, N] fp32: the GEMM
+// above on a dense W (decode batches past the streaming kernel's rows).
+at::Tensor dense_gemm_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1,
+              "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1) &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16), "w must be contiguous fp32 or bf16 [N, K]");
+  const int64_t n = w.size(0);
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "bias must be fp32 [N]");
+  const DenseRows rows{w.data_ptr(), w.scalar_type() == at::kBFloat16, x.size(1)};
+  return dequant_gemm(x, n, bias.numel() > 0 ? bias.data_ptr<float>() : nullptr, &dense_row, &rows);
 }

@@ -3,7 +3,9 @@
 For each row count of x and each format (FP8 128x128 blocks, INT4 groups of 32 with bf16 scales, MXFP4):
 the path a weight takes in the engine (``quant_linear``: streamed up to 8 rows, the dequantizing GEMM up
 to ``GEMM_ROWS``, tiles past it), the tile path alone (dequantize a tile to fp32, torch's GEMM), and
-``F.linear`` on a dense fp32 weight of the same shape. Medians of interleaved calls, one process.
+``F.linear`` on a dense fp32 weight of the same shape; and that dense weight through the engine's own path
+(``kernels.linear``: streamed up to 8 rows, the same C++ GEMM up to its ``GEMM_ROWS``) against ``F.linear``.
+Medians of calls, one process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu_kernels import cpu_kernels
+from strata.kernels.linear import linear
 from strata.kernels.quant_linear import GEMM_ROWS, quant_linear, tiled_linear
 from strata.kernels.quant_weight import FP8BlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"# strata bench quant-linear: W {n} x {k}, {torch.get_num_threads()} threads, medians of {args.calls} "
           f"calls; ms per call: engine path (streamed <= 8 rows, GEMM <= {GEMM_ROWS}, tiles past) / tile path / "
           f"fp32 F.linear; ratio = fp32 / engine path")
-    print(f"{'rows':>5}" + "".join(f"{name:>34}" for name in weights))
+    print(f"{'rows':>5}" + "".join(f"{name:>34}" for name in weights) + f"{'fp32 (engine / F.linear)':>34}")
     results: list[dict[str, Any]] = []
     for m in args.rows:
         x = torch.randn(m, k)
@@ -75,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
             tiles = _median_ms(lambda: tiled_linear(x, w), args.calls)
             cells.append(f"{engine:.2f} / {tiles:.2f} / {fp32:.2f} ({fp32 / engine:.2f}x)")
             results.append({"rows": m, "format": name, "engine_ms": engine, "tiles_ms": tiles, "fp32_ms": fp32})
+        dense_engine = _median_ms(lambda: linear(x, dense), args.calls)
+        cells.append(f"{dense_engine:.2f} / {fp32:.2f} ({fp32 / dense_engine:.2f}x)")
+        results.append({"rows": m, "format": "fp32", "engine_ms": dense_engine, "fp32_ms": fp32})
         print(f"{m:>5}" + "".join(f"{c:>34}" for c in cells), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"shape": [n, k], "results": results}, indent=1))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from strata.kernels.cache_ops import write_cache, write_kv
 from strata.kernels.layer_ops import bf16_layer_ops, eager_layer_ops, silu_mul
-from strata.kernels.linear import amx_in_use, linear, without_amx
+from strata.kernels.linear import GEMM_ROWS, SMALL_ROWS, amx_in_use, linear, with_torch_gemm, without_amx
 from strata.kernels.moe import moe_experts
 from strata.kernels.norm import layer_norm, rms_norm
 from strata.kernels.rope import apply_rope, rotate_fp32, rotate_heads
@@ -166,7 +166,10 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
 
         timed("warm", 4)
         plain = timed("plain")
-        no_amx = eager_ops = None
+        no_amx = eager_ops = torch_gemm = None
+        if args.dtype == "float32" and SMALL_ROWS < batch <= GEMM_ROWS:  # the same steps on torch's fp32 GEMM
+            with with_torch_gemm():
+                torch_gemm = timed("torchgemm")
         if args.dtype == "bfloat16" and amx_in_use():  # the same steps with the linears a CPU without AMX runs
             with without_amx():
                 no_amx = timed("noamx")
@@ -184,6 +187,10 @@ def run_profile(args: Any, model: Any) -> dict[str, Any]:
             results[str(batch)]["step_ms_without_amx"] = no_amx * 1e3
             print(f"  without AMX tiles (vector kernel, torch GEMM): {no_amx * 1e3:7.2f} ms a step "
                   f"(AMX {no_amx / plain:.2f}x faster)")
+        if torch_gemm is not None:
+            results[str(batch)]["step_ms_torch_gemm"] = torch_gemm * 1e3
+            print(f"  with torch's fp32 GEMM past {SMALL_ROWS} rows:        {torch_gemm * 1e3:7.2f} ms a step "
+                  f"(C++ GEMM {torch_gemm / plain:.2f}x faster)")
         if eager_ops is not None:
             results[str(batch)]["step_ms_eager_layer_ops"] = eager_ops * 1e3
             print(f"  with torch's eager norm / RoPE / gate ops:    {eager_ops * 1e3:7.2f} ms a step "

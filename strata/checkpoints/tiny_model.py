@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,6 +264,21 @@ def verify_sha256sums(out_dir: str | Path) -> bool:
     return True
 
 
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while a tiny checkpoint is written: its shards take milliseconds, and a
+    CLI that builds the demo model before it refuses a flag must still answer in one line."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
     """Write a complete offline-loadable HF LLaVA checkpoint for spec into out_dir."""
     if spec.arch not in ARCHITECTURES:
@@ -272,8 +289,9 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
     image_token_id = tok.convert_tokens_to_ids(IMAGE)
     config = make_config(spec, len(tok), image_token_id)
     model = _build_model(spec, config)
-    model.save_pretrained(out_dir, max_shard_size=spec.max_shard_size)
-    make_processor(spec, tok).save_pretrained(out_dir)
+    with no_progress_bars():
+        model.save_pretrained(out_dir, max_shard_size=spec.max_shard_size)
+        make_processor(spec, tok).save_pretrained(out_dir)
     write_sha256sums(out_dir)
     logger.info("built %s (seed %d, vocab %d) in %s", spec.arch, spec.seed, len(tok), out_dir)
     return out_dir
