@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from strata.commands import CLIError
+from strata.pipeline.contract.config import EngineConfig
 
 DESCRIPTION = ("Sizes are binary: K/KB/KiB = 2^10, G/GB/GiB = 2^30, T/TB/TiB = 2^40 bytes. "
                "Token counts take K = 1,000 and M = 1,000,000 (e.g. --context 1M). Exit 0 if it fits, 1 if not.")
@@ -24,9 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "float32 unless told --dtype bfloat16)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
                    help="what the KV cache stores: auto (--dtype) or fp8 (e4m3: one byte a value, in every tier)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
-    p.add_argument("--staging-blocks", type=int, default=64, help="device blocks reserved for staging host/disk KV")
+    engine = EngineConfig.model_fields  # the engine's own defaults, not copies of them
+    p.add_argument("--block-size", type=int, default=engine["block_size"].default, help="tokens per KV block (default: the engine's, %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=engine["prefill_chunk_tokens"].default,
+                   help="prefill chunk size in tokens (default: the engine's, %(default)s)")
+    p.add_argument("--staging-blocks", type=int, default=engine["kv_staging_blocks"].default,
+                   help="device blocks reserved for staging host/disk KV (default: the engine's, %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the language stage (default 1); "
                    "--device-mem is then one rank's")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (default 1); tp must be a multiple")
