@@ -14,7 +14,8 @@ disk gives a prefix cache that survives restarts.
   foreign file is a miss: the file is removed and counted, the caller recomputes.
 * Pinned blocks (referenced by a running sequence somewhere) are never evicted. Pins carry
   their owner's pid; pins of dead processes are dropped at open.
-* Evicted blocks are handed to the next tier (host -> disk) or deleted (last tier).
+* Evicted blocks go down the chain through ``demote``, which the chain's one owner (``LowerTiers``)
+  wires (host -> disk), or are deleted (last tier).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def _unlink(path: str) -> None:
         pass
 
 
+Demote = Callable[[list[tuple[bytes, bytes]]], list[bool]]  # (hash, whole file) pairs -> which were stored
+
+
 class FileBlockStore:
     """One tier of block files with an LRU capacity shared by every process that opens ``root``."""
 
@@ -64,8 +68,10 @@ class FileBlockStore:
         layout: KVLayout,
         fingerprint: bytes,
         name: str = "host",
-        next_tier: "FileBlockStore | None" = None,
+        demote: "Demote | None" = None,
     ) -> None:
+        """``demote``: where evicted blocks go (whole verified files; returns which were taken), wired by the
+        chain's one owner, ``LowerTiers``; None: evicted blocks are deleted."""
         if capacity_blocks <= 0:
             raise ValueError(f"{name} tier capacity must be positive, got {capacity_blocks}")
         self.root = Path(root)
@@ -73,7 +79,7 @@ class FileBlockStore:
         self.layout = layout
         self.fingerprint = fingerprint
         self.name = name
-        self.next_tier = next_tier
+        self.demote = demote
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0,
                          "reconciled": 0, "write_failures": 0, "index_errors": 0}
@@ -222,21 +228,21 @@ class FileBlockStore:
         return self.put_many([(block_hash, payload)])[0]
 
     def _dispose(self, victims: list[tuple[bytes, str]]) -> None:
-        """Demote evicted files to the next tier (verified first, a few at a time so memory stays
-        bounded), or delete them. A next tier that cannot take them (full disk) just loses them: they
-        were evicted anyway, and a later reader recomputes."""
+        """Demote evicted files down the chain (verified first, a few at a time so memory stays bounded),
+        or delete them. A tier below that cannot take them (full disk) just loses them: they were evicted
+        anyway, and a later reader recomputes."""
         batch: list[tuple[bytes, bytes]] = []
         for n, (block_hash, moved) in enumerate(victims, 1):
             self.counters["evicted"] += 1
-            if self.next_tier is not None:
+            if self.demote is not None:
                 blob = self._verified_file(block_hash, moved)
                 if blob is not None:
                     batch.append((block_hash, blob))
             _unlink(moved)
             if batch and (len(batch) == _DEMOTE_BATCH or n == len(victims)):
-                assert self.next_tier is not None
+                assert self.demote is not None
                 try:
-                    self.counters["demoted"] += sum(self.next_tier.put_many(batch, encoded=True))
+                    self.counters["demoted"] += sum(self.demote(batch))
                 except TierWriteError as exc:
                     self._index_failed("demotion", exc)
                 batch = []

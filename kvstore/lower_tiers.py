@@ -9,6 +9,7 @@ promotion (and the demotions they cause) run on a background writer (``kvstore.t
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -33,6 +34,8 @@ class LowerTiers:
         if not tiers:
             raise ValueError("LowerTiers needs at least one tier")
         self.tiers = list(tiers)
+        for upper, lower in zip(self.tiers, self.tiers[1:]):  # the chain has this one owner: evictions go down it
+            upper.demote = functools.partial(lower.put_many, encoded=True)
         self.layout = tiers[0].layout
         self.write_errors = 0
         self.block_nbytes = self.layout.bytes_per_block()
@@ -63,7 +66,7 @@ class LowerTiers:
         if host_blocks > 0:
             if host_dir is None:
                 raise ValueError("a host tier needs a directory")
-            host = FileBlockStore(host_dir, host_blocks, layout, fingerprint, name="host", next_tier=disk)
+            host = FileBlockStore(host_dir, host_blocks, layout, fingerprint, name="host")
         tiers = [t for t in (host, disk) if t is not None]
         return cls(tiers, write_queue_blocks, prefetch_blocks) if tiers else None
 

@@ -5,6 +5,7 @@ all, requests finish or fail within bounds, and prompts stay private."""
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import os
 import random
@@ -191,7 +192,7 @@ def test_a_full_index_fails_the_write_whole_and_leaves_files_and_index_agreeing(
     from strata.kvstore.file_store import TierWriteError
 
     disk = FileBlockStore(tmp_path / "disk", 64, LAYOUT, FP, name="disk")
-    s = FileBlockStore(tmp_path / "host", 4, LAYOUT, FP, next_tier=disk)
+    s = FileBlockStore(tmp_path / "host", 4, LAYOUT, FP, demote=functools.partial(disk.put_many, encoded=True))
     for i in range(4):
         assert s.put(_h(i), _payload(i))
     s.pin([_h(0)])
