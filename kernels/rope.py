@@ -80,8 +80,20 @@ def mrope_axes(num_freqs: int, sections: tuple[int, ...], interleaved: bool) -> 
     return axes
 
 
+def rotary_dim(head_dim: int, rope_parameters: dict[str, Any]) -> int:
+    """The dimensions of a head RoPE rotates: all of them, or the first ``partial_rotary_factor`` of them
+    (GLM-4.5: half), the rest passing through unrotated, as transformers slices them."""
+    factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} rotates {dim} of {head_dim} dims: need an even count > 0")
+    return dim
+
+
 class RotaryEmbedding:
     """cos/sin for arbitrary absolute positions, computed on the fly (no table: 1M positions fit).
+    Their width is :func:`rotary_dim`: with a partial rotary, :func:`rotate_heads` rotates that many leading
+    dims of each head and leaves the rest.
 
     With ``mrope_section`` (Qwen-VL's multimodal RoPE) positions are [3, T] (temporal, height, width
     per token; a text token has the same value on all three) and each frequency reads its axis."""
@@ -91,26 +103,25 @@ class RotaryEmbedding:
         rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
+        dim = rotary_dim(head_dim, rope_parameters)
         base = float(rope_parameters.get("rope_theta", 10000.0))
         # Explicit CPU device: models are built under torch.device("meta") before their weights load.
-        steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32)
-        inv_freq = 1.0 / (base ** (steps / head_dim))
+        steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32)
+        inv_freq = 1.0 / (base ** (steps / dim))
         if rope_type == "linear":
             inv_freq = inv_freq / float(rope_parameters["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         scaling = 1.0
         if rope_type == "yarn":
-            inv_freq, scaling = _yarn_inv_freq(head_dim, base, rope_parameters)
+            inv_freq, scaling = _yarn_inv_freq(dim, base, rope_parameters)
         self.inv_freq = inv_freq
         self.attention_scaling = scaling
         self.rope_type = rope_type
         self.mrope_axes = mrope_axes(len(inv_freq), tuple(mrope_section), mrope_interleaved) if mrope_section else None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, head_dim] for int positions [T] (or [3, T] under M-RoPE)."""
+        """cos, sin of shape [T, rotary dims] for int positions [T] (or [3, T] under M-RoPE)."""
         inv_freq = self.inv_freq.to(positions.device)
         if positions.dim() == 2:
             if self.mrope_axes is None:
@@ -131,10 +142,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] by per-token cos/sin [T, D] (half-split convention)."""
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by per-token cos/sin [T, R] (half-split convention) over their
+    first R dims (R < D: a partial rotary; the rest pass through), as transformers does."""
     c = cos.unsqueeze(1)
     s = sin.unsqueeze(1)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    r = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x_rot = x[..., :r]
+        return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x[..., r:]], dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -146,7 +164,11 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rope` for one tensor of heads x [T, H, D] in three ops: rotate_half(x) * sin equals
     swap_halves(x) * signed_sin(sin) product for product (the sign moves from x to sin, exactly), so
-    the result is the same to the bit. q and k heads can go through in one call."""
+    the result is the same to the bit. q and k heads can go through in one call. cos narrower than a head
+    (a partial rotary) rotates the head's leading dims and passes the rest through."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat([rotate_heads(x[..., :rot].contiguous(), cos, sin_signed), x[..., rot:]], dim=-1)
     if x.dim() == 3 and (kernels := bf16_layer_ops(x, cos, sin_signed)) is not None:  # one pass, same bits
         return kernels.rope_bf16(x, cos, sin_signed)
     half = x.shape[-1] // 2

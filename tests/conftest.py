@@ -29,6 +29,8 @@ TEXT_VARIANTS = {
                                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     # Qwen3-MoE renormalising its top-k, sparse every second layer
     "qwen3_moe-renorm": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": []}),
+    # GLM-4.5 with its q/k norm switched on and no biases
+    "glm4_moe-qknorm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False}),
 }
 
 

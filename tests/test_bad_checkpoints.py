@@ -37,6 +37,7 @@ CONFIG_FAULTS = [
     ({"num_key_value_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
     ({"vocab_size": "512"}, "vocab_size must be a positive integer, got '512'"),
     ({"intermediate_size": True}, "intermediate_size must be a positive integer, got True"),
+    ({"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1 rotates 1 dims of a head: need an even count > 0"),
 ]
 
 

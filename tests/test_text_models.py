@@ -22,7 +22,7 @@ from strata.stages.factory import build_decode_service, build_prefill_service
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
-            "qwen3_moe-renorm"]
+            "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm"]
 
 
 def _reference_tokens(model_dir: Path, prompt: str, n: int) -> list[int]:
@@ -68,7 +68,10 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
 # the last layer than transformers does (its hidden state differs by bf16 rounding), an error of 19 on
 # that token and under 0.9 on every other. That is routing being discontinuous, not a numerics bug: the
 # variant is held to the fp32 contract only.
-BF16_FAMILIES = [a for a in FAMILIES if a != "deepseek_v3-plain"]
+# Not in bf16: deepseek_v3-plain, and GLM-4.5's tiny checkpoints, whose random routers sit on near ties (a top-2
+# margin of 0.002 in sigmoid score at layer 1): bf16's rounding, in transformers' order or ours, flips an expert
+# there, so a point fails by seed (seed 1 passes every point, seeds 0 and 2 do not). fp32 holds them exactly.
+BF16_FAMILIES = [a for a in FAMILIES if a not in ("deepseek_v3-plain", "glm4_moe", "glm4_moe-qknorm")]
 
 
 @pytest.mark.parametrize("arch, dtype", [(a, "float32") for a in FAMILIES] + [(a, "bfloat16") for a in BF16_FAMILIES])

@@ -4,7 +4,8 @@ A decoder family (:class:`TextFamily`, keyed by ``model_type``) says which atten
 which optional q/k norm and biases, which sliding-window rule, which MoE router (softmax top-k as in
 Mixtral and Qwen3-MoE, or DeepSeek-V3's sigmoid scores with bias-corrected group-limited top-k and
 shared experts) and where its config keeps the counts. Positions come from the config's
-``rope_parameters`` (default / linear / llama3 / yarn with mscale; see ``kernels.rope``).
+``rope_parameters`` (default / linear / llama3 / yarn with mscale, over all of a head or the first
+``partial_rotary_factor`` of it; see ``kernels.rope``).
 
 A model (:class:`ModelArchitecture`, keyed by the Hugging Face class in ``config.json``'s
 ``architectures``) is a decoder family plus an optional vision tower and projector, and the rules
@@ -29,13 +30,19 @@ class TextFamily:
     model_type: str
     attention: str = "gqa"  # "gqa" (MHA/GQA/MQA: separate K and V per KV head) | "mla" (one compressed latent)
     qkv_bias: bool = False  # q/k/v always carry a bias (Qwen2); otherwise ``attention_bias`` decides
+    bias_on_o: bool = True  # ``attention_bias`` covers the output projection too (Llama); GLM biases q/k/v only
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm_key: str | None = None  # or the config key that switches it on (GLM-4.5's ``use_qk_norm``)
     windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3)
     router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped"
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
     positions: str = "rope"  # "rope" (1-D) | "mrope" (Qwen2.5-VL: t/h/w in runs) | "mrope-interleaved" (Qwen3-VL)
     renormalize_topk: bool = False  # the router always renormalises its top-k (Qwen3-VL-MoE), whatever the config says
+
+    def uses_qk_norm(self, tc: dict[str, Any]) -> bool:
+        """Whether a text config of this family normalizes q and k per head."""
+        return self.qk_norm or bool(self.qk_norm_key and tc.get(self.qk_norm_key))
 
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
@@ -56,6 +63,9 @@ for _family in (
                experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
     TextFamily("deepseek_v3", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
     TextFamily("kimi_k2", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
+    # GLM-4.5/4.6: GQA with q/k/v biases (none on o), optional q/k norm, partial RoPE; DeepSeek-V3's router
+    TextFamily("glm4_moe", bias_on_o=False, qk_norm_key="use_qk_norm", router="sigmoid-grouped",
+               experts_keys=("n_routed_experts",)),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", qkv_bias=True, windows="layer_types", positions="mrope"),
     TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
@@ -217,7 +227,8 @@ for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMo
                                             projector="patch-merger", text_family=f"{_type}_text", tie="top"))
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
-                    ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3")):
+                    ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                    ("Glm4MoeForCausalLM", "glm4_moe")):
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
 
 

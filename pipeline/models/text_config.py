@@ -149,6 +149,8 @@ def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
         params["rope_type"] = "default"
     if params["rope_type"] == "yarn":
         params.setdefault("original_max_position_embeddings", tc.get("max_position_embeddings"))
+    if "partial_rotary_factor" in tc and "partial_rotary_factor" not in params:  # transformers 4's top-level key
+        params["partial_rotary_factor"] = tc["partial_rotary_factor"]
     return params
 
 
@@ -215,6 +217,12 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     if mla is not None and tc.get("attention_bias"):
         raise ModelConfigError("MLA with attention_bias is not supported")
     moe, moe_layers = _moe(tc, family, layers)
+    rope_parameters = _rope_parameters(tc)
+    factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    rotated = int((mla.qk_rope_head_dim if mla else head_dim) * factor)
+    if not 0 < rotated <= (mla.qk_rope_head_dim if mla else head_dim) or rotated % 2:
+        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} rotates {rotated} dims of a head: "
+                               "need an even count > 0")
     return TextConfig(
         model_type=model_type,
         vocab_size=size(tc, "vocab_size"),
@@ -225,17 +233,17 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         num_kv_heads=heads if mla else kv_heads,
         head_dim=mla.v_head_dim if mla else int(head_dim),
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-        rope_parameters=_rope_parameters(tc),
+        rope_parameters=rope_parameters,
         max_position_embeddings=size(tc, "max_position_embeddings", 4096),
         attention_bias=qkv_bias,
-        o_bias=not family.qkv_bias and bool(tc.get("attention_bias", False)),
+        o_bias=not family.qkv_bias and family.bias_on_o and bool(tc.get("attention_bias", False)),
         mlp_bias=bool(tc.get("mlp_bias", False)),
         layer_windows=_windows(tc, family, layers),
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", False)),
         num_experts=moe.num_experts if moe else 0,
         experts_per_tok=moe.experts_per_tok if moe else 0,
         hidden_act=act,
-        qk_norm=family.qk_norm,
+        qk_norm=family.uses_qk_norm(tc),
         mla=mla,
         moe=moe,
         moe_layers=moe_layers,

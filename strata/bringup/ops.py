@@ -108,7 +108,7 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, model_type: str) -
                                          or tc.get("use_sliding_window", False))
     types = sorted(set(tc.get("layer_types") or []))
     detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
-    if family is not None and family.qk_norm:
+    if family is not None and family.uses_qk_norm(tc):
         detail += ", q/k RMSNorm"
     if use_window:
         detail += f", sliding window {window}"
@@ -151,12 +151,14 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     mrope = "mrope_section" in rope
     rope_type = "default" if mrope and rope_type == "mrope" else rope_type
     mrope_ok = not mrope or (family is not None and family.positions != "rope")
-    ok_rope = rope_type in SUPPORTED_ROPE_TYPES and rope.get("partial_rotary_factor", 1.0) == 1.0 and mrope_ok
+    partial = float(rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 1.0)))
+    ok_rope = rope_type in SUPPORTED_ROPE_TYPES and 0 < partial <= 1 and mrope_ok
     interleaved = mrope and (rope.get("mrope_interleaved") or (family is not None and family.positions == "mrope-interleaved"))
     rope_desc = f"RoPE {rope_type}" + (f" with M-RoPE (t/h/w sections {rope['mrope_section']}"
                                        f"{', interleaved' if interleaved else ''})" if mrope else "") + \
         (" (interleaved pairs)" if tc.get("rope_interleave") and tc.get("kv_lora_rank") else "") + \
-        f", theta {rope.get('rope_theta', tc.get('rope_theta', 10000.0))}"
+        f", theta {rope.get('rope_theta', tc.get('rope_theta', 10000.0))}" + \
+        (f", over {partial:g} of each head" if partial != 1 else "")
     out.append(Component("rope", rope_desc, ("kernels.rope + pipeline.models.mrope" if mrope else "kernels.rope")
                          if ok_rope else MISSING))
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
@@ -261,7 +263,7 @@ def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None)
                  layer + (r"self_attn\.q_b_proj\.weight" if tc.get("q_lora_rank") else r"self_attn\.q_proj\.weight")]
     else:
         text += [layer + rf"self_attn\.{p}_proj\.weight" for p in "qkv"]
-        if family is not None and family.qk_norm:
+        if family is not None and family.uses_qk_norm(tc):
             text += [layer + r"self_attn\.q_norm\.weight", layer + r"self_attn\.k_norm\.weight"]
     if any(tc.get(k) for k in EXPERT_KEYS):
         text += [layer + r"mlp\.gate\.weight", layer + r"mlp\.experts\."]

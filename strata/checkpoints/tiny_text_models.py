@@ -17,7 +17,7 @@ from typing import Any
 
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
-TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 
 # "<s>user: Hi\nassistant: Hello</s>\n...assistant:" (content is a string, as text models' templates read it)
 TEXT_CHAT_TEMPLATE = (
@@ -50,6 +50,11 @@ _FAMILY: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 4.0,
                                          "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
                                          "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # GLM-4.5 as released: q/k/v biases, no q/k norm, RoPE over half of each head, DeepSeek-V3's router
+    "glm4_moe": dict(num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_norm=False, moe_intermediate_size=32,
+                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.5}),
 }
 
 
