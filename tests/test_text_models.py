@@ -189,10 +189,11 @@ def test_per_expert_checkpoints_load_like_stacked_ones(text_models, tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "glm4_moe"])
 def test_tp2_equals_tp1(arch: str, text_models) -> None:
-    """MLA: heads split, the latent replicated on both ranks; MoE: experts split whole, shared experts by
-    columns; both ranks' partial outputs meet in one all-reduce."""
+    """MLA: heads split, the latent replicated on both ranks; GQA (GLM-4.5: partial RoPE and q/k/v biases per
+    head); MoE: experts split whole, shared experts by columns; both ranks' partial outputs meet in one
+    all-reduce."""
     model_dir = text_models[arch]
     reqs = [{"prompt": p, "params": greedy(10 + i)} for i, p in enumerate(PROMPTS)]
     expected = [o.output_token_ids for o in build(model_dir).generate(reqs)]
