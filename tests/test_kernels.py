@@ -187,9 +187,11 @@ def test_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
     torch.testing.assert_close(rms_norm(x, ref.weight, 1e-5), ref(x), rtol=0, atol=0)
 
 
-def test_rotating_q_and_k_heads_together_is_bit_identical() -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotating_q_and_k_heads_together_is_bit_identical(partial: float) -> None:
     q, k = torch.randn(9, 8, 64), torch.randn(9, 4, 64)
-    cos, sin = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4}).cos_sin(torch.arange(9) * 37, torch.float32)
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": partial})
+    cos, sin = rope.cos_sin(torch.arange(9) * 37, torch.float32)
     q_ref, k_ref = apply_rope(q, k, cos, sin)
     qk = rotate_heads(torch.cat([q, k], dim=1), cos, signed_sin(sin))
     assert torch.equal(qk[:, :8], q_ref) and torch.equal(qk[:, 8:], k_ref)
@@ -219,6 +221,25 @@ def test_rope_matches_transformers(params: dict) -> None:
     q_o, k_o = apply_rope(q, k, cos, sin)
     torch.testing.assert_close(q_o, q_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_o, k_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_partial_rope_matches_glm4_moe() -> None:
+    """GLM-4.5 rotates the first half of each head and passes the rest through (its own classes as the reference)."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
+
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    cfg = Glm4MoeConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=params)
+    pos = torch.tensor([0, 1, 5, 100, 3000])
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    cos_r, sin_r = Glm4MoeRotaryEmbedding(cfg)(q, pos[None])
+    q_r, k_r = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_r, sin_r)
+    cos, sin = RotaryEmbedding(16, params).cos_sin(pos, torch.float32)
+    assert cos.shape == (5, 8)
+    q_o, k_o = apply_rope(q, k, cos, sin)
+    torch.testing.assert_close(q_o, q_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_o, k_r[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(q_o[..., 8:], q[..., 8:])  # the unrotated half passes through
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2.5-vl-runs", "qwen3-vl-interleaved"])
