@@ -167,7 +167,8 @@ def test_a_prefix_in_the_host_tier_is_read_ahead_while_the_step_before_runs(llam
     assert plain.num_cached_tokens >= 64 and set(reads) == {"MainThread"}  # the files, on the step thread
     reads.clear()
     ahead = build(llama_dir, **host)
-    ahead.add_request(prompt="Say something short.", params=greedy(6))  # runs first: max_num_seqs=1
+    # runs first (max_num_seqs=1), long enough that the read-ahead finishes on a loaded machine too
+    ahead.add_request(prompt="Say something short.", params=greedy(24))
     rid = ahead.add_request(**waiting)
     out = [ev.token_id for ev in ahead.run() if ev.request_id == rid]
     assert out == plain.output_token_ids
