@@ -48,3 +48,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul_bf16(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert gate of a fused gate/up projection [T, 2I] (gate columns, then up): the gate clamped
+    from above and the up from both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)`` as [T, I].
+    Every op in the reference's order, so fp32 results agree to the last bit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

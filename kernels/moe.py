@@ -1,13 +1,16 @@
 """Mixture-of-experts routing and expert dispatch.
 
-Two routers: softmax top-k (Mixtral, Qwen3-MoE) and DeepSeek-V3's sigmoid scores with a bias-corrected,
-group-limited top-k (the bias only chooses; the weights are the uncorrected scores). Both return fp32
-weights and expert ids that :func:`moe_experts` dispatches.
+Three routers: softmax top-k (Mixtral, Qwen3-MoE), DeepSeek-V3's sigmoid scores with a bias-corrected,
+group-limited top-k (the bias only chooses; the weights are the uncorrected scores), and gpt-oss's
+softmax over the k best logits. Each returns fp32 weights and expert ids that :func:`moe_experts`
+dispatches.
 """
 
 from __future__ import annotations
 
 import torch
+
+from typing import Callable
 
 from strata.kernels.layer_ops import silu_mul
 from strata.kernels.linear import linear
@@ -23,6 +26,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def moe_route_topk_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: the k largest logits choose the experts; a softmax over those k alone weighs them,
+    in the logits' dtype as the reference computes it. Returns (weights fp32 [T, k], expert ids [T, k])."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype).float(), ids
 
 
 def moe_route_grouped(
@@ -58,13 +68,17 @@ def moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     first_expert: int = 0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_mul,
 ) -> torch.Tensor:
     """Run each token through its chosen SwiGLU experts and sum the weighted outputs.
 
     ``gate_up``/``down`` may hold a contiguous run of the experts, global ids ``first_expert ..``
     (expert parallelism): tokens routed to experts outside the run contribute nothing here.
 
-    ``gate_up`` is [E, 2I, H] (gate rows then up rows), ``down`` is [E, H, I]. Experts are
+    ``gate_up`` is [E, 2I, H] (gate rows then up rows), ``down`` is [E, H, I], their optional biases
+    [E, 2I] and [E, H]; ``act`` turns [T, 2I] into [T, I] (SwiGLU unless the family says). Experts are
     visited in ascending id order and accumulated with ``index_add_``, the same order the
     reference uses, so fp32 results agree to the last bits.
     """
@@ -76,7 +90,9 @@ def moe_experts(
         if not 0 <= local < num_experts:
             continue
         tok, slot = torch.where(ids == e)
-        h = linear(silu_mul(linear(x[tok], gate_up[local])), down[local])
+        gu_b = gate_up_bias[local] if gate_up_bias is not None else None
+        d_b = down_bias[local] if down_bias is not None else None
+        h = linear(act(linear(x[tok], gate_up[local], gu_b)), down[local], d_b)
         h = h * weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out

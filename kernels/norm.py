@@ -9,7 +9,8 @@ from strata.kernels.layer_ops import bf16_layer_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses).
+    """Llama RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses); with an
+    fp32 weight and narrower x, scale in fp32 and then cast (gpt-oss's order: one rounding, not two).
 
     In fp32 torch's fused ``rms_norm`` runs the same ops in one call (bit-identical, tested against
     transformers at zero tolerance); other dtypes keep the explicit order, whose cast before the
@@ -17,6 +18,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if weight.dtype == torch.float32:  # gpt-oss's order: scale in fp32, then cast (its weight is held widened)
+        h = x.to(torch.float32)
+        return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
     if x.dim() in (2, 3) and (kernels := bf16_layer_ops(x, weight)) is not None:  # one pass (layer_ops)
         return kernels.rms_norm_bf16(x if x.dim() == 3 else x.unsqueeze(1), weight, eps).view(x.shape)
     dtype = x.dtype

@@ -31,6 +31,10 @@ TEXT_VARIANTS = {
     "qwen3_moe-renorm": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": []}),
     # GLM-4.5 with its q/k norm switched on and no biases
     "glm4_moe-qknorm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False}),
+    # gpt-oss with square down projections (I = H, as the release: no shape tells the layout), a clamp low
+    # enough to bite, another alpha and a window past a block
+    "gpt_oss-square": ("gpt_oss", {"intermediate_size": 64, "swiglu_limit": 1.0, "swiglu_alpha": 1.2,
+                                   "sliding_window": 20}),
 }
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.bringup.teacher_forced import sequence_logits  # noqa: F401  (tests import it from here)
+from strata.kernels import AttentionMetadata, write_kv
 from strata.kernels.quant_weight import (FP8BlockWeight, GGMLBlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight,
                                          cat_rows)
 from strata.pipeline.contract.config import EngineConfig
@@ -84,6 +85,25 @@ def run_python(*args: str, timeout: float = 300, env: dict[str, str] | None = No
 def run_strata(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The `strata` command line in a child process (``python -m strata``)."""
     return run_python("-m", "strata", *args, timeout=timeout, env=env)
+
+
+def paged_batch(seq_lens: list[int], query_lens: list[int], hkv: int, d: int, num_blocks: int, gen: torch.Generator):
+    """Random K/V written into a shuffled paged cache; returns cache, per-seq dense K/V and metadata."""
+    k_cache = torch.zeros(num_blocks, BS, hkv, d)
+    v_cache = torch.zeros(num_blocks, BS, hkv, d)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense, slots = [], [], []
+    for s_len, q_len in zip(seq_lens, query_lens):
+        blocks = [free.pop() for _ in range(-(-s_len // BS))]
+        k = torch.randn(s_len, hkv, d, generator=gen)
+        v = torch.randn(s_len, hkv, d, generator=gen)
+        all_slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(s_len)])
+        write_kv(k_cache, v_cache, k, v, all_slots)
+        tables.append(blocks)
+        dense.append((k, v))
+        slots.extend(all_slots[s_len - q_len :].tolist())
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS)
+    return k_cache, v_cache, dense, meta
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

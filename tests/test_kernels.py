@@ -27,26 +27,7 @@ from strata.kernels import (
 )
 from strata.kernels.attention_torch import attend_with_positions
 
-from helpers import BS, dense_reference as _dense_reference
-
-
-def _paged_batch(seq_lens, query_lens, hkv, d, num_blocks, gen):
-    """Random K/V written into a shuffled paged cache; returns cache, per-seq dense K/V and metadata."""
-    k_cache = torch.zeros(num_blocks, BS, hkv, d)
-    v_cache = torch.zeros(num_blocks, BS, hkv, d)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, dense, slots = [], [], []
-    for s_len, q_len in zip(seq_lens, query_lens):
-        blocks = [free.pop() for _ in range(-(-s_len // BS))]
-        k = torch.randn(s_len, hkv, d, generator=gen)
-        v = torch.randn(s_len, hkv, d, generator=gen)
-        all_slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(s_len)])
-        write_kv(k_cache, v_cache, k, v, all_slots)
-        tables.append(blocks)
-        dense.append((k, v))
-        slots.extend(all_slots[s_len - q_len :].tolist())
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BS)
-    return k_cache, v_cache, dense, meta
+from helpers import BS, dense_reference as _dense_reference, paged_batch
 
 
 BACKENDS = available_backends("cpu")
@@ -62,7 +43,7 @@ def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None
     # Not multiples of the block size; decodes, short chunks, long chunks (the flash path), a chunk after context.
     seq_lens = [1, 17, 33, 50, 64, 7, 90, 40]
     query_lens = [1, 17, 1, 19, 5, 1, 45, 40]
-    k_cache, v_cache, dense, meta = _paged_batch(seq_lens, query_lens, hkv, d, 60, gen)
+    k_cache, v_cache, dense, meta = paged_batch(seq_lens, query_lens, hkv, d, 60, gen)
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     scale = d**-0.5
     out, lse = get_attention_backend(backend).forward(q, k_cache, v_cache, meta, scale, window, return_lse=with_lse)

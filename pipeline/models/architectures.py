@@ -33,9 +33,16 @@ class TextFamily:
     bias_on_o: bool = True  # ``attention_bias`` covers the output projection too (Llama); GLM biases q/k/v only
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     qk_norm_key: str | None = None  # or the config key that switches it on (GLM-4.5's ``use_qk_norm``)
-    windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3)
-    router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped"
+    windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3,
+    # when ``use_sliding_window`` says so) | "layer_types-always" (gpt-oss: its ``layer_types`` alone decide)
+    norm_scale_fp32: bool = False  # RMSNorm scales in fp32 before its cast back (gpt-oss), not after (Llama)
+    sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
+    router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped" | "topk-softmax" (gpt-oss: softmax
+    # over the k best logits of a router with a bias)
+    experts: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: clamped gate and up, up + 1, biases, gate
+    # and up columns interleaved and the matrices stored as x @ W in the checkpoint)
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
+    expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
     always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
     positions: str = "rope"  # "rope" (1-D) | "mrope" (Qwen2.5-VL: t/h/w in runs) | "mrope-interleaved" (Qwen3-VL)
     renormalize_topk: bool = False  # the router always renormalises its top-k (Qwen3-VL-MoE), whatever the config says
@@ -66,6 +73,10 @@ for _family in (
     # GLM-4.5/4.6: GQA with q/k/v biases (none on o), optional q/k norm, partial RoPE; DeepSeek-V3's router
     TextFamily("glm4_moe", bias_on_o=False, qk_norm_key="use_qk_norm", router="sigmoid-grouped",
                experts_keys=("n_routed_experts",)),
+    # gpt-oss: GQA with biases and sinks, sliding and full layers alternating, a biased top-k router over
+    # clamped-SwiGLU experts with biases
+    TextFamily("gpt_oss", windows="layer_types-always", norm_scale_fp32=True, sinks=True, router="topk-softmax", experts="clamped-swiglu",
+               expert_size_key="intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", qkv_bias=True, windows="layer_types", positions="mrope"),
     TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
@@ -77,6 +88,9 @@ for _family in (
 
 # (checkpoint-name prefix, part, prefix of the name inside that part's module); first match wins.
 NameRule = tuple[str, str, str]
+
+# gpt-oss calls its router ``mlp.router``; every other family's is ``mlp.gate``
+GPT_OSS_RENAMES: tuple[NameRule, ...] = ((r"^model\.layers\.(\d+)\.mlp\.router\.", "text", r"layers.\1.mlp.gate."),)
 
 CAUSAL_LM_NAMES: tuple[NameRule, ...] = (
     ("model.layers.", "text", "layers."),
@@ -230,6 +244,8 @@ for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistr
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3"),
                     ("Glm4MoeForCausalLM", "glm4_moe")):
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
+register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_LM_NAMES, text_family="gpt_oss",
+                                        renames=GPT_OSS_RENAMES))
 
 
 class UnknownArchitecture(ValueError):

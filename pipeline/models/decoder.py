@@ -32,11 +32,12 @@ from strata.kernels import (
     write_kv,
 )
 from strata.kernels.layer_ops import silu_mul
+from strata.kernels.sinks import apply_sinks
 from strata.pipeline.models.architectures import TEXT_FAMILIES
 from strata.pipeline.models.attention_mla import MLAAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
-from strata.pipeline.models.moe import SparseMoE
+from strata.pipeline.models.moe import SparseMoE, interleaved_experts_to_stacked
 
 
 def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
@@ -85,10 +86,14 @@ class DenseSteps:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``scale_fp32``: the loader rounds the weight to the model dtype and holds it in fp32, so ``rms_norm``
+    scales in fp32 and casts once, as gpt-oss's reference does (Llama's casts, then scales)."""
+
+    def __init__(self, size: int, eps: float, scale_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.widen_after_cast = scale_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -114,6 +119,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # gpt-oss: a learned logit per head in every softmax (``kernels.sinks``)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.sinks else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse
         self.qkv_bias: torch.Tensor | None = None
 
@@ -143,9 +150,12 @@ class Attention(nn.Module):
             k, v, q = k / s_k, v / s_v, q * s_k
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         spilled = meta.spilled is not None
-        out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window, return_lse=spilled)
+        out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                   return_lse=spilled or self.sinks is not None)
         if spilled:
             out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
+        if self.sinks is not None:
+            out = apply_sinks(out, lse, self.sinks)
         if self.kv_scales is not None:
             out = out * self.kv_scales[1]
         return out.contiguous()  # one layout whatever the backend (compiled steps guard on strides)
@@ -154,9 +164,9 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         self.self_attn: Attention | MLAAttention = MLAAttention(cfg, layer_idx) if cfg.mla else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         if cfg.is_moe_layer(layer_idx):
             self.mlp: nn.Module = SparseMoE(cfg, TEXT_FAMILIES[cfg.model_type].always_renormalize)
         else:
@@ -183,13 +193,14 @@ class LanguageModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
     layer_class: type[DecoderLayer] = DecoderLayer  # the tensor-parallel model swaps in its own
+    compute_dtype: torch.dtype = torch.float32  # set by the loader (norms may be held in fp32, embeddings quantized)
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters, cfg.mrope_section, cfg.mrope_interleaved)
         self.steps = DenseSteps()
@@ -202,6 +213,14 @@ class LanguageModel(nn.Module):
                 layer.mlp.shared_experts.fuse()
             if isinstance(layer.mlp, DenseMLP):
                 layer.mlp.fuse()
+
+    def split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """The loader's hook for a checkpoint tensor in another layout than ours: gpt-oss's experts."""
+        moe = self.cfg.moe
+        if moe is None or moe.activation != "clamped-swiglu":
+            return None
+        stacked = interleaved_experts_to_stacked(name, tensor)
+        return None if stacked is None else [(name, stacked)]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)

@@ -70,7 +70,7 @@ def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: i
     cfg = model.cfg
     t = len(token_ids)
     num_blocks = -(-t // block_size)
-    dtype = model.norm.weight.dtype  # the compute dtype (an embedding table may be stored quantized)
+    dtype = model.compute_dtype
     kv = torch.zeros(num_blocks, cfg.num_layers, cfg.kv_parts, block_size, cfg.kv_cache_heads, cfg.kv_cache_dim,
                      dtype=dtype, device=device)
     meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size, device)

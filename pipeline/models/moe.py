@@ -1,8 +1,10 @@
 """Sparse mixture-of-experts feed-forward blocks: routed experts, a router, optional shared experts.
 
 One module for every family in the registry: the router kind (softmax top-k; sigmoid with
-bias-corrected group-limited top-k) and the shared experts come from :class:`MoEConfig`. Expert weights
-are stacked 3-D tensors (the transformers-5 layout); the loader stacks per-expert checkpoints into it.
+bias-corrected group-limited top-k; gpt-oss's softmax over the k best logits of a biased router), the
+experts' gate (SwiGLU, or gpt-oss's clamped one with biases) and the shared experts come from
+:class:`MoEConfig`. Expert weights are stacked 3-D tensors (the transformers-5 layout); the loader
+stacks per-expert checkpoints into it.
 """
 
 from __future__ import annotations
@@ -11,18 +13,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import functools
+import re
+
 from strata.kernels import moe_experts, moe_route, moe_route_grouped
+from strata.kernels.layer_ops import clamped_swiglu, silu_mul
+from strata.kernels.moe import moe_route_topk_logits
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.model_config import MoEConfig, TextConfig
 
 
-class MoEExperts(nn.Module):
-    """Expert weights stacked as 3-D tensors: gate_up [E, 2I, H], down [E, H, I]."""
+_GPT_OSS_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+
+def interleaved_experts_to_stacked(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """gpt-oss's expert tensors in :class:`MoEExperts`' layout, or None for a tensor that is no expert's.
+
+    gpt-oss keeps its experts as ``x @ W`` ([E, H, 2I] and [E, I, H]) with gate and up columns alternating
+    (gate 0, up 0, gate 1, ...); ours are ``W @ x`` with the gate rows first. The transposes are by the
+    family, not by shape: real gpt-oss experts are square (I = H = 2880), where a shape tells nothing."""
+    m = _GPT_OSS_EXPERTS.match(name)
+    if m is None:
+        return None
+    proj, bias = m.group(1), m.group(2) is not None
+    if proj == "gate_up_proj":
+        t = tensor if bias else tensor.transpose(1, 2)  # [E, 2I] or [E, 2I, H], still interleaved
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    return tensor if bias else tensor.transpose(1, 2).contiguous()
+
+
+class MoEExperts(nn.Module):
+    """Expert weights stacked as 3-D tensors: gate_up [E, 2I, H], down [E, H, I] (and gpt-oss's biases,
+    [E, 2I] and [E, H])."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
 class Router(nn.Module):
@@ -33,6 +62,7 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
         if moe.router == "sigmoid-grouped":
             self.keep_fp32 = True
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
@@ -45,6 +75,8 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight)
             return moe_route_grouped(logits, self.e_score_correction_bias, m.experts_per_tok, m.n_group,
                                      m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+        if m.router == "topk-softmax":
+            return moe_route_topk_logits(F.linear(x, self.weight, self.bias), m.experts_per_tok)
         weights, ids = moe_route(F.linear(x, self.weight), m.experts_per_tok, renormalize)
         return (weights.to(x.dtype).float() if logits_dtype_weights else weights), ids
 
@@ -58,14 +90,18 @@ class SparseMoE(nn.Module):
         self.renormalize = always_renormalize or moe.norm_topk_prob
         self.logits_dtype_weights = not always_renormalize
         self.gate = Router(moe, cfg.hidden_size)
-        self.experts = MoEExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts = MoEExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.expert_bias)
+        self.act = functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit) \
+            if moe.activation == "clamped-swiglu" else silu_mul
         self.shared_experts = DenseMLP(cfg.hidden_size, moe.shared_intermediate_size, False) \
             if moe.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         """Routed experts (only ``first_expert ..`` of them when this rank holds a run) plus shared experts."""
         weights, ids = self.gate.route(x, self.renormalize, self.logits_dtype_weights)
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, first_expert)
+        e = self.experts
+        out = moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, first_expert, e.gate_up_proj_bias,
+                          e.down_proj_bias, self.act)
         if self.shared_experts is not None:
             out = out + self.shared_experts.forward(x)
         return out

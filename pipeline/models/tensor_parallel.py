@@ -73,7 +73,8 @@ class ParallelLanguageModel(LanguageModel):
             if plan.cfg.is_moe_layer(layer.self_attn.layer_idx):
                 lo, hi = plan.experts
                 layer.first_expert = lo
-                layer.mlp.experts = MoEExperts(hi - lo, local.hidden_size, local.moe.intermediate_size)
+                layer.mlp.experts = MoEExperts(hi - lo, local.hidden_size, local.moe.intermediate_size,
+                                               local.moe.expert_bias)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its range (zeros elsewhere), summed."""

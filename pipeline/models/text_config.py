@@ -43,13 +43,24 @@ class MoEConfig:
     num_experts: int
     experts_per_tok: int
     intermediate_size: int  # of one routed expert
-    router: str = "softmax"  # "softmax" | "sigmoid-grouped"
+    router: str = "softmax"  # "softmax" | "sigmoid-grouped" | "topk-softmax" (with a router bias)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
     n_shared_experts: int = 0
     shared_split: int = 1  # ranks the shared experts' columns are split over (tensor parallelism)
+    activation: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: with biases, ``swiglu_alpha``/``_limit``)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @property
+    def router_bias(self) -> bool:
+        return self.router == "topk-softmax"
+
+    @property
+    def expert_bias(self) -> bool:
+        return self.activation == "clamped-swiglu"
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -79,6 +90,8 @@ class TextConfig:
     experts_per_tok: int = 0
     hidden_act: str = "silu"
     qk_norm: bool = False
+    sinks: bool = False  # a learned logit per head in every softmax (gpt-oss; ``kernels.sinks``)
+    norm_scale_fp32: bool = False  # RMSNorm weights held in fp32: scale before the cast (gpt-oss; ``kernels.norm``)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP; () = every layer dense
@@ -131,8 +144,9 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 def _windows(tc: dict[str, Any], family: TextFamily, num_layers: int) -> tuple[int | None, ...]:
     window = tc.get("sliding_window")
-    if family.windows == "layer_types":
-        if not tc.get("use_sliding_window", False) or window is None:
+    if family.windows in ("layer_types", "layer_types-always"):
+        switched_off = family.windows == "layer_types" and not tc.get("use_sliding_window", False)
+        if switched_off or window is None:
             return (None,) * num_layers
         types = tc.get("layer_types") or ["full_attention"] * num_layers
         return tuple(window if t == "sliding_attention" else None for t in types)
@@ -173,16 +187,20 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
         moe = MoEConfig(experts, per_token, size(tc, "intermediate_size"))
         return moe, (True,) * layers
     sigmoid = family.router == "sigmoid-grouped"
+    clamped = family.experts == "clamped-swiglu"
     moe = MoEConfig(
         num_experts=experts,
         experts_per_tok=per_token,
-        intermediate_size=size(tc, "moe_intermediate_size"),
+        intermediate_size=size(tc, family.expert_size_key),
         router=family.router,
         norm_topk_prob=family.renormalize_topk or bool(tc.get("norm_topk_prob", sigmoid)),
         routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0) or 1.0) if sigmoid else 1.0,
         n_group=int(tc.get("n_group") or 1) if sigmoid else 1,
         topk_group=int(tc.get("topk_group") or 1) if sigmoid else 1,
         n_shared_experts=int(tc.get("n_shared_experts") or 0) if sigmoid else 0,
+        activation=family.experts,
+        swiglu_alpha=_positive(tc, "swiglu_alpha", 1.702) if clamped else 1.702,
+        swiglu_limit=_positive(tc, "swiglu_limit", 7.0) if clamped else 7.0,
     )
     if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
         raise ModelConfigError(f"{experts} experts do not split into n_group={moe.n_group} groups with "
@@ -192,6 +210,13 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
         return moe, tuple(i >= first and i % freq == 0 for i in range(layers))
     skip, step = set(tc.get("mlp_only_layers") or ()), int(tc.get("decoder_sparse_step") or 1)
     return moe, tuple(i not in skip and (i + 1) % step == 0 for i in range(layers))
+
+
+def _positive(tc: dict[str, Any], key: str, default: float) -> float:
+    value = tc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelConfigError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> TextConfig:
@@ -244,6 +269,8 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         experts_per_tok=moe.experts_per_tok if moe else 0,
         hidden_act=act,
         qk_norm=family.uses_qk_norm(tc),
+        sinks=family.sinks,
+        norm_scale_fp32=family.norm_scale_fp32,
         mla=mla,
         moe=moe,
         moe_layers=moe_layers,

@@ -132,8 +132,14 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dty
     if tensor.dtype not in DENSE_DTYPES:  # e4m3 bytes or packed integers read as numbers: every answer wrong
         raise WeightsError(f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, but the "
                            "checkpoint's config says nothing of how to read it (no quantization_config claims it)")
-    # a router scores in fp32 whatever the model's dtype, as the reference does
-    tensor = tensor.to(torch.float32 if getattr(parent, "keep_fp32", False) else dtype)
+    # a router scores in fp32 whatever the model's dtype, as the reference does; a weight the reference holds
+    # in the model dtype but multiplies in fp32 (gpt-oss's norms) is rounded to that dtype, then widened
+    if getattr(parent, "keep_fp32", False):
+        tensor = tensor.to(torch.float32)
+    elif getattr(parent, "widen_after_cast", False):
+        tensor = tensor.to(dtype).to(torch.float32)
+    else:
+        tensor = tensor.to(dtype)
     setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
 
 
@@ -354,6 +360,8 @@ def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger
 
 def _finish(modules: dict[str, nn.Module], dtype: torch.dtype, device: torch.device | str) -> None:
     text = modules.get("text")
+    if text is not None and hasattr(text, "compute_dtype"):
+        text.compute_dtype = dtype
     if text is not None and isinstance(text.embed_tokens, QuantEmbedding):
         text.embed_tokens.dtype = dtype
         if isinstance(text.lm_head, nn.Linear) and text.lm_head.weight.is_meta and text.cfg.tie_word_embeddings:

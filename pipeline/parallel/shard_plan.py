@@ -33,8 +33,10 @@ class DecoderShape(Protocol):
     mlp_bias: bool
     tie_word_embeddings: bool
     qk_norm: bool
+    sinks: bool  # a learned softmax logit per q head (gpt-oss)
     mla: Any  # MLAConfig | None: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-    moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split
+    moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split,
+    # router_bias, expert_bias
     moe_layers: tuple[bool, ...]
 
     @property
@@ -47,7 +49,8 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 _LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(\w+)\.(weight|bias)$")
-_STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_SINKS = re.compile(r"^layers\.\d+\.self_attn\.sinks$")
 _CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -136,6 +139,8 @@ class ShardPlan:
         m = _STACKED_EXPERTS.match(name)
         if m:
             return (0, *self.experts)
+        if _SINKS.match(name):  # one logit per q head
+            return (0, *self.heads)
         m = _LAYER.match(name)
         if m is None:
             return None
@@ -205,8 +210,9 @@ class ShardPlan:
         if moe_layers:
             e, ie = self.experts[1] - self.experts[0], c.moe.intermediate_size
             roles["experts"] = moe_layers * e * 3 * h * ie
-            roles["other"] += moe_layers * e * (2 * ie + h) * c.mlp_bias
-            roles["router"] = moe_layers * (c.num_experts * h + c.num_experts * (c.moe.router == "sigmoid-grouped"))
+            roles["other"] += moe_layers * e * (2 * ie + h) * (c.mlp_bias or c.moe.expert_bias)
+            router_bias = c.moe.router == "sigmoid-grouped" or c.moe.router_bias  # DeepSeek's correction, gpt-oss's
+            roles["router"] = moe_layers * (c.num_experts * h + c.num_experts * router_bias)
             shared = c.moe.intermediate_size * c.moe.n_shared_experts
             roles["shared_experts"] = moe_layers * 3 * h * (shared // self.size)
         roles["embed"] = self.padded_vocab * h
@@ -225,7 +231,8 @@ class ShardPlan:
             return q + kv_a + heads * m.v_head_dim * h, kv_b, (m.q_lora_rank or 0) + m.kv_lora_rank
         d = c.head_dim
         q, kv = heads * d, (self.kv_heads[1] - self.kv_heads[0]) * d
-        return 2 * h * q + 2 * h * kv, 0, (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm
+        other = (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm + heads * c.sinks
+        return 2 * h * q + 2 * h * kv, 0, other
 
 
 def largest_rank_params(cfg: DecoderShape, size: int) -> int:

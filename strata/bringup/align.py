@@ -116,7 +116,7 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
             h.remove()
     acts = rec.tensors()
     with torch.inference_mode():
-        acts["logits"] = lm.logits(acts["final_norm"].to(lm.norm.weight.dtype)).float()
+        acts["logits"] = lm.logits(acts["final_norm"].to(lm.compute_dtype)).float()
     return acts, list(request.prompt_token_ids)
 
 

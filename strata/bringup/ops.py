@@ -110,6 +110,8 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, model_type: str) -
     detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
     if family is not None and family.uses_qk_norm(tc):
         detail += ", q/k RMSNorm"
+    if family is not None and family.sinks:
+        detail += ", a sink logit per head (kernels.sinks)"
     if use_window:
         detail += f", sliding window {window}"
     if types:
@@ -125,7 +127,11 @@ def _mlp(tc: dict[str, Any], family: TextFamily | None) -> Component:
         return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
     top_k = tc.get("num_experts_per_tok")
     grouped = bool(tc.get("n_group") or tc.get("topk_method") or tc.get("n_shared_experts"))
-    if grouped:
+    if "swiglu_limit" in tc:  # gpt-oss
+        desc = (f"MoE: top-{top_k} of {experts} experts, softmax over the {top_k} best logits of a router with a "
+                f"bias; SwiGLU clamped at {tc['swiglu_limit']} (alpha {tc.get('swiglu_alpha', 1.702)}), up + 1, biases")
+        ok = family is not None and family.router == "topk-softmax" and family.experts == "clamped-swiglu"
+    elif grouped:
         desc = (f"MoE: top-{top_k} of {experts} experts, sigmoid scores with bias-corrected group-limited choice "
                 f"({tc.get('n_group', 1)} groups, best {tc.get('topk_group', 1)}), {tc.get('n_shared_experts', 0)} "
                 f"shared, scaling {tc.get('routed_scaling_factor', 1.0)}, first {tc.get('first_k_dense_replace', 0)} "

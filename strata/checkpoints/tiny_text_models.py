@@ -5,9 +5,9 @@ Each is ``AutoModelForCausalLM.from_config`` on a small config of that family, s
 tokenizer with a plain chat template. The configs vary what real checkpoints vary: tied embeddings
 and llama3 RoPE (Llama, as SmolLM2), a sliding window (Mistral), q/k/v biases (Qwen2), a head dim
 apart from hidden/heads with q/k norm (Qwen3), softmax MoE with and without renormalisation and
-dense layers between sparse ones (Mixtral, Qwen3-MoE), and for DeepSeek-V3 MLA with or without a
+dense layers between sparse ones (Mixtral, Qwen3-MoE), for DeepSeek-V3 MLA with or without a
 q LoRA, interleaved yarn RoPE with mscale, sigmoid group-limited routing, shared experts and a
-first dense layer. ``overrides`` change any config field (tests build variants with them).
+first dense layer, and for gpt-oss sinks, alternating sliding and full layers and clamped-SwiGLU experts. ``overrides`` change any config field (tests build variants with them).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
-TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 # "<s>user: Hi\nassistant: Hello</s>\n...assistant:" (content is a string, as text models' templates read it)
 TEXT_CHAT_TEMPLATE = (
@@ -55,6 +55,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
                      first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.5}),
+    # gpt-oss as released, small: sliding and full layers alternating (a window of 12 cuts blocks and prefill
+    # chunks), sinks, biases everywhere, a top-2 router over 4 clamped-SwiGLU experts, yarn without truncation
+    "gpt_oss": dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024}),
 }
 
 
