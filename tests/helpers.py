@@ -43,6 +43,31 @@ def build(model_dir: Path, **config: Any):
     return build_engine(model_dir, EngineConfig(**config))
 
 
+def transformers_greedy(model_dir: Path, prompt: str, n: int, **load: Any) -> list[int]:
+    """transformers' greedy continuation of the chat-rendered prompt in fp32 (EOS ignored, as the engine's
+    ``ignore_eos`` requests are); ``load`` goes to ``from_pretrained`` (a quantization config, say)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                      add_generation_prompt=True))["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def assert_tp2_equals_tp1(model_dir: Path, requests: list[dict[str, Any]]) -> None:
+    """Two tensor-parallel ranks give the tokens one process gives."""
+    expected = [o.output_token_ids for o in build(model_dir).generate(requests)]
+    two = build(model_dir, tp=2)
+    try:
+        assert [o.output_token_ids for o in two.generate(requests)] == expected
+    finally:
+        two.close()
+
+
 def build_stages(model_dir: Path, **config: Any):
     """A Prefiller and a Decoder over two block pools in this process, as two stage replicas would be."""
     from strata.stages.decoder import Decoder

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build, greedy, prefill_logits, transformers_reference
+from helpers import assert_tp2_equals_tp1, build, greedy, prefill_logits, transformers_reference
 from safetensors.torch import load_file, save_file
 
 from strata.cli import main
@@ -60,13 +60,7 @@ def test_tp2_equals_tp1(name: str, quantized_models) -> None:
     """Each rank reads its slices of the codes and the scales (splits fall on block and group boundaries);
     experts split whole."""
     quantized, _ = quantized_models[name]
-    reqs = [{"prompt": p, "params": greedy(10 + i)} for i, p in enumerate(PROMPTS)]
-    expected = [o.output_token_ids for o in build(quantized).generate(reqs)]
-    two = build(quantized, tp=2)
-    try:
-        assert [o.output_token_ids for o in two.generate(reqs)] == expected
-    finally:
-        two.close()
+    assert_tp2_equals_tp1(quantized, [{"prompt": p, "params": greedy(10 + i)} for i, p in enumerate(PROMPTS)])
 
 
 def test_spilled_blocks_of_a_quantized_model_reload_and_are_reused(quantized_models, tmp_path: Path) -> None:

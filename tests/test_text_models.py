@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build, greedy
+from helpers import build, greedy, transformers_greedy
 
 from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
@@ -25,20 +25,6 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deeps
             "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square"]
 
 
-def _reference_tokens(model_dir: Path, prompt: str, n: int) -> list[int]:
-    """transformers' greedy continuation of the chat-rendered prompt (EOS ignored, as ours is below)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                      add_generation_prompt=True))["input_ids"]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             min_new_tokens=n)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_tokens_equal_transformers(arch: str, backend: str, text_models) -> None:
@@ -49,7 +35,7 @@ def test_greedy_tokens_equal_transformers(arch: str, backend: str, text_models) 
     outs = engine.generate([{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS])
     assert [o.error for o in outs] == [None] * len(PROMPTS)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.output_token_ids == _reference_tokens(model_dir, prompt, 10), prompt
+        assert out.output_token_ids == transformers_greedy(model_dir, prompt, 10), prompt
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

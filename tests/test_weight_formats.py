@@ -163,7 +163,8 @@ def test_the_release_configs_parse_into_their_formats() -> None:
 
 @pytest.mark.parametrize("config, named", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not implemented"),
-    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' is not implemented"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not implemented"),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
     ({**FP8, "fmt": "e5m2"}, "fp8 fmt 'e5m2'"),
     ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
     ({**FP8, "weight_block_size": None}, "without weight_block_size"),

@@ -37,9 +37,13 @@ def interleaved_experts_to_stacked(name: str, tensor: torch.Tensor) -> torch.Ten
         return None
     proj, bias = m.group(1), m.group(2) is not None
     if proj == "gate_up_proj":
-        t = tensor if bias else tensor.transpose(1, 2)  # [E, 2I] or [E, 2I, H], still interleaved
-        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+        return gate_rows_first(tensor if bias else tensor.transpose(1, 2))  # [E, 2I] or [E, 2I, H]
     return tensor if bias else tensor.transpose(1, 2).contiguous()
+
+
+def gate_rows_first(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1 of a stack) alternating gate, up, gate, ... reordered to every gate row, then every up row."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
 
 
 class MoEExperts(nn.Module):

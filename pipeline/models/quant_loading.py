@@ -96,6 +96,8 @@ class QuantCollector:
         module, leaf = _split(name)
         if _EXPERT.match(module):
             return None
+        if hasattr(self.formats[module], "build_experts"):  # a whole stack in one tensor: this rank's experts
+            return (0, *self.shard.experts)
         cut = self.shard.slice_for(f"{module}.weight")
         if cut is None:
             return None
@@ -113,6 +115,10 @@ class QuantCollector:
         try:
             if m is None:
                 target = self.model.get_submodule(module)
+                if isinstance(target, QuantExperts) and hasattr(fmt, "build_experts"):  # gpt-oss's stacked blocks
+                    target.gate_up_proj, target.down_proj = fmt.build_experts(
+                        module, target.num_experts, target.hidden, target.intermediate, parts)
+                    return
                 if isinstance(target, QuantEmbedding):  # a table: one row per token
                     target.weight = fmt.build(module, target.num_embeddings, target.embedding_dim, parts)
                     return

@@ -69,11 +69,14 @@ class QuantExperts(nn.Module):
     """Routed experts stacked like :class:`models.moe.MoEExperts` (gate_up [E, 2I, H], down [E, H, I]),
     each a QuantWeight of the stack."""
 
-    def __init__(self, fmt: WeightFormat, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, fmt: WeightFormat, num_experts: int, hidden: int, intermediate: int,
+                 biases: tuple[nn.Parameter | None, nn.Parameter | None] = (None, None)) -> None:
         super().__init__()
         self.fmt, self.num_experts, self.hidden, self.intermediate = fmt, num_experts, hidden, intermediate
         self.gate_up_proj: QuantWeight | None = None
         self.down_proj: QuantWeight | None = None
+        # gpt-oss's expert biases stay dense: the dense stack's own (meta) parameters, filled by name
+        self.gate_up_proj_bias, self.down_proj_bias = biases
 
 
 def quant_weights(model: nn.Module) -> dict[str, QuantWeight | None]:
@@ -100,7 +103,8 @@ def install(model: nn.Module, formats: dict[str, WeightFormat]) -> None:
             replacement = QuantEmbedding(fmt, current.num_embeddings, current.embedding_dim)
         elif isinstance(getattr(current, "gate_up_proj", None), torch.Tensor):  # a stack of experts (models.moe)
             e, two_i, h = current.gate_up_proj.shape
-            replacement = QuantExperts(fmt, e, h, two_i // 2)
+            biases = (getattr(current, "gate_up_proj_bias", None), getattr(current, "down_proj_bias", None))
+            replacement = QuantExperts(fmt, e, h, two_i // 2, biases)
         else:
             raise ValueError(f"{name} is a {type(current).__name__}, which has no quantized form")
         setattr(parent, leaf, replacement)

@@ -7,8 +7,8 @@ from strata.pipeline.models.weight_formats.fp8_block import FP8Block
 from strata.pipeline.models.weight_formats.fp8_row import FP8Row
 from strata.pipeline.models.weight_formats.ggml_block import GGMLBlock
 from strata.pipeline.models.weight_formats.int4_group import Int4Group
-from strata.pipeline.models.weight_formats.mxfp4 import MXFP4
+from strata.pipeline.models.weight_formats.mxfp4 import MXFP4, MXFP4Experts
 from strata.pipeline.models.weight_formats.scheme import QUANT_SUFFIXES, QuantScheme, is_quant_tensor, parse_quantization
 
-__all__ = ["FP8Block", "FP8Row", "GGMLBlock", "Int4Group", "MXFP4", "QUANT_SUFFIXES", "QuantScheme", "WeightFormat",
+__all__ = ["FP8Block", "FP8Row", "GGMLBlock", "Int4Group", "MXFP4", "MXFP4Experts", "QUANT_SUFFIXES", "QuantScheme", "WeightFormat",
            "WeightFormatError", "is_quant_tensor", "parse_quantization"]

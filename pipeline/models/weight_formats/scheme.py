@@ -9,6 +9,7 @@ marked linear is in (their ``targets``), and its ``ignore`` list which linears m
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,10 @@ from strata.pipeline.models.weight_formats.fp8_block import FP8Block
 from strata.pipeline.models.weight_formats.fp8_row import FP8Row
 from strata.pipeline.models.weight_formats.ggml_block import GGML_KINDS, GGMLBlock
 from strata.pipeline.models.weight_formats.int4_group import Int4Group
-from strata.pipeline.models.weight_formats.mxfp4 import MXFP4
+from strata.pipeline.models.weight_formats.mxfp4 import MXFP4, MXFP4Experts
 
 IMPLEMENTED = ("fp8 (e4m3 block scales), compressed-tensors pack-quantized INT4 (groups), float-quantized FP8 "
-               "(tensor, channel or block scales), mxfp4-pack-quantized MXFP4, and GGUF's q4_0, q4_1 and q8_0 blocks")
+               "(tensor, channel or block scales), mxfp4-pack-quantized MXFP4, gpt-oss's mxfp4 expert blocks, and GGUF's q4_0, q4_1 and q8_0 blocks")
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_packed", "weight_zero_point", "weight_shape",
                   "input_scale", "weight_global_scale", "input_global_scale", "qweight", "qzeros", "scales", "g_idx",
                   "blocks", "weight_blocks", "weight_scales",
@@ -95,6 +96,8 @@ def parse_quantization(raw: dict[str, Any]) -> QuantScheme | None:
         return _compressed_tensors(qc)
     if method == "gguf":
         return _gguf(qc)
+    if method == "mxfp4":
+        return _gpt_oss_mxfp4(qc)
     raise ModelConfigError(f"quantization_config: quant_method {method!r} is not implemented (Strata reads {IMPLEMENTED})")
 
 
@@ -125,6 +128,15 @@ def _gguf(qc: dict[str, Any]) -> QuantScheme:
         raise ModelConfigError(f"quantization_config: GGUF block type {unknown[0]!r} is not implemented "
                                f"(Strata keeps {', '.join(GGML_KINDS)})")
     return QuantScheme("gguf", tuple(FormatGroup(("Linear",), GGMLBlock(k)) for k in kinds))
+
+
+def _gpt_oss_mxfp4(qc: dict[str, Any]) -> QuantScheme:
+    """gpt-oss's own config: its routed experts in MXFP4 blocks, ``modules_to_not_convert`` (globs) dense."""
+    keep = qc.get("modules_to_not_convert") or []
+    if not isinstance(keep, list) or not all(isinstance(t, str) for t in keep):
+        raise ModelConfigError("quantization_config: modules_to_not_convert must be a list of module names")
+    experts = FormatGroup((r"re:.*\.mlp\.experts(\..*)?$",), MXFP4Experts())
+    return QuantScheme("mxfp4", (experts,), tuple("re:" + fnmatch.translate(t) for t in keep))
 
 
 def _block(block: Any) -> tuple[int, int]:
