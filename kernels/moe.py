@@ -16,6 +16,12 @@ from strata.kernels.layer_ops import silu_mul
 from strata.kernels.linear import linear
 
 
+def gate_rows_first(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1 of a stack) alternating gate, up, gate, ... reordered to every gate row, then every up row:
+    the layout :func:`moe_experts` reads, from gpt-oss's interleaved one."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 over experts, keep the top-k, optionally renormalise to sum 1.
 

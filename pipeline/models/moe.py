@@ -18,7 +18,7 @@ import re
 
 from strata.kernels import moe_experts, moe_route, moe_route_grouped
 from strata.kernels.layer_ops import clamped_swiglu, silu_mul
-from strata.kernels.moe import moe_route_topk_logits
+from strata.kernels.moe import gate_rows_first, moe_route_topk_logits
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.model_config import MoEConfig, TextConfig
 
@@ -39,11 +39,6 @@ def interleaved_experts_to_stacked(name: str, tensor: torch.Tensor) -> torch.Ten
     if proj == "gate_up_proj":
         return gate_rows_first(tensor if bias else tensor.transpose(1, 2))  # [E, 2I] or [E, 2I, H]
     return tensor if bias else tensor.transpose(1, 2).contiguous()
-
-
-def gate_rows_first(t: torch.Tensor) -> torch.Tensor:
-    """Rows (dim 1 of a stack) alternating gate, up, gate, ... reordered to every gate row, then every up row."""
-    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
 
 
 class MoEExperts(nn.Module):

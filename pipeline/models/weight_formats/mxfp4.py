@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kernels.moe import gate_rows_first
 from strata.kernels.quant_weight import MXFP4Weight
 from strata.pipeline.models.weight_formats.format import (
     WeightFormat,
@@ -84,8 +85,6 @@ class MXFP4Experts(WeightFormat):
     def build_experts(self, name: str, experts: int, hidden: int, intermediate: int,
                       parts: dict[str, torch.Tensor]) -> tuple[MXFP4Weight, MXFP4Weight]:
         """(gate_up [E, 2I, H] gate rows first, down [E, H, I]) of this rank's ``experts``."""
-        from strata.pipeline.models.moe import gate_rows_first
-
         out = []
         for proj, rows, cols in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
             if cols % GROUP:
