@@ -6,7 +6,8 @@ from .device_blocks import DeviceBlocks
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
 from .spilled_reads import KVBlockLostError, SpilledBlocks
-from .tiered_cache import PrefixMatch, TieredKVCache
+from .prefix_match import PrefixMatch
+from .tiered_cache import TieredKVCache
 from .block_table import BlockTable, blocks_for_tokens, chunk_working_set_blocks
 from .hashing import (
     DIGEST_SIZE,

@@ -20,10 +20,8 @@ disk gives a prefix cache that survives restarts.
 
 from __future__ import annotations
 
-import logging
 import os
 import sqlite3
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,27 +30,17 @@ from typing import Callable, Iterable
 import numpy as np
 
 from strata.kvstore.block_file import BlockFileError, encode_block, read_header, read_layers_into
+from strata.kvstore.block_files import BlockFiles, unlink
+from strata.kvstore.index_writes import IndexWrites
 from strata.kvstore.layout import KVLayout
-from strata.kvstore.liveness import pid_alive
-from strata.kvstore.private_dir import private_dir
 from strata.kvstore.tier_index import TierIndex
 
 _DEMOTE_BATCH = 16
 
 
-log = logging.getLogger(__name__)
-
-
 class TierWriteError(OSError):
     """A tier could not store blocks (its filesystem or its index is full or read-only). Write-through
     is a cache: the caller keeps the block on the device or recomputes it later."""
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 Demote = Callable[[list[tuple[bytes, bytes]]], list[bool]]  # (hash, whole file) pairs -> which were stored
@@ -83,48 +71,20 @@ class FileBlockStore:
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "puts": 0, "rejected": 0, "evicted": 0, "demoted": 0,
                          "reconciled": 0, "write_failures": 0, "index_errors": 0}
-        self._lock = threading.Lock()
-        self._unpins: list[tuple[bytes, str]] = []  # pins to drop that the index could not take yet
-        self._blocks_dir = str(self.root / "blocks")
-        self._tmp_dir = str(self.root / "tmp")
-        private_dir(self.root)
-        private_dir(Path(self._blocks_dir))
-        private_dir(Path(self._tmp_dir))
+        self.files = BlockFiles(self.root)
         self.index = TierIndex(self.root / "index.db", name)
+        self.writes = IndexWrites(self.index, name, self.counters)
         self.rebuild_index()
-
-    # ------------------------------------------------------------ paths
-    def path(self, block_hash: bytes) -> str:
-        # Plain strings, not pathlib: pathlib interns every component, which grows with the blocks seen.
-        h = block_hash.hex()
-        return os.path.join(self._blocks_dir, h[:2], h + ".kv")
-
-    def _tmp_path(self) -> str:
-        return os.path.join(self._tmp_dir, f"{os.getpid()}.{uuid.uuid4().hex}")
 
     # ------------------------------------------------------------ index
     def rebuild_index(self) -> None:
         """Make the index agree with the files on disk; drop pins and temp files of dead processes."""
-        for entry in os.scandir(self.root / "tmp"):
-            pid = entry.name.split(".", 1)[0]
-            if pid.isdigit() and not pid_alive(int(pid)):
-                _unlink(entry.path)
-        with self._lock, self.index.transaction():  # scan under the write lock: no put slips between scan and fix-up
-            self.index.reconcile(self._scan_files())
-
-    def _scan_files(self) -> dict[bytes, float]:
-        present: dict[bytes, float] = {}
-        for sub in (self.root / "blocks").iterdir():
-            for entry in os.scandir(sub):
-                if entry.name.endswith(".kv"):
-                    try:
-                        present[bytes.fromhex(entry.name[:-3])] = entry.stat().st_mtime
-                    except (ValueError, FileNotFoundError):
-                        continue
-        return present
+        self.files.sweep_dead_writers()
+        with self.writes.lock, self.index.transaction():  # scan under the write lock: no put slips between scan and fix-up
+            self.index.reconcile(self.files.scan())
 
     def __len__(self) -> int:
-        with self._lock:
+        with self.writes.lock:
             return self.index.count()
 
     # ------------------------------------------------------------ writes
@@ -134,26 +94,18 @@ class FileBlockStore:
         Raises :class:`TierWriteError` when the tier's filesystem refuses a file or the index refuses a
         transaction (ENOSPC, ``database or disk is full``): nothing of the call is then left behind,
         files and index agree as before, and the caller treats the blocks as uncached."""
-        staged: list[tuple[bytes, str]] = []
+        def encode(block_hash: bytes, data: bytes | memoryview) -> bytes | memoryview:
+            return data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
+
         try:
-            for block_hash, data in items:
-                tmp = self._tmp_path()
-                staged.append((block_hash, tmp))
-                blob = data if encoded else encode_block(block_hash, self.fingerprint, self.layout, data)
-                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                    f.write(blob)
-        except OSError as exc:  # a full or read-only tier: leave no temp files behind
-            for _, tmp in staged:
-                _unlink(tmp)
+            staged = self.files.stage(items, encode)
+        except OSError as exc:  # a full or read-only tier: no temp file is left behind
             raise TierWriteError(f"{self.name} tier: {exc.strerror or exc}") from exc
         victims: list[tuple[bytes, str]] = []
         placed: list[str] = []
         try:
-            with self._lock:
-                with self.index.transaction():
-                    self._flush_unpins()
-                    results = self._place(staged, victims, placed)
-                self._unpins.clear()
+            with self.writes.transaction():
+                results = self._place(staged, victims, placed)
         except (OSError, sqlite3.Error) as exc:
             self._undo(staged, victims, placed)
             raise TierWriteError(f"{self.name} tier: {exc}") from exc
@@ -169,9 +121,9 @@ class FileBlockStore:
         count = index.count()
         for block_hash, tmp in staged:
             if index.has(block_hash):
-                if os.path.exists(self.path(block_hash)):
+                if os.path.exists(self.files.path(block_hash)):
                     index.touch([block_hash], now)
-                    _unlink(tmp)  # same content is already there
+                    unlink(tmp)  # same content is already there
                     results.append(True)
                     continue
                 # The index says present but the file is gone: believe the disk, store it again.
@@ -181,21 +133,21 @@ class FileBlockStore:
             if count >= self.capacity:
                 victim = index.oldest_unpinned()
                 if victim is None:
-                    _unlink(tmp)
+                    unlink(tmp)
                     self.counters["rejected"] += 1
                     results.append(False)
                     continue
                 index.delete(victim)
-                moved = self._tmp_path()
+                moved = self.files.tmp_path()
                 try:  # move it aside inside the transaction: a concurrent re-put cannot be unlinked by us
-                    os.replace(self.path(victim), moved)
+                    os.replace(self.files.path(victim), moved)
                     victims.append((victim, moved))
                 except FileNotFoundError:
                     pass
                 count -= 1
-            final = self.path(block_hash)
+            final = self.files.path(block_hash)
             if os.path.exists(final):  # on disk but not indexed (a put whose commit failed): replace it
-                _unlink(final)
+                unlink(final)
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
             os.replace(tmp, final)
             placed.append(final)
@@ -211,17 +163,17 @@ class FileBlockStore:
         files agree with the index as it was before the call."""
         new = set(placed)
         for final in placed:
-            _unlink(final)
+            unlink(final)
         for _, tmp in staged:
-            _unlink(tmp)
+            unlink(tmp)
         for victim, moved in victims:
-            if self.path(victim) in new:  # placed and evicted again within this call: it never existed
-                _unlink(moved)
+            if self.files.path(victim) in new:  # placed and evicted again within this call: it never existed
+                unlink(moved)
                 continue
             try:
-                os.replace(moved, self.path(victim))
+                os.replace(moved, self.files.path(victim))
             except OSError:
-                _unlink(moved)  # cannot restore it: the index entry is reconciled on its next read
+                unlink(moved)  # cannot restore it: the index entry is reconciled on its next read
         self.counters["write_failures"] += 1
 
     def put(self, block_hash: bytes, payload: bytes | memoryview) -> bool:
@@ -238,13 +190,13 @@ class FileBlockStore:
                 blob = self._verified_file(block_hash, moved)
                 if blob is not None:
                     batch.append((block_hash, blob))
-            _unlink(moved)
+            unlink(moved)
             if batch and (len(batch) == _DEMOTE_BATCH or n == len(victims)):
                 assert self.demote is not None
                 try:
                     self.counters["demoted"] += sum(self.demote(batch))
                 except TierWriteError as exc:
-                    self._index_failed("demotion", exc)
+                    self.writes.failed("demotion", exc)
                 batch = []
 
     def _verified_file(self, block_hash: bytes, path: str) -> bytes | None:
@@ -265,12 +217,12 @@ class FileBlockStore:
 
     # ------------------------------------------------------------ reads
     def contains(self, block_hash: bytes) -> bool:
-        return os.path.exists(self.path(block_hash))
+        return os.path.exists(self.files.path(block_hash))
 
     def read_layers(self, block_hash: bytes, out: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
         """Fill ``out`` (uint8, exact size) with layers of a block; False on a miss (bad files are removed)."""
         n = self.layout.num_layers - first_layer if num_layers is None else num_layers
-        path = self.path(block_hash)
+        path = self.files.path(block_hash)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -291,7 +243,7 @@ class FileBlockStore:
 
     def read_encoded(self, block_hash: bytes) -> bytes | None:
         """The whole verified file (for promotion into an upper tier), or None."""
-        blob = self._verified_file(block_hash, self.path(block_hash))
+        blob = self._verified_file(block_hash, self.files.path(block_hash))
         if blob is None and self.contains(block_hash):
             self.remove(block_hash)
         return blob
@@ -300,66 +252,40 @@ class FileBlockStore:
         """Mark blocks as just used (LRU). If the index cannot take it, the LRU order is only staler."""
         now = time.time()
         hashes = list(hashes)
-        self._write_index("touch", lambda: self.index.touch(hashes, now))
+        self.writes.run("touch", lambda: self.index.touch(hashes, now))
 
     def remove(self, block_hash: bytes) -> None:
-        self._write_index("remove", lambda: self.index.remove(block_hash))
-        _unlink(self.path(block_hash))  # a bad file goes even when the index cannot say so (it is reconciled)
+        self.writes.run("remove", lambda: self.index.remove(block_hash))
+        unlink(self.files.path(block_hash))  # a bad file goes even when the index cannot say so (it is reconciled)
 
     def _forget(self, block_hash: bytes) -> None:
         """Drop the index entry of a block whose file is missing (unless someone just wrote it)."""
         def drop() -> None:
-            if not os.path.exists(self.path(block_hash)) and self.index.remove(block_hash):
+            if not os.path.exists(self.files.path(block_hash)) and self.index.remove(block_hash):
                 self.counters["reconciled"] += 1
 
-        self._write_index("reconcile", drop)
+        self.writes.run("reconcile", drop)
 
     # ------------------------------------------------------------ pins
     def pin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
         """Keep blocks from eviction. If the index cannot record it the block may be evicted while read,
         which its reader sees as a lost block and recomputes: costlier, never wrong."""
         rows = [(h, owner or self.owner) for h in hashes]
-        self._write_index("pin", lambda: self.index.add_pins(rows))
+        self.writes.run("pin", lambda: self.index.add_pins(rows))
 
     def unpin(self, hashes: Iterable[bytes], owner: str | None = None) -> None:
         """Release pins. One the index cannot drop now is retried with every later index write, so a
         full filesystem never leaves blocks pinned for good."""
-        with self._lock:
-            self._unpins.extend((h, owner or self.owner) for h in hashes)
-        self._write_index("unpin", lambda: None)
-
-    def _write_index(self, what: str, change: Callable[[], object]) -> bool:
-        """Run ``change`` in a write transaction (with any pending unpins); False if the index refused it."""
-        with self._lock:
-            try:
-                with self.index.transaction():
-                    self._flush_unpins()
-                    change()
-                self._unpins.clear()
-                return True
-            except sqlite3.Error as exc:
-                self._index_failed(what, exc)
-                return False
-
-    def _flush_unpins(self) -> None:
-        """Inside a write transaction (lock held): drop the pins earlier writes could not."""
-        if self._unpins:
-            self.index.delete_pins(self._unpins)
-
-    def _index_failed(self, what: str, exc: Exception) -> None:
-        self.counters["index_errors"] += 1
-        n = self.counters["index_errors"]
-        if n == 1 or n % 1000 == 0:
-            log.warning("KV %s tier: %s failed (%s); caching degrades, requests go on (%d failures so far)",
-                        self.name, what, exc, n)
+        self.writes.owe_unpins((h, owner or self.owner) for h in hashes)
+        self.writes.run("unpin", lambda: None)
 
     def num_pinned(self) -> int:
-        with self._lock:
+        with self.writes.lock:
             return self.index.num_pinned()
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self), "capacity": self.capacity, **self.counters}
 
     def close(self) -> None:
-        self._write_index("close", lambda: self.index.delete_owner(self.owner))
+        self.writes.run("close", lambda: self.index.delete_owner(self.owner))
         self.index.close()  # pins this left behind (a full index) belong to a dead pid: dropped at the next open

@@ -16,8 +16,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from strata.kvstore.block_file import BlockFileError, verify_blob
-from strata.kvstore.file_store import FileBlockStore, TierWriteError
+from strata.kvstore.file_store import FileBlockStore
 from strata.kvstore.layout import KVLayout
 from strata.kvstore.tier_prefetch import TierPrefetcher
 from strata.kvstore.tier_writer import TierWriter
@@ -167,40 +166,6 @@ class LowerTiers:
             self.store_behind([(block_hash, blob)], encoded=True)  # a failed promotion only loses the copy
             return True
         return False
-
-    # ------------------------------------------------------------ between nodes
-    def missing(self, hashes: Sequence[bytes]) -> list[bytes]:
-        """The blocks no tier here holds (what a hand-off from another node must bring along)."""
-        return [h for h in hashes if not any(t.contains(h) for t in self.tiers)]
-
-    def read_encoded_many(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        """Whole verified block files, from the first tier holding a good copy (None where none does):
-        what this node's block server sends to another node."""
-        out = []
-        for h in hashes:
-            out.append(next((blob for t in self.tiers if (blob := t.read_encoded(h)) is not None), None))
-        return out
-
-    def import_encoded(self, items: Sequence[tuple[bytes, bytes | None]], fingerprint: bytes) -> tuple[int, int]:
-        """Store block files received from another node in the top tier, each verified first (header
-        names the block, model and layout; every layer's checksum holds). Returns (stored, rejected);
-        a rejected or absent block is simply not here, and its reader recomputes it."""
-        good, rejected = [], 0
-        for block_hash, blob in items:
-            if blob is None:
-                continue
-            try:
-                verify_blob(blob, block_hash, fingerprint, self.layout)
-            except BlockFileError:
-                rejected += 1
-                continue
-            good.append((block_hash, blob))
-        try:
-            stored = sum(self.top.put_many(good, encoded=True)) if good else 0
-        except TierWriteError:  # a full tier here: the reader recomputes what was not stored
-            self.write_errors += 1
-            stored = 0
-        return stored, rejected
 
     # ------------------------------------------------------------ pins
     def pin(self, hashes: Sequence[bytes]) -> None:

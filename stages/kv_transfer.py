@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Awaitable, Callable, Sequence
 
 from strata.kvstore import TieredKVCache
+from strata.kvstore.block_exchange import import_blocks, missing_blocks
 from strata.pipeline.contract.handoff import Handoff
 
 log = logging.getLogger("strata.kv_transfer")
@@ -29,6 +30,7 @@ class KVPuller:
         if kv.lower is None:
             raise ValueError("pulling KV from another node needs a host or disk tier here")
         self.kv, self.node_id, self.fetch, self.run_on_loop = kv, node_id, fetch, run_on_loop
+        self.lower = kv.lower
         self.counts: Counter[str] = Counter()  # fetched / rejected / unavailable blocks
 
     def needs_pull(self, handoff: Handoff) -> bool:
@@ -40,7 +42,7 @@ class KVPuller:
             return 0
         handle = handoff.kv_handle.check(self.kv.fingerprint)
         full = handle.block_hashes[: handle.num_tokens // self.kv.layout.block_size]
-        missing = await self._on_loop(lambda: self.kv.lower.missing(full))
+        missing = await self._on_loop(lambda: missing_blocks(self.lower, full))
         if not missing:
             return 0
         try:
@@ -50,7 +52,7 @@ class KVPuller:
                         len(missing), exc)
             blobs = [None] * len(missing)
         stored, rejected = await self._on_loop(
-            lambda: self.kv.lower.import_encoded(list(zip(missing, blobs)), self.kv.fingerprint))
+            lambda: import_blocks(self.lower, list(zip(missing, blobs)), self.kv.fingerprint))
         unavailable = sum(b is None for b in blobs)
         self.counts.update(fetched=stored, rejected=rejected, unavailable=unavailable)
         if rejected or unavailable:

@@ -19,6 +19,8 @@ FOLDERS = (*ROOMS, HTTP_ONLY)
 # The rooms inside pipeline/, lowest first: core -> frontend -> models -> parallel -> contract.
 PIPELINE_ROOMS = ("contract", "parallel", "models", "frontend", "core")
 PIPELINE_RANK = {room: i for i, room in enumerate(PIPELINE_ROOMS)}
+# The rooms inside deployments/, lowest first: the Ray-free OpenAI surface, then Ray Serve's plumbing.
+DEPLOYMENT_ROOMS = ("openai", "ray_serve")
 
 
 @dataclass
@@ -126,22 +128,30 @@ def upward_imports(graph: Graph) -> list[Import]:
     return bad
 
 
-def pipeline_room_of(module: str) -> str | None:
-    """``strata.pipeline.core.engine`` -> ``core``; None outside pipeline/ (or for ``pipeline`` itself)."""
+def inner_room_of(module: str, room: str) -> str | None:
+    """``strata.pipeline.core.engine`` -> ``core`` for room ``pipeline``; None outside the room (or for
+    the room's package itself)."""
     parts = module.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "pipeline" else None
+    return parts[2] if len(parts) > 2 and parts[1] == room else None
+
+
+def inner_upward_imports(graph: Graph, room: str, inner_rooms: tuple[str, ...]) -> list[Import]:
+    """Imports inside ``room`` from one of its ``inner_rooms`` (lowest first) into one above it, or into
+    a module outside them."""
+    rank = {r: i for i, r in enumerate(inner_rooms)}
+    bad = []
+    for imp in graph.imports:
+        src, dst = inner_room_of(imp.source, room), inner_room_of(imp.target, room)
+        if src is None or room_of(imp.target) != room:
+            continue
+        if dst not in rank or src not in rank or rank[dst] > rank[src]:
+            bad.append(imp)
+    return bad
 
 
 def pipeline_upward_imports(graph: Graph) -> list[Import]:
     """Imports inside pipeline/ from a room into a room above it, or into a module outside the rooms."""
-    bad = []
-    for imp in graph.imports:
-        src, dst = pipeline_room_of(imp.source), pipeline_room_of(imp.target)
-        if src is None or room_of(imp.target) != "pipeline":
-            continue
-        if dst not in PIPELINE_RANK or src not in PIPELINE_RANK or PIPELINE_RANK[dst] > PIPELINE_RANK[src]:
-            bad.append(imp)
-    return bad
+    return inner_upward_imports(graph, "pipeline", PIPELINE_ROOMS)
 
 
 def cycles(graph: Graph) -> list[list[str]]:
@@ -191,7 +201,7 @@ if __name__ == "__main__":  # a report for humans: `python tests/import_graph.py
 
     repo = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
     g = read_graph(repo)
-    up = upward_imports(g) + pipeline_upward_imports(g)
+    up = upward_imports(g) + pipeline_upward_imports(g) + inner_upward_imports(g, "deployments", DEPLOYMENT_ROOMS)
     cyc = cycles(g)
     print(f"modules: {len(g.modules)}  imports of ours: {len(g.imports)}")
     print("lines per room: " + ", ".join(f"{k} {v}" for k, v in sorted(g.lines.items())))

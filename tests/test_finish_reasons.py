@@ -15,16 +15,16 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from strata.deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from strata.deployments.openai_responses import (
+from strata.deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from strata.deployments.openai.responses import (
     COMPLETED_FINISH_REASONS,
     OPENAI_FINISH_REASONS,
     IncompleteFinish,
     openai_finish_reason,
 )
-from strata.deployments.admission import Admission
-from strata.deployments.request_end import request_scope
-from strata.deployments.responder import Responder
+from strata.deployments.openai.admission import Admission
+from strata.deployments.openai.request_end import request_scope
+from strata.deployments.openai.responder import Responder
 from strata.pipeline.core import sampler
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.request import Request, TokenEvent

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from serve_process import listening_sockets
-from strata.deployments.haproxy_ingress import (
+from strata.deployments.ray_serve.haproxy_ingress import (
     HAPROXY_ENV,
     UNAVAILABLE_BODY,
     free_loopback_ports,
@@ -72,7 +72,7 @@ def test_haproxy_listens_on_loopback_only_and_answers_json_when_no_replica_can(t
 def test_a_user_who_turned_haproxy_off_as_ray_spells_it_keeps_serves_proxy(monkeypatch) -> None:
     import argparse
 
-    from strata.deployments import serve_cli
+    from strata.deployments.ray_serve import cli as serve_cli
 
     monkeypatch.setenv(HAPROXY_ENV, "0")
     args = argparse.Namespace(ingress="haproxy")
@@ -85,7 +85,7 @@ def test_without_a_usable_haproxy_serve_says_why_and_keeps_serves_proxy(monkeypa
     import argparse
     import os
 
-    from strata.deployments import haproxy_ingress, serve_cli
+    from strata.deployments.ray_serve import haproxy_ingress, cli as serve_cli
 
     monkeypatch.delenv(HAPROXY_ENV, raising=False)
     monkeypatch.setattr(haproxy_ingress, "why_not_haproxy", lambda: "no HAProxy binary")

@@ -7,7 +7,8 @@ import ast
 import json
 
 from helpers import REPO, run_python
-from import_graph import PIPELINE_ROOMS, ROOMS, cycles, pipeline_upward_imports, read_graph, room_of, upward_imports
+from import_graph import (DEPLOYMENT_ROOMS, PIPELINE_ROOMS, ROOMS, cycles, inner_room_of, inner_upward_imports,
+                          pipeline_upward_imports, read_graph, room_of, upward_imports)
 
 
 def test_no_room_imports_a_room_above_it() -> None:
@@ -23,6 +24,32 @@ def test_the_rooms_inside_pipeline_import_one_way() -> None:
         f"{i.source}:{i.line} -> {i.target} ({i.how})" for i in bad)
     loose = [m for m in graph.modules if m.startswith("strata.pipeline.") and m.split(".")[2] not in PIPELINE_ROOMS]
     assert not loose, f"modules of pipeline/ outside its rooms: {loose}"
+
+
+def test_the_rooms_inside_deployments_import_one_way_and_the_openai_surface_imports_no_ray() -> None:
+    """ray_serve -> openai, never back; every module of deployments/ lives in one of them; and the OpenAI
+    surface imports no ``ray`` (so it is tested, and could be served, with no cluster)."""
+    graph = read_graph(REPO)
+    bad = inner_upward_imports(graph, "deployments", DEPLOYMENT_ROOMS)
+    assert not bad, "\n".join(f"{i.source}:{i.line} -> {i.target} ({i.how})" for i in bad)
+    loose = [m for m in graph.modules if room_of(m) == "deployments" and m != "strata.deployments"
+             and inner_room_of(m, "deployments") not in DEPLOYMENT_ROOMS]
+    assert not loose, f"modules of deployments/ outside its rooms: {loose}"
+    surface = [m for m in graph.modules if inner_room_of(m, "deployments") == "openai"]
+    offenders = [f"{m}:{node.lineno}" for m in surface for node in ast.walk(ast.parse(graph.modules[m].read_text()))
+                 if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ray" for a in node.names))
+                 or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray")]
+    assert len(surface) >= 10 and not offenders, offenders
+
+
+def test_the_openai_surface_imports_and_answers_with_no_ray_in_the_process() -> None:
+    """Importing every module of the surface loads no ``ray`` at all (through pipeline/ and stages/ too)."""
+    code = ("import sys, pkgutil, importlib, strata.deployments.openai as o\n"
+            "for i in pkgutil.walk_packages(o.__path__, 'strata.deployments.openai.'): importlib.import_module(i.name)\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_the_pipeline_checker_can_fail(tmp_path) -> None:

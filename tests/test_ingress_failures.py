@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator
 import pytest
 from ray.serve.exceptions import BackPressureError
 
-from strata.deployments.openai_protocol import APIError, ChatCompletionRequest, parse_request
-from strata.deployments.request_flow import StageFlow
-from strata.deployments.admission import Admission
-from strata.deployments.request_end import request_scope
-from strata.deployments.responder import Responder
+from strata.deployments.openai.protocol import APIError, ChatCompletionRequest, parse_request
+from strata.deployments.openai.request_flow import StageFlow
+from strata.deployments.openai.admission import Admission
+from strata.deployments.openai.request_end import request_scope
+from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.handoff import Handoff, SequenceState
 from strata.pipeline.contract.request import Request, TokenEvent, pack_events
 from strata.pipeline.contract.sampling_params import SamplingParams
@@ -203,7 +203,7 @@ def _body_request(*messages: dict[str, Any]):
     ([{"type": "http.request", "body": b'{"model": "m"}', "more_body": False}], 200, None),
 ], ids=["stalled", "hung-up", "whole"])
 def test_a_body_that_stalls_or_is_abandoned_is_a_clear_4xx(messages, status: int, code: str | None) -> None:
-    from strata.deployments.http_input import read_json
+    from strata.deployments.openai.http_input import read_json
 
     async def go():
         try:
@@ -230,7 +230,7 @@ class _Counts:
 def test_a_streams_status_is_counted_once_when_its_request_ends(monkeypatch, read_all: bool) -> None:
     """A client that leaves mid-stream leaves the generator suspended; its 499 is counted as the request
     ends, not whenever the garbage collector closes the generator (a dashboard's window, or never)."""
-    from strata.deployments import metrics
+    from strata.deployments.openai import request_metrics as metrics
 
     counts = _Counts()
     monkeypatch.setattr(metrics, "requests", lambda: counts)

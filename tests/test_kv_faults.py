@@ -70,18 +70,18 @@ def test_an_index_entry_whose_file_vanished_is_stored_again(tmp_path: Path) -> N
     """The index and the files disagree (a file deleted behind its back): the disk wins."""
     s = FileBlockStore(tmp_path / "host", 8, LAYOUT, FP)
     s.put(_h(1), _payload(1))
-    os.unlink(s.path(_h(1)))
+    os.unlink(s.files.path(_h(1)))
     assert s.put(_h(1), _payload(1)) and _read(s, 1)
-    os.unlink(s.path(_h(1)))
+    os.unlink(s.files.path(_h(1)))
     assert not _read(s, 1) and len(s) == 0 and s.counters["reconciled"] == 2
 
 
 def test_tier_directories_and_files_are_private(tmp_path: Path) -> None:
     s = FileBlockStore(tmp_path / "host", 8, LAYOUT, FP)
     s.put(_h(1), _payload(1))
-    for path in (tmp_path / "host", tmp_path / "host" / "blocks", Path(s.path(_h(1))).parent):
+    for path in (tmp_path / "host", tmp_path / "host" / "blocks", Path(s.files.path(_h(1))).parent):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700, path
-    for path in (s.path(_h(1)), tmp_path / "host" / "index.db"):
+    for path in (s.files.path(_h(1)), tmp_path / "host" / "index.db"):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
 
 
@@ -205,10 +205,10 @@ def test_a_full_index_fails_the_write_whole_and_leaves_files_and_index_agreeing(
     s.touch([_h(1)])  # index writes degrade quietly ...
     s.pin([_h(2)])
     s.unpin([_h(0)])  # ... and an unpin the index refused is kept and retried
-    assert s.counters["index_errors"] == 3 and s._unpins
+    assert s.counters["index_errors"] == 3 and s.writes.owed_unpins
     index.full = False  # room again (the filesystem was cleaned up)
     assert s.put(_h(50), _payload(50))
-    assert not s._unpins and s.num_pinned() == 0, "the pending unpin landed with the next write"
+    assert not s.writes.owed_unpins and s.num_pinned() == 0, "the pending unpin landed with the next write"
 
 
 def test_write_through_survives_a_full_index(llama_dir: Path, tmp_path: Path) -> None:

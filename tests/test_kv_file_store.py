@@ -112,7 +112,7 @@ def test_restart_rebuilds_the_index_from_the_files(tmp_path: Path) -> None:
     s = store(tmp_path, capacity=8, name="disk")
     s.put_many([(h(i), block(i)) for i in range(5)])
     s.close()
-    os.unlink(s.path(h(4)))  # a file lost while we were down
+    os.unlink(s.files.path(h(4)))  # a file lost while we were down
     os.remove(tmp_path / "disk" / "index.db")  # and the index itself
     again = store(tmp_path, capacity=8, name="disk")
     assert len(again) == 4
@@ -134,11 +134,11 @@ def _corruptions(path: Path, tmp_path: Path) -> dict[str, callable]:
     def foreign_layout() -> None:
         other = KVLayout(3, 2, 4, 4, torch.float16)
         FileBlockStore(tmp_path / "foreign", 2, other, FP).put(h(0), block(0, other))
-        path.write_bytes(Path(FileBlockStore(tmp_path / "foreign", 2, other, FP).path(h(0))).read_bytes())
+        path.write_bytes(Path(FileBlockStore(tmp_path / "foreign", 2, other, FP).files.path(h(0))).read_bytes())
 
     def other_model() -> None:
         FileBlockStore(tmp_path / "other", 2, LAYOUT, b"G" * 16).put(h(0), block(0))
-        path.write_bytes(Path(FileBlockStore(tmp_path / "other", 2, LAYOUT, b"G" * 16).path(h(0))).read_bytes())
+        path.write_bytes(Path(FileBlockStore(tmp_path / "other", 2, LAYOUT, b"G" * 16).files.path(h(0))).read_bytes())
 
     def garbage() -> None:
         path.write_bytes(b"not a block at all")
@@ -153,7 +153,7 @@ def _corruptions(path: Path, tmp_path: Path) -> dict[str, callable]:
 def test_bad_files_are_counted_misses_and_removed(tmp_path: Path, damage: str) -> None:
     s = store(tmp_path)
     s.put(h(0), block(0))
-    _corruptions(Path(s.path(h(0))), tmp_path)[damage]()
+    _corruptions(Path(s.files.path(h(0))), tmp_path)[damage]()
     assert read(s, 0) is None  # no exception, no wrong bytes
     assert s.counters["corrupt"] == 1 and not s.contains(h(0)) and len(s) == 0
     assert s.put(h(0), block(0)) and np.array_equal(read(s, 0), block(0))  # and the slot is usable again
@@ -164,8 +164,8 @@ def test_a_corrupt_block_is_not_demoted(tmp_path: Path) -> None:
     assert tiers is not None
     host, disk = tiers.tiers
     tiers.store([(h(0), block(0))])
-    data = bytearray(Path(host.path(h(0))).read_bytes())
+    data = bytearray(Path(host.files.path(h(0))).read_bytes())
     data[-1] ^= 1
-    Path(host.path(h(0))).write_bytes(bytes(data))
+    Path(host.files.path(h(0))).write_bytes(bytes(data))
     tiers.store([(h(1), block(1))])  # evicts 0, whose copy is bad
     assert not disk.contains(h(0)) and host.counters["corrupt"] == 1

@@ -153,7 +153,7 @@ def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind
                 host_kv_dir=str(tmp_path / "host"))
     spilling = build(model, kv_cache_dtype="fp8", **tier)
     assert spilling.generate(req)[0].output_token_ids == expected.output_token_ids
-    assert spilling.kv.peak_spilled_blocks > 8
+    assert spilling.kv.spills.peak > 8
     spilling.kv.lower.flush()
     full = build(model, **tier).generate(req)[0]  # the same tier directory, the model's own dtype
     assert full.num_cached_tokens == 0  # its blocks are another cache's: never read as its own

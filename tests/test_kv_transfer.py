@@ -13,6 +13,7 @@ import pytest
 
 from helpers import build, greedy
 from strata.kvstore import LowerTiers
+from strata.kvstore.block_exchange import export_blocks
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
 from strata.stages.factory import build_decode_service, build_prefill_service
@@ -55,7 +56,7 @@ def _run(llama_dir: Path, tmp_path: Path, fetch_fn) -> tuple[str, dict, dict]:
 
 
 async def _serve(tiers: LowerTiers, _source: str, hashes: Sequence[bytes]) -> list[bytes | None]:
-    return tiers.read_encoded_many(hashes)  # what the source node's block server answers
+    return export_blocks(tiers, hashes)  # what the source node's block server answers
 
 
 def test_decode_on_another_node_without_a_pull_recomputes_everything(llama_dir: Path, tmp_path: Path) -> None:
@@ -112,7 +113,7 @@ def test_verify_blob_refuses_damage(llama_dir: Path, tmp_path: Path, damage: str
         request = engine.intake.make_request("r", greedy(5), prompt=PROMPT)[0]
         handoff = asyncio.run(prefill.prefill(request))
         h = handoff.kv_handle.block_hashes[0]
-        blob = kv.lower.read_encoded_many([h])[0]
+        blob = export_blocks(kv.lower, [h])[0]
         verify_blob(blob, h, kv.fingerprint, kv.layout)  # intact: accepted
         with pytest.raises(BlockFileError):
             if damage == "payload":

@@ -110,7 +110,7 @@ def test_the_prefix_cache_spill_and_the_handoff_keep_the_tokens(ov_dir: Path, tm
     long = {"prompt": PROMPT * 8, "images": [image, patterned_image(SIZES["tall-90x200"], 1)], "params": greedy(8)}
     spilling = spilling_engine(ov_dir, tmp_path / "host")
     assert spilling.generate([long])[0].output_token_ids == engine.generate([long])[0].output_token_ids
-    assert spilling.kv.peak_spilled_blocks > 4
+    assert spilling.kv.spills.peak > 4
     config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "handoff"))
     assert tokens_through_handoff(ov_dir, config, engine, [image], PROMPT, greedy(8)) == first.output_token_ids
 

@@ -69,7 +69,7 @@ def test_4k_prompt_with_an_image_on_a_small_device_tier_matches_transformers(
         ref = hf.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1] :]
     out = engine.generate([{"prompt": prompt, "images": demo_images[:1], "params": greedy(10)}])[0]
     assert out.output_token_ids == ref.tolist()
-    assert _kv(engine).peak_spilled_blocks > 150
+    assert _kv(engine).spills.peak > 150
 
 
 def test_sliding_window_model_spills_and_skips_blocks_outside_the_window(tiny_models, tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_a_spilled_block_lost_mid_request_is_recomputed_not_served(llama_dir: Pa
         outputs += engine.step()
         seq = engine._requests.get(rid)
         if not damaged and seq is not None and seq.block_table.num_spilled > 4:
-            path = Path(host.path(seq.block_hashes[1]))
+            path = Path(host.files.path(seq.block_hashes[1]))
             path.write_bytes(path.read_bytes()[:-8])  # truncate a block the request still reads
             pool = _kv(engine).pool
             victim = pool.lookup(seq.block_hashes[1])
@@ -147,4 +147,4 @@ def test_many_requests_sharing_a_prefix_on_a_small_device_tier(llama_dir: Path, 
     outs = tiered.generate(requests)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in full]
     assert _kv(tiered).stats()["device"]["peak_in_use"] <= 64
-    assert _kv(tiered).lower.top.num_pinned() == 0 and _kv(tiered).spilled_blocks == 0
+    assert _kv(tiered).lower.top.num_pinned() == 0 and _kv(tiered).spills.current == 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from strata.deployments.openai_responses import ContentChunks, chat_chunk, completion_chunk, sse
+from strata.deployments.openai.responses import ContentChunks, chat_chunk, completion_chunk, sse
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])

@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator
 import pytest
 from starlette.requests import Request as HTTPRequest
 
-from strata.deployments.admission import Admission
-from strata.deployments.config import ServeConfig
-from strata.deployments.ingress import Ingress
-from strata.deployments.request_end import request_scope
-from strata.deployments.responder import Responder
+from strata.deployments.openai.admission import Admission
+from strata.deployments.ray_serve.config import ServeConfig
+from strata.deployments.ray_serve.ingress import Ingress
+from strata.deployments.openai.request_end import request_scope
+from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import MAX_TOKENS, SamplingParams
 

@@ -48,7 +48,7 @@ def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     assert tops == {"strata", next(t for t in tops if t.endswith(".dist-info"))}
     assert "strata/kernels/attention_torch.py" in names and "strata/pipeline/core/engine.py" in names
-    assert "strata/deployments/grafana/strata_dashboard.json" in names
+    assert "strata/deployments/ray_serve/grafana/strata_dashboard.json" in names
     assert not any(n.startswith("strata/tests/") or "/tests/" in n for n in names)
 
 
@@ -117,7 +117,7 @@ class Missing:
         if name.split(".")[0] in ("locust", "matplotlib", "openai"):  # (psutil comes with Ray itself)
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Missing())
-import strata.deployments.app, strata.deployments.ingress, strata.stages.factory
+import strata.deployments.ray_serve.app, strata.deployments.ray_serve.ingress, strata.stages.factory
 from strata.cli import main
 try:
     main(["serve", "--help"])

@@ -1,4 +1,4 @@
-"""OpenAI's n in the ingress (``deployments.parallel_sampling``), its failure paths in-process: a child that
+"""OpenAI's n in the ingress (``deployments.openai.parallel_sampling``), its failure paths in-process: a child that
 fails ends the whole request (a JSON 500 before any byte, an in-band error then [DONE] once streaming), a
 child that stops answering meets the request's deadline instead of waiting forever, and the others are
 cancelled (their streams closed, which aborts them in the engine). Seeds: child i gets seed + i."""
@@ -10,8 +10,8 @@ import json
 import time
 from types import SimpleNamespace
 
-from strata.deployments.parallel_sampling import ManyChoices, children
-from strata.deployments.responder import Responder
+from strata.deployments.openai.parallel_sampling import ManyChoices, children
+from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 

@@ -199,7 +199,7 @@ def test_preprocessing_threads_never_decode_more_pixels_than_the_budget(monkeypa
 def test_the_preprocess_replica_waits_off_its_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Images waiting for budget wait on worker threads: the replica's loop keeps answering, and
     one that waits too long ends with PixelBudgetTimeout (the ingress's 429), not an ImageError."""
-    from strata.deployments import stage_deployments
+    from strata.deployments.ray_serve import stage_deployments
 
     histogram = SimpleNamespace(observe=lambda *a, **k: None)  # no Ray metrics outside a cluster
     monkeypatch.setattr(stage_deployments.metrics, "processing_time", lambda: histogram)
@@ -236,7 +236,7 @@ def test_a_budget_timeout_reaches_the_client_as_a_429_through_ray() -> None:
 
     from ray.exceptions import RayTaskError
 
-    from strata.deployments.responder import client_error
+    from strata.deployments.openai.responder import client_error
 
     cause = pickle.loads(pickle.dumps(PixelBudgetTimeout("the server is busy decoding other images")))
     raised = RayTaskError("Preprocess.process", "Traceback (pid=1234, ip=10.0.0.1)", cause)

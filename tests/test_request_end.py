@@ -1,4 +1,4 @@
-"""The end of an HTTP request's work (``deployments.request_end``): what a request registers runs once when
+"""The end of an HTTP request's work (``deployments.openai.request_end``): what a request registers runs once when
 its scope is left, newest first, whether it finished, raised or was cancelled mid-await, and a stream's
 generator left suspended at a ``yield`` (as Starlette leaves it when the client goes) is closed by it
 rather than whenever the garbage collector gets to it."""
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from strata.deployments.admission import Admission
-from strata.deployments.request_end import at_request_end, request_scope
+from strata.deployments.openai.admission import Admission
+from strata.deployments.openai.request_end import at_request_end, request_scope
 
 pytestmark = pytest.mark.unit
 

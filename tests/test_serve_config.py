@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from strata.deployments.app import deployment_options
-from strata.deployments.config import SIGNALS, STAGES, ServeConfig
+from strata.deployments.ray_serve.app import deployment_options
+from strata.deployments.ray_serve.config import SIGNALS, STAGES, ServeConfig
 
 
 def test_every_stage_gets_its_own_policy_and_bounded_queues() -> None:
@@ -30,7 +30,7 @@ def test_every_stage_gets_its_own_policy_and_bounded_queues() -> None:
 def test_the_policy_scales_on_the_stage_signal() -> None:
     from types import SimpleNamespace
 
-    from strata.deployments.autoscaling import StageSignalPolicy
+    from strata.deployments.ray_serve.autoscaling import StageSignalPolicy
 
     policy = StageSignalPolicy("queued_prompt_tokens", 1000.0, stage="prefill")
     ctx = lambda metrics, current=1: SimpleNamespace(  # noqa: E731
@@ -51,7 +51,7 @@ def test_bad_queue_bounds_are_refused(bad: dict) -> None:
 
 
 def test_a_tensor_parallel_stage_reserves_one_bundle_per_rank_and_tells_its_engine() -> None:
-    from strata.deployments.app import engine_for
+    from strata.deployments.ray_serve.app import engine_for
 
     config = ServeConfig.from_dict({"mode": "disaggregated", "engine": {"tp": 1},
                                     "stages": {"decode": {"tp": 2, "num_cpus": 1}}})
@@ -69,11 +69,11 @@ def test_a_tensor_parallel_stage_reserves_one_bundle_per_rank_and_tells_its_engi
 
 def test_the_published_config_schema_is_the_codes() -> None:
     """docs/config.schema.json is generated from the models; a config change regenerates it
-    (`python -m strata.deployments.config > docs/config.schema.json`)."""
+    (`python -m strata.deployments.ray_serve.config > docs/config.schema.json`)."""
     import json
 
     from helpers import REPO
-    from strata.deployments.config import config_schema
+    from strata.deployments.ray_serve.config import config_schema
 
     assert json.loads((REPO / "docs" / "config.schema.json").read_text()) == config_schema()
     engine = config_schema()["$defs"]["EngineConfig"]

@@ -120,7 +120,7 @@ def test_the_grafana_dashboard_only_queries_metrics_we_export() -> None:
     import json as _json
     from pathlib import Path
 
-    from strata.deployments import metrics
+    from strata.deployments.ray_serve import metrics
 
     dashboard = _json.loads((Path(metrics.__file__).parent / "grafana" / "strata_dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]

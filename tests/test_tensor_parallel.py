@@ -90,7 +90,7 @@ def test_a_tp_group_spills_to_and_reuses_the_host_tier_with_whole_blocks(tp: int
     expected = _tokens(build(llama_dir, max_model_len=2048), [{"prompt": prompt, "params": greedy(10)}])
     with engine(llama_dir, tp=tp, host_kv_dir=str(tmp_path / "host"), **tier) as group:
         assert _tokens(group, [{"prompt": prompt, "params": greedy(10)}]) == expected
-        assert group.kv.peak_spilled_blocks > 8
+        assert group.kv.spills.peak > 8
     # the tier files hold whole blocks: a one-process engine adopts them as prefix hits
     one = build(llama_dir, host_kv_dir=str(tmp_path / "host"), **tier)
     out = one.generate([{"prompt": prompt, "params": greedy(10)}])[0]

@@ -140,7 +140,7 @@ def test_pins_are_counted_per_table(tmp_path: Path) -> None:
     c.free(a)
     assert c.lower.top.num_pinned() == 4  # b still reads them
     c.free(b)
-    assert c.lower.top.num_pinned() == 0 and c.spilled_blocks == 0
+    assert c.lower.top.num_pinned() == 0 and c.spills.current == 0
     c.free(b)  # idempotent
     assert c.lower.top.num_pinned() == 0
 

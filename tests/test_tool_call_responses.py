@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from strata.deployments.parallel_sampling import ManyChoices, children
-from strata.deployments.responder import Responder
+from strata.deployments.openai.parallel_sampling import ManyChoices, children
+from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.tools.formats import Hermes

@@ -146,7 +146,7 @@ def test_the_format_is_read_off_the_chat_template(tokenizers: dict) -> None:
     assert tool_format_for("mistral", tokenizers["hermes"]).name == "mistral"  # named: taken as said
     from typing import get_args
 
-    from strata.deployments.config import ServeConfig
+    from strata.deployments.ray_serve.config import ServeConfig
     allowed = set(get_args(ServeConfig.model_fields["tool_call_parser"].annotation))
     assert allowed == {"auto", "none", *TOOL_FORMATS}  # the config offers every parser there is
 

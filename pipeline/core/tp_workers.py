@@ -3,7 +3,7 @@
 A worker joins the group, loads its shard (only its slices of the checkpoint), allocates its share
 of the KV pool (same block count as the driver, its KV heads only) and serves the driver's commands.
 :class:`LocalWorkers` starts ranks 1.. as child processes of this one (``strata generate --tp``,
-in-process tests); ``deployments.tp_actors`` starts them as Ray actors in the replica's placement group.
+in-process tests); ``deployments.ray_serve.tp_actors`` starts them as Ray actors in the replica's placement group.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.deployments.two_node import TwoNodeHandoff
+    from strata.deployments.ray_serve.two_node import TwoNodeHandoff
     from strata.pipeline.contract.config import EngineConfig
     from strata.pipeline.contract.sampling_params import SamplingParams
     from strata.stages.factory import build_engine

@@ -51,7 +51,7 @@ class StageSignalPolicy:
 def _record_target(stage: str, replicas: int) -> None:
     """Export the decision (the policy runs inside Serve's controller, a Ray actor)."""
     try:
-        from strata.deployments.metrics import autoscaling_target
+        from strata.deployments.ray_serve.metrics import autoscaling_target
 
         autoscaling_target().set(float(replicas), tags={"stage": stage})
     except Exception:  # metrics must never break scaling

@@ -174,7 +174,7 @@ def config_schema() -> dict[str, Any]:
     return ServeConfig.model_json_schema()
 
 
-if __name__ == "__main__":  # python -m strata.deployments.config > docs/config.schema.json
+if __name__ == "__main__":  # python -m strata.deployments.ray_serve.config > docs/config.schema.json
     import json
 
     print(json.dumps(config_schema(), indent=2))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from strata.deployments.loopback import LOOPBACK_ENV
+from strata.deployments.ray_serve.loopback import LOOPBACK_ENV
 from strata.pipeline.contract.config import json_object_flag
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> Any:
     """The serve config from ``--config`` and the flags; ``default_model`` (the entry room's demo
     checkpoint) when neither names a model."""
-    from strata.deployments.config import ServeConfig, check_tensor_parallel
+    from strata.deployments.ray_serve.config import ServeConfig, check_tensor_parallel
     from strata.stages.preflight import check_checkpoint
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
@@ -106,7 +106,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.chat_template = _read_template(args.chat_template)
     key = _api_key(args)
     if key is not None:
-        from strata.deployments.api_key import key_digest
+        from strata.deployments.openai.api_key import key_digest
 
         config.api_key_sha256 = key_digest(key)
     if config.model_dir is None:
@@ -225,14 +225,14 @@ def _start_ray(args: argparse.Namespace) -> Any:
         dashboard_host="127.0.0.1",
         dashboard_port=args.dashboard_port,
         _metrics_export_port=args.metrics_port,
-        runtime_env={"worker_process_setup_hook": "strata.deployments.loopback.bind_replica_servers_to_loopback"},
+        runtime_env={"worker_process_setup_hook": "strata.deployments.ray_serve.loopback.bind_replica_servers_to_loopback"},
     )
 
 
 def _use_haproxy(args: argparse.Namespace) -> None:
-    """HAProxy on --port for the cluster about to start (``deployments.haproxy_ingress``), its files in a
+    """HAProxy on --port for the cluster about to start (``deployments.ray_serve.haproxy_ingress``), its files in a
     directory of this server's own (removed at shutdown); Serve's proxy, said in one line, if it cannot."""
-    from strata.deployments.haproxy_ingress import HAPROXY_ENV, haproxy_env, why_not_haproxy
+    from strata.deployments.ray_serve.haproxy_ingress import HAPROXY_ENV, haproxy_env, why_not_haproxy
 
     if os.environ.get(HAPROXY_ENV) == "0":  # the user's own choice, as Ray spells it
         args.ingress = "serve-proxy"
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace, default_model: Callable[[], Path] | None = Non
     context = _start_ray(args)
     from ray import serve
 
-    from strata.deployments.app import build_app
+    from strata.deployments.ray_serve.app import build_app
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,7 +1,7 @@
 """Keep a local cluster on loopback: Ray Serve replicas bind their inter-deployment gRPC server
 to ``[::]`` (every interface), with no setting to change it. On a local cluster (node IP
 127.0.0.1) this worker setup hook rebinds them to 127.0.0.1, where their peers connect anyway; in
-HAProxy mode it also keeps HAProxy's side listeners there (``deployments.haproxy_ingress``).
+HAProxy mode it also keeps HAProxy's side listeners there (``deployments.ray_serve.haproxy_ingress``).
 It is installed only for clusters that ``strata serve`` starts itself, never for ``--address``.
 """
 
@@ -18,7 +18,7 @@ def bind_replica_servers_to_loopback() -> None:
 
     if os.environ.get(LOOPBACK_ENV) != "1":
         return
-    from strata.deployments.haproxy_ingress import HAPROXY_ENV, keep_haproxy_on_loopback
+    from strata.deployments.ray_serve.haproxy_ingress import HAPROXY_ENV, keep_haproxy_on_loopback
 
     if os.environ.get(HAPROXY_ENV) == "1":
         keep_haproxy_on_loopback()

@@ -20,10 +20,10 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from strata.deployments import metrics
-from strata.deployments.openai_protocol import APIError, usage
-from strata.deployments.request_end import at_request_end
-from strata.deployments.openai_responses import (
+from strata.deployments.openai import request_metrics as metrics
+from strata.deployments.openai.protocol import APIError, usage
+from strata.deployments.openai.request_end import at_request_end
+from strata.deployments.openai.responses import (
     ContentChunks,
     chat_chunk,
     chat_completion,

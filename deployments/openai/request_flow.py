@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from strata.deployments import metrics
-from strata.deployments.flow_trace import FlowTraces, request_bytes
-from strata.deployments.openai_protocol import APIError
+from strata.deployments.openai import request_metrics as metrics
+from strata.deployments.openai.flow_trace import FlowTraces, request_bytes
+from strata.deployments.openai.protocol import APIError
 from strata.pipeline.contract.request import Request, TokenEvent, unpack_events
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.frontend.intake import Intake, PromptTooLongError, attach_images

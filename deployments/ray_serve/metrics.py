@@ -1,7 +1,9 @@
 """Strata's metrics, exported through ``ray.util.metrics`` to Ray's Prometheus endpoint and the
 Ray dashboard. Every name starts with ``strata_`` (Prometheus shows them as ``ray_strata_*``).
 
-Created lazily, once per process, so importing this module costs nothing outside Ray.
+Created lazily, once per process, so importing this module costs nothing outside Ray. Importing it
+installs the request metrics' exporters into the OpenAI surface (``openai.request_metrics``), which
+records through them from then on.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from functools import lru_cache
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+from strata.deployments.openai import request_metrics
 
 _LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _ITL_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
@@ -126,3 +130,6 @@ def record_kv(stage: str, kv_stats: dict[str, Any], deltas: CounterDelta) -> Non
         for kind in ("drafted", "accepted"):
             deltas.inc(spec_decode_tokens(), float(spec[kind]), {"stage": stage, "kind": kind})
         deltas.inc(spec_decode_verifications(), float(spec["verifications"]), {"stage": stage})
+
+
+request_metrics.install({"requests": requests, "ttft": ttft, "itl": itl, "e2e": e2e, "prefix_tokens": prefix_tokens})

@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from strata.kvstore import KVLayout, LowerTiers, TieredKVCache
+from strata.kvstore.block_exchange import export_blocks
 
 NAMESPACE = "strata-kv"
 
@@ -34,7 +35,7 @@ class BlockServer:
         self.lower = lower
 
     def read(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        return self.lower.read_encoded_many(list(hashes))
+        return export_blocks(self.lower, list(hashes))
 
     def ready(self) -> bool:
         return True

@@ -13,10 +13,10 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
 
-from strata.deployments.autoscaling import StageSignalPolicy
-from strata.deployments.config import SIGNALS, ServeConfig
-from strata.deployments.ingress import Ingress
-from strata.deployments.stage_deployments import Decode, Encode, Prefill, Preprocess
+from strata.deployments.ray_serve.autoscaling import StageSignalPolicy
+from strata.deployments.ray_serve.config import SIGNALS, ServeConfig
+from strata.deployments.ray_serve.ingress import Ingress
+from strata.deployments.ray_serve.stage_deployments import Decode, Encode, Prefill, Preprocess
 from strata.pipeline.models.model_config import load_model_config
 
 

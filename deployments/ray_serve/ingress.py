@@ -3,7 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
 tests); vLLM's ``/ping``, ``/version``, ``/metrics``, ``POST /tokenize`` and ``POST /detokenize``
-(``deployments.token_routes``). With ``--api-key`` every route but ``/health`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
+(``deployments.ray_serve.token_routes``). With ``--api-key`` every route but ``/health`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
 server-sent events ending with ``data: [DONE]``.
 
 In the aggregated mode this deployment (named ``LLM``) also runs the engine: prefill and decode in
@@ -26,12 +26,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
-from strata.deployments import metrics
-from strata.deployments.admission import Admission
-from strata.deployments.api_key import CHALLENGE, DIGEST_ENV, UNAUTHORIZED, authorized
-from strata.deployments.config import ServeConfig
-from strata.deployments.http_input import off_loop, read_json
-from strata.deployments.openai_protocol import (
+from strata.deployments.ray_serve import metrics
+from strata.deployments.openai.admission import Admission
+from strata.deployments.openai.api_key import CHALLENGE, DIGEST_ENV, UNAUTHORIZED, authorized
+from strata.deployments.ray_serve.config import ServeConfig
+from strata.deployments.openai.http_input import off_loop, read_json
+from strata.deployments.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,11 +40,11 @@ from strata.deployments.openai_protocol import (
     parse_request,
     split_chat,
 )
-from strata.deployments.request_flow import LocalFlow, RequestFlow, StageFlow
-from strata.deployments.parallel_sampling import ManyChoices, children
-from strata.deployments.request_end import RequestEndMiddleware
-from strata.deployments.responder import Responder, client_error, error_response
-from strata.deployments.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
+from strata.deployments.openai.request_flow import LocalFlow, RequestFlow, StageFlow
+from strata.deployments.openai.parallel_sampling import ManyChoices, children
+from strata.deployments.openai.request_end import RequestEndMiddleware
+from strata.deployments.openai.responder import Responder, client_error, error_response
+from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize)
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
@@ -63,7 +63,7 @@ app.add_middleware(RequestEndMiddleware)  # a request's end-of-request work (its
 
 @app.middleware("http")
 async def _require_api_key(request: HTTPRequest, call_next: Any) -> Response:
-    """``--api-key``: every route but /health needs the Bearer token (``deployments.api_key``). The digest is
+    """``--api-key``: every route but /health needs the Bearer token (``deployments.openai.api_key``). The digest is
     read from this replica's environment, where ``Ingress.__init__`` puts it: Serve ships this app to the
     replica by value, so a module global set there would be another copy than the one this function sees."""
     if not authorized(request.url.path, request.headers.get("authorization"), os.environ.get(DIGEST_ENV)):
@@ -119,7 +119,7 @@ class Ingress:
     def _load_engine(self, model_dir: Path) -> None:
         """The engine core in a child process (``engine_process``, tp 1), or stepped on a thread of this one
         (a tensor-parallel group's workers are Ray actors this replica owns)."""
-        from strata.deployments.tp_actors import RayWorkers, group_host
+        from strata.deployments.ray_serve.tp_actors import RayWorkers, group_host
         from strata.stages.engine_process import EngineProcess
         from strata.stages.engine_service import EngineService
         from strata.stages.factory import build_engine
@@ -299,7 +299,7 @@ class Ingress:
                 log.exception("request %s: intake failed", rid)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         calls = self.tool_format if reads_calls else None  # the answer is read for tool calls
-        if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.parallel_sampling)
+        if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.openai.parallel_sampling)
             kids = children(prepared, req.n)
             many = ManyChoices(self.responder)
             if req.stream:

@@ -9,7 +9,7 @@ streaming generator's ``finally`` it used to leak a slot whenever a client left 
 
 from __future__ import annotations
 
-from strata.deployments.request_end import at_request_end
+from strata.deployments.openai.request_end import at_request_end
 
 
 class Admission:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from strata.deployments.openai_protocol import APIError, ChatMessage, LenientModel, split_chat
+from strata.deployments.openai.protocol import APIError, ChatMessage, LenientModel, split_chat
 from strata.pipeline.frontend.intake import PromptTooLongError, check_prompt_chars
 from strata.pipeline.frontend.template_bounds import TemplateBoundError
 from strata.pipeline.frontend.tokenizer import PromptTokenizer

@@ -21,13 +21,13 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from strata.deployments import metrics
-from strata.deployments.openai_protocol import usage
-from strata.deployments.openai_responses import (chat_chunk, chat_completion, completion, completion_chunk,
+from strata.deployments.openai import request_metrics as metrics
+from strata.deployments.openai.protocol import usage
+from strata.deployments.openai.responses import (chat_chunk, chat_completion, completion, completion_chunk,
                                                  openai_finish_reason, sse, usage_chunk, with_tool_calls)
-from strata.deployments.responder import (GenerationFailed, Responder, StreamStatus, Timed, client_error,
+from strata.deployments.openai.responder import (GenerationFailed, Responder, StreamStatus, Timed, client_error,
                                           error_response)
-from strata.deployments.request_end import at_request_end
+from strata.deployments.openai.request_end import at_request_end
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN
 from strata.pipeline.frontend.tools.calls import ToolCallDeltas

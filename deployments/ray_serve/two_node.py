@@ -51,7 +51,7 @@ def _actors(model: str, root: str):
     """The two node actors (defined here: ``ray`` is imported only once the environment is set)."""
     import ray
 
-    from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
+    from strata.deployments.ray_serve.kv_blocks import block_fetcher, ensure_block_server
     from strata.pipeline.contract.config import EngineConfig
     from strata.pipeline.contract.handoff import Handoff
     from strata.pipeline.contract.request import Request
@@ -78,8 +78,8 @@ def _actors(model: str, root: str):
             assert handle is not None, "the bench's prompts outlast their first token"
             hashes = handle.block_hashes
             store = self.service.prefiller.kv.lower.top
-            os.unlink(store.path(hashes[1]))
-            with open(store.path(hashes[2]), "r+b") as f:
+            os.unlink(store.files.path(hashes[1]))
+            with open(store.files.path(hashes[2]), "r+b") as f:
                 f.seek(-8, 2)
                 f.write(b"\xff" * 8)
 

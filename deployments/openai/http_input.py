@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from strata.deployments.openai_protocol import APIError
+from strata.deployments.openai.protocol import APIError
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 256 * 1024  # a body larger than this is parsed off the event loop (a thread hop costs ~50 us)

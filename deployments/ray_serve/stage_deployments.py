@@ -17,10 +17,10 @@ import numpy as np
 import ray
 from ray import serve
 
-from strata.deployments import metrics
-from strata.deployments.kv_blocks import block_fetcher, ensure_block_server
+from strata.deployments.ray_serve import metrics
+from strata.deployments.ray_serve.kv_blocks import block_fetcher, ensure_block_server
 from strata.kernels.threads import apply_threads
-from strata.deployments.tp_actors import RayWorkers, group_host
+from strata.deployments.ray_serve.tp_actors import RayWorkers, group_host
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.contract.request import Request, pack_events
