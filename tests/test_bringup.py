@@ -104,8 +104,43 @@ def test_ops_reports_unclaimed_and_missing_tensors(llama_dir: Path, tmp_path: Pa
     code, report = _ops(capsys, copy, tmp_path)
     assert code == 1
     assert report["weights"]["unclaimed"] == ["model.mtp_head.weight"]
-    assert report["weights"]["missing"] == {"text": [r"norm\.weight"]}
+    assert report["weights"]["missing"] == {"text": ["norm.weight"]}
     assert set(report["missing"]) == {"text weights", "unclaimed weights"}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_ops_plans_exactly_the_tensors_the_loader_reads(arch: str, tiny_models, tmp_path: Path, capsys) -> None:
+    """ops prints the loader's own plan: the tensors it says a load reads are the ones the stages' loads read."""
+    from strata.pipeline.models.model_config import load_model_config
+    from strata.pipeline.models.model_loader import load_image_encoder, load_language_model
+
+    model = tiny_models[arch]
+    _, report = _ops(capsys, model, tmp_path)
+    read = load_language_model(model)[1].tensors_read
+    if load_model_config(model).takes_images:
+        read += load_image_encoder(model)[1].tensors_read
+    assert report["weights"]["reads"] == read > 0
+
+
+def test_a_tensor_ops_calls_unclaimed_is_one_the_loader_refuses(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    """gpt-oss's attention sinks in a LLaVA checkpoint map to a decoder layer but no parameter owns them:
+    ops says so, and the loader refuses the checkpoint rather than run without them."""
+    from strata.pipeline.models.model_loader import load_language_model
+    from strata.pipeline.models.weights import WeightsError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_dir, copy)
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    layer0 = next(k for k in index["weight_map"] if ".layers.0.self_attn.q_proj.weight" in k)
+    sinks = layer0.replace("q_proj.weight", "sinks")
+    save_file({sinks: torch.zeros(4)}, str(copy / "sinks.safetensors"))
+    index["weight_map"][sinks] = "sinks.safetensors"
+    index_path.write_text(json.dumps(index))
+    code, report = _ops(capsys, copy, tmp_path)
+    assert code == 1 and report["weights"]["unclaimed"] == [sinks] and "unclaimed weights" in report["missing"]
+    with pytest.raises(WeightsError, match="owned by no parameter"):
+        load_language_model(copy)
 
 
 def test_ops_on_a_directory_without_a_config_is_one_line(tmp_path: Path, capsys) -> None:

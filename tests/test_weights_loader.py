@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import write_transformers5_checkpoint
+from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_image_encoder, load_language_model
 from strata.pipeline.models.weights import WeightsError, canonical_name, weight_map
 
@@ -75,6 +77,47 @@ def test_truncated_shard_without_manifest_is_a_clear_error(llama_dir: Path, tmp_
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(WeightsError, match=shard.name):
         load_language_model(bad)
+
+
+def _with_extra_tensors(llama_dir: Path, dst: Path, names: list[str]) -> Path:
+    """The checkpoint plus a shard holding ``names`` (listed in its index)."""
+    shutil.copytree(llama_dir, dst)
+    save_file({n: torch.zeros(4) for n in names}, str(dst / "extra.safetensors"))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({n: "extra.safetensors" for n in names})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def _layer_name(llama_dir: Path, layer: int, leaf: str) -> str:
+    """``leaf`` of a decoder layer under this checkpoint's own prefix (classic or transformers-5 names)."""
+    q = next(k for k in weight_map(llama_dir) if k.endswith(".layers.0.self_attn.q_proj.weight"))
+    return q.replace(".layers.0.self_attn.q_proj.weight", f".layers.{layer}.{leaf}")
+
+
+def test_a_decoder_tensor_no_parameter_owns_is_refused_not_dropped(llama_dir: Path, tmp_path: Path) -> None:
+    """gpt-oss's attention sinks in a Llama checkpoint: skipping them would run another model."""
+    sinks = _layer_name(llama_dir, 0, "self_attn.sinks")
+    bad = _with_extra_tensors(llama_dir, tmp_path / "bad", [sinks])
+    with pytest.raises(WeightsError, match=re.escape(sinks) + " of a decoder layer is owned by no parameter of this "
+                                           "LlavaForConditionalGeneration model"):
+        load_language_model(bad)
+
+
+def test_a_tensor_no_name_rule_maps_is_refused(llama_dir: Path, tmp_path: Path) -> None:
+    bad = _with_extra_tensors(llama_dir, tmp_path / "bad", ["model.mtp_head.weight"])
+    with pytest.raises(WeightsError, match=r"model\.mtp_head\.weight matches no name rule"):
+        load_language_model(bad)
+
+
+def test_rotary_tables_and_layers_past_the_decoder_are_skipped(llama_dir: Path, tmp_path: Path) -> None:
+    """A stored rotary table is recomputed, and a layer past num_hidden_layers (DeepSeek's multi-token
+    prediction) is not served: both load, and the model's weights are the checkpoint's."""
+    layers = load_model_config(llama_dir).text.num_layers
+    fine = _with_extra_tensors(llama_dir, tmp_path / "fine", [
+        _layer_name(llama_dir, 0, "self_attn.rotary_emb.inv_freq"), _layer_name(llama_dir, layers, "self_attn.q_proj.weight")])
+    got, want = _state(load_language_model(fine)[0]), _state(load_language_model(llama_dir)[0])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_stage_partial_load_reads_only_its_tensors(llama_dir: Path) -> None:

@@ -12,7 +12,9 @@ from strata.pipeline.models.model_config import ModelConfig, ModelConfigError, l
 from strata.pipeline.models.quant_loading import check_tp_split, quantized_modules
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weight_formats import WeightFormatError
-from strata.pipeline.models.weights import LoadStats, load_weights, text_tensor_names, weight_map
+from strata.pipeline.models.load_plan import LoadPlan, plan_load
+from strata.pipeline.models.weights import (LoadStats, load_weights, quant_collector, text_tensor_names,
+                                           weight_map)
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
 from strata.pipeline.parallel.tp_group import TPGroup
 
@@ -58,6 +60,20 @@ def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
     if missing is not None:
         raise ModelConfigError(f"config.json says {cfg.text.num_layers} decoder layers, but the weights hold "
                                f"{len(held)} (layer {missing} is missing)")
+
+
+def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> LoadPlan:
+    """The load of every part of the model, planned against the checkpoint's tensor names with the
+    modules built on the meta device (nothing allocated, nothing read): what ``strata ops`` reports."""
+    cfg = cfg or load_model_config(model_dir)
+    mapping = weight_map(Path(model_dir))
+    with torch.device("meta"):
+        modules: dict[str, torch.nn.Module] = {"text": LanguageModel(cfg.text)}
+        if cfg.takes_images:
+            encoder = ImageEncoderModel(cfg)
+            modules.update(vision=encoder.vision_tower, projector=encoder.projector)
+        quantized = quant_collector(cfg.quant, modules, mapping, cfg.arch, None)
+    return plan_load(mapping, modules, cfg.arch, quantized)
 
 
 def load_language_model(

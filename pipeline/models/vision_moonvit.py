@@ -89,10 +89,10 @@ class MoonViT(nn.Module):
 
     _FUSED = re.compile(r"^layers\.(\d+)\.attn\.wqkv\.(weight|bias)$")
 
-    def owner_of(self, name: str) -> str | None:
-        """A released checkpoint's fused ``wqkv`` fills q_proj (and k_proj, v_proj: see split_fused)."""
+    def owners_of(self, name: str) -> tuple[str, ...] | None:
+        """A released checkpoint's fused ``wqkv`` fills q_proj, k_proj and v_proj (see split_fused)."""
         m = self._FUSED.match(name)
-        return f"layers.{m.group(1)}.attn.q_proj.{m.group(2)}" if m else None
+        return tuple(f"layers.{m.group(1)}.attn.{p}_proj.{m.group(2)}" for p in "qkv") if m else None
 
     def split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """``wqkv`` -> q, k, v; the release pairs each q/k head's RoPE dims as (x0, x1), (x2, x3), ...,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,10 @@ from torch import nn
 from strata.pipeline.models.architectures import ARCHITECTURES, ModelArchitecture
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.file_digest import file_identity, hash_file, remember
+from strata.pipeline.models.load_plan import EXPERT, EXPERT_KIND, plan_load
 from strata.pipeline.models.quant_loading import QuantCollector, QuantLoadError
 from strata.pipeline.models.quant_modules import QuantEmbedding, tie_lm_head
-from strata.pipeline.models.weight_formats import QuantScheme, WeightFormatError, is_quant_tensor
+from strata.pipeline.models.weight_formats import QuantScheme, WeightFormatError
 
 if TYPE_CHECKING:
     from strata.pipeline.parallel.shard_plan import ShardPlan
@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 
 PARTS = ("vision", "projector", "text")
 MANIFEST = "SHA256SUMS"
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
-_EXPERT_KIND = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 LLAVA = ARCHITECTURES["LlavaForConditionalGeneration"]
 DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -162,7 +160,7 @@ class _ExpertMerger:
 
     def add(self, layer: int, expert: int, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         expert -= self.first_expert
-        kind = _EXPERT_KIND[kind]
+        kind = EXPERT_KIND[kind]
         self.parts[(layer, kind)][expert] = tensor
         done: list[tuple[str, torch.Tensor]] = []
         w1, w3 = self.parts.get((layer, "w1"), {}), self.parts.get((layer, "w3"), {})
@@ -201,44 +199,30 @@ def load_weights(
     tensor-parallel rank's plan) only that rank's slice of each decoder tensor is read, and
     experts it does not hold are skipped. With ``quant`` (the checkpoint's quantization scheme) the
     text part's linears stored quantized are swapped for their quantized modules and filled in their
-    stored format; a quantization tensor nothing claims is an error, never skipped.
+    stored format. Which tensors are read is :func:`plan_load`'s answer; a tensor it refuses fails the
+    load before any shard is opened.
     """
     model_dir = Path(model_dir)
     unknown = set(modules) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown model parts {sorted(unknown)}; expected some of {PARTS}")
     mapping = weight_map(model_dir)
-    wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # shard file -> tensors to read
     stats = LoadStats()
-    quantized = _collector(quant, modules, mapping, arch, shard)
-    owned = {part: _param_names(m) for part, m in modules.items()}
-    layers = getattr(getattr(modules.get("text"), "cfg", None), "num_layers", None)
-    for ckpt_name, shard_file in mapping.items():
-        target = arch.map_name(ckpt_name)
-        claimed = quantized is not None and target is not None and target[0] == "text" and quantized.claims(target[1])
-        if not claimed and (target is None or target[0] not in modules
-                            or _owner_name(target[1], modules[target[0]]) not in owned[target[0]]):
-            if target is not None and target[0] in modules and _is_quant_tensor(target[1], layers):
-                raise WeightsError(f"tensor {ckpt_name} is claimed by no component: the checkpoint is quantized in a "
-                                   "way its config.json's quantization_config does not say")
-            stats.skipped_tensors += 1
-            continue
-        if claimed:
-            expert = quantized.expert_of(target[1]) if shard is not None else None  # type: ignore[union-attr]
-        else:
-            expert = shard.expert_of(target[1]) if shard is not None and target[0] == "text" else None
-        if expert is not None and not shard.holds_expert(expert):  # type: ignore[union-attr]
-            stats.skipped_tensors += 1
-            continue
-        wanted[shard_file].append((ckpt_name, target[0], target[1]))
+    quantized = quant_collector(quant, modules, mapping, arch, shard)
+    plan = plan_load(mapping, modules, arch, quantized, shard)
+    if plan.refused:
+        more = f" (and {len(plan.refused) - 1} more)" if len(plan.refused) > 1 else ""
+        raise WeightsError(plan.refused[0][1] + more)
+    stats.skipped_tensors = plan.skipped + len(plan.past_decoder)
+    wanted: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # shard file -> tensors to read
+    for ckpt_name, part, name in plan.reads:
+        wanted[mapping[ckpt_name]].append((ckpt_name, part, name))
     sums = read_manifest(model_dir) if verify else {}
     text = modules.get("text")
     if shard is not None and shard.cfg.num_experts:
         merger = _ExpertMerger(shard.experts[1] - shard.experts[0], shard.experts[0])
     else:
         merger = _ExpertMerger(getattr(getattr(text, "cfg", None), "num_experts", 0))
-    # A model built for fewer layers than the checkpoint has (DeepSeek's multi-token-prediction layer
-    # sits past num_hidden_layers) skips the extra layers' tensors: they are not parameters of ours.
     total = sum((model_dir / s).stat().st_size for s in wanted if (model_dir / s).is_file())
     with _progress(total, progress if progress is not None else total > (256 << 20)) as bar:
         for shard_file in sorted(wanted):
@@ -284,8 +268,8 @@ def text_tensor_names(mapping: dict[str, str], arch: ModelArchitecture) -> list[
     return [(ckpt, target[1]) for ckpt in mapping if (target := arch.map_name(ckpt)) is not None and target[0] == "text"]
 
 
-def _collector(quant: QuantScheme | None, modules: dict[str, nn.Module], mapping: dict[str, str],
-               arch: ModelArchitecture, shard: "ShardPlan | None") -> QuantCollector | None:
+def quant_collector(quant: QuantScheme | None, modules: dict[str, nn.Module], mapping: dict[str, str],
+                    arch: ModelArchitecture, shard: "ShardPlan | None") -> QuantCollector | None:
     """The quantized modules of the text part, swapped in before anything is read."""
     if quant is None or "text" not in modules:
         return None
@@ -294,15 +278,6 @@ def _collector(quant: QuantScheme | None, modules: dict[str, nn.Module], mapping
         return QuantCollector(quant, modules["text"], names, shard)
     except (ModelConfigError, ValueError) as exc:
         raise WeightsError(str(exc)) from None
-
-
-def _is_quant_tensor(name: str, layers: int | None) -> bool:
-    """A scale, packed codes or a zero point: bytes that mean nothing without their format (a layer past
-    the decoder's, DeepSeek's multi-token prediction, is not loaded at all)."""
-    layer = re.match(r"^layers\.(\d+)\.", name)
-    if layer is not None and layers is not None and int(layer.group(1)) >= layers:
-        return False
-    return is_quant_tensor(name)
 
 
 def _read(f, ckpt_name: str, name: str, shard: "ShardPlan | None") -> torch.Tensor:
@@ -325,23 +300,6 @@ def _pad_rows(tensor: torch.Tensor, rows: int | None) -> torch.Tensor:
     return torch.cat([tensor, torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype)])
 
 
-def _param_names(module: nn.Module) -> set[str]:
-    return {n for n, _ in module.named_parameters(remove_duplicate=False)}
-
-
-def _owner_name(name: str, module: nn.Module | None = None) -> str:
-    """The model parameter a checkpoint tensor fills (classic per-expert tensors fill a stacked one; a
-    fused tensor the module splits itself fills the parameter its ``owner_of`` names)."""
-    owner_of = getattr(module, "owner_of", None)
-    if owner_of is not None and (owner := owner_of(name)) is not None:
-        return owner
-    m = _EXPERT.match(name)
-    if not m:
-        return name
-    kind = "down_proj" if _EXPERT_KIND[m.group(3)] == "w2" else "gate_up_proj"
-    return f"layers.{m.group(1)}.mlp.experts.{kind}"
-
-
 def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger: _ExpertMerger,
            dtype: torch.dtype) -> None:
     split = getattr(module, "split_fused", None)
@@ -350,7 +308,7 @@ def _place(module: nn.Module, part: str, name: str, tensor: torch.Tensor, merger
         for piece_name, piece in pieces:
             _assign(module, piece_name, piece, dtype)
         return
-    m = _EXPERT.match(name) if part == "text" else None
+    m = EXPERT.match(name) if part == "text" else None
     if m is None:
         _assign(module, name, tensor, dtype)
         return

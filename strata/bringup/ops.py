@@ -30,7 +30,10 @@ from strata.pipeline.models.architectures import (
     UnknownArchitecture,
     resolve_architecture,
 )
+from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.model_config import read_config_json
+from strata.pipeline.models.model_loader import plan_model_load
+from strata.pipeline.models.weights import WeightsError, weight_map
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 SELECT_STRATEGIES = ("default", "full")
@@ -256,95 +259,28 @@ def dtype_component(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
                      "loaded as float32 or bfloat16 (--dtype)" if ok else MISSING)
 
 
-def required_tensors(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> dict[str, list[str]]:
-    """Component -> regexes of the names (inside each part, after the architecture's name rules) it needs."""
-    tc = _text_config(raw, arch)
-    family = _family(tc, arch)
-    layer = r"layers\.\d+\."
-    text = [r"embed_tokens\.weight", r"norm\.weight", layer + r"input_layernorm\.weight",
-            layer + r"post_attention_layernorm\.weight", layer + r"self_attn\.o_proj\.weight"]
-    if family is not None and family.attention == "mla":
-        text += [layer + r"self_attn\.kv_a_proj_with_mqa\.weight", layer + r"self_attn\.kv_b_proj\.weight",
-                 layer + r"self_attn\.kv_a_layernorm\.weight",
-                 layer + (r"self_attn\.q_b_proj\.weight" if tc.get("q_lora_rank") else r"self_attn\.q_proj\.weight")]
-    else:
-        text += [layer + rf"self_attn\.{p}_proj\.weight" for p in "qkv"]
-        if family is not None and family.uses_qk_norm(tc):
-            text += [layer + r"self_attn\.q_norm\.weight", layer + r"self_attn\.k_norm\.weight"]
-    if any(tc.get(k) for k in EXPERT_KEYS):
-        text += [layer + r"mlp\.gate\.weight", layer + r"mlp\.experts\."]
-        if family is not None and family.router == "sigmoid-grouped":
-            text.append(layer + r"mlp\.gate\.e_score_correction_bias")
-            if tc.get("n_shared_experts"):
-                text.append(layer + r"mlp\.shared_experts\.down_proj\.weight")
-    if not any(tc.get(k) for k in EXPERT_KEYS) or tc.get("first_k_dense_replace") or tc.get("mlp_only_layers"):
-        text += [layer + rf"mlp\.{p}_proj\.weight" for p in ("gate", "up", "down")]
-    if not _tied(raw, tc, arch):
-        text.append(r"lm_head\.weight")
-    has_vision = bool(raw.get("vision_config")) and (arch is None or arch.takes_images)
-    if arch is not None and arch.vision == "moonvit":
-        vision = [r"patch_embed\.proj\.weight", r"patch_embed\.pos_emb\.position_embeddings",
-                  r"layers\.\d+\.attn\.(q_proj|wqkv)\.weight", r"layers\.\d+\.mlp\.fc1\.weight",
-                  r"final_layernorm\.weight"]
-        projector = [r"pre_norm\.weight", r"in_proj\.weight", r"out_proj\.weight"]
-    elif arch is not None and arch.vision == "qwen3-vit":
-        vision = [r"patch_embed\.proj\.weight", r"pos_embed\.weight", r"blocks\.\d+\.attn\.qkv\.weight",
-                  r"blocks\.\d+\.mlp\.linear_fc1\.weight", r"blocks\.\d+\.norm1\.weight"]
-        if (raw.get("vision_config") or {}).get("deepstack_visual_indexes", [8]):
-            vision.append(r"deepstack_merger_list\.\d+\.linear_fc1\.weight")
-        projector = [r"norm\.weight", r"linear_fc1\.weight", r"linear_fc2\.weight"]
-    elif arch is not None and arch.vision == "qwen2.5-vit":
-        vision = [r"patch_embed\.proj\.weight", r"blocks\.\d+\.attn\.qkv\.weight", r"blocks\.\d+\.mlp\.gate_proj\.weight",
-                  r"blocks\.\d+\.norm1\.weight"]
-        projector = [r"ln_q\.weight", r"mlp\.0\.weight", r"mlp\.2\.weight"]
-    else:
-        siglip = (raw.get("vision_config") or {}).get("model_type") == "siglip_vision_model"
-        vision = [r"embeddings\.patch_embedding\.weight", r"embeddings\.position_embedding\.weight",
-                  r"encoder\.layers\.\d+\.self_attn\.q_proj\.weight", r"encoder\.layers\.\d+\.mlp\.fc1\.weight"]
-        vision += [] if siglip else [r"pre_layrnorm\.weight"]
-        projector = [r"linear_1\.weight", r"linear_2\.weight"]
-        projector += [r"image_newline"] if arch is not None and arch.projector == "mlp2-anyres" else []
-    return {"text": text, "vision": vision if has_vision else [], "projector": projector if has_vision else []}
-
-
-_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
-
-
-def check_weights(model_dir: Path, raw: dict[str, Any], arch: ModelArchitecture | None = None) -> dict[str, Any] | None:
-    """Unclaimed tensors, missing ones, and unused ones (layers past ``num_hidden_layers``: DeepSeek's
-    multi-token-prediction layer, which serving does not run), from the index or the shard headers;
-    None without weights."""
-    index = model_dir / "model.safetensors.index.json"
-    names: list[str] = []
-    if index.is_file():
-        names = list(json.loads(index.read_text()).get("weight_map", {}))
-    else:
-        from safetensors import safe_open
-
-        for shard in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(shard), framework="pt") as f:
-                names.extend(f.keys())
-    if not names:
+def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The loader's own plan (``plan_model_load``) against the checkpoint: tensors it refuses (no component
+    claims them), parameters no tensor fills (by layer pattern), and tensors of layers past
+    ``num_hidden_layers`` (multi-token prediction, which serving does not run); None without weights. A
+    config the loader cannot build on claims nothing, so every tensor is unclaimed."""
+    if not (model_dir / "model.safetensors.index.json").is_file() and not any(model_dir.glob("*.safetensors")):
         return None
-    layers = int(_text_config(raw, arch).get("num_hidden_layers") or 0)
-    rules = arch or ModelArchitecture("unknown", "?", CAUSAL_LM_NAMES)
-    by_part: dict[str, set[str]] = {"text": set(), "vision": set(), "projector": set()}
-    unclaimed, unused = [], []
-    for name in names:
-        mapped = rules.map_name(name)
-        if mapped is None:
-            unclaimed.append(name)
-            continue
-        layer = _LAYER_INDEX.match(mapped[1]) if mapped[0] == "text" else None
-        if layer is not None and layers and int(layer.group(1)) >= layers:
-            unused.append(name)
-        else:
-            by_part[mapped[0]].add(mapped[1])
-    missing = {part: [p for p in patterns if not any(re.match(p, n) for n in by_part[part])]
-               for part, patterns in required_tensors(raw, arch).items()}
+    try:
+        names = list(weight_map(model_dir))
+    except WeightsError as exc:
+        return {"tensors": 0, "unclaimed": [], "unused": 0, "missing": {}, "formats": [], "unreadable": str(exc)}
     formats, unread = format_lines(raw, names)
-    return {"tensors": len(names), "unclaimed": sorted(set(unclaimed) | set(unread)), "unused": len(unused),
-            "missing": {k: v for k, v in missing.items() if v}, "formats": formats}
+    try:
+        plan = plan_model_load(model_dir)
+    except (ModelConfigError, UnknownArchitecture, WeightsError, ValueError):
+        return {"tensors": len(names), "unclaimed": sorted(names), "unused": 0, "missing": {}, "formats": formats}
+    missing = {part: sorted({_LAYER_NUMBER.sub(".*.", n) for n in params}) for part, params in plan.unfilled.items()}
+    return {"tensors": len(names), "reads": len(plan.reads), "unclaimed": sorted(set(plan.unclaimed()) | set(unread)),
+            "unused": len(plan.past_decoder), "missing": missing, "formats": formats}
+
+
+_LAYER_NUMBER = re.compile(r"\.\d+\.")
 
 
 def inventory(model_dir: Path) -> dict[str, Any]:
@@ -356,7 +292,7 @@ def inventory(model_dir: Path) -> dict[str, Any]:
     impl = (f"registry: {arch.name}" + (" (text only)" if not arch.takes_images else "")) if arch else MISSING
     components = [Component("architecture", shown, impl)]
     components += text_components(raw, arch) + vision_components(raw, arch) + [dtype_component(raw, arch)]
-    weights = check_weights(model_dir, raw, arch)
+    weights = check_weights(model_dir, raw)
     if weights is not None:
         components += [Component(*line) for line in weights.pop("formats")]
     else:
@@ -383,11 +319,14 @@ def run(args: argparse.Namespace) -> int:
         if weights["unused"]:
             print(f"# weights: {weights['unused']} tensors of layers past num_hidden_layers (multi-token "
                   "prediction) are not loaded: serving does not run them")
-        for part, patterns in weights["missing"].items():
-            print(f"# weights: the {part} component lacks tensors matching {', '.join(patterns)}")
+        for part, params in weights["missing"].items():
+            print(f"# weights: no tensor fills the {part} part's {', '.join(params)}")
             missing.append(f"{part} weights")
         if weights["unclaimed"]:
             missing.append("unclaimed weights")
+        if weights.get("unreadable"):
+            print(f"# weights: {weights['unreadable']}")
+            missing.append("readable weights")
     if args.json:
         args.json.write_text(json.dumps({**report, "missing": missing}, indent=2))
     if missing:
