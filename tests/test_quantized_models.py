@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from strata.cli import main
 from strata.kernels.quant_weight import QuantWeight
+from strata.pipeline.models.model_loader import load_language_model
 from strata.pipeline.models.quant_modules import quant_weights
 
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.", "A short one."]
@@ -74,6 +75,16 @@ def test_spilled_blocks_of_a_quantized_model_reload_and_are_reused(quantized_mod
     assert spilling.kv.spills.peak > 8
     again = build(quantized, **tier).generate([{"prompt": prompt, "params": greedy(10)}])[0]
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 1000
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ops_plans_the_tensors_a_quantized_load_reads(name: str, quantized_models, tmp_path: Path) -> None:
+    """Quantized modules claim their codes and scales in ops' plan exactly as they do in the load."""
+    quantized, _ = quantized_models[name]
+    report = tmp_path / "ops.json"
+    assert main(["ops", "--model", str(quantized), "--json", str(report)]) == 0
+    weights = json.loads(report.read_text())["weights"]
+    assert weights["unclaimed"] == [] and weights["reads"] == load_language_model(quantized)[1].tensors_read > 0
 
 
 def test_ops_names_each_modules_format_and_kernel(quantized_models, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.frontend.tokenizer import NO_IMAGES
+from strata.pipeline.models.model_loader import load_language_model
 from strata.stages.factory import build_decode_service, build_prefill_service
 
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
@@ -48,6 +49,8 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
     assert "vision_tower" not in names and {"attention", "rope", "mlp", "lm_head"} <= names
     attention = next(c for c in result["components"] if c["name"] == "attention")
     assert attention["need"].startswith("MLA") == arch.startswith("deepseek")
+    # ops prints the loader's own plan: the tensors it says a load reads are the ones the load reads
+    assert result["weights"]["reads"] == load_language_model(text_models[arch])[1].tensors_read > 0
 
 
 # In bf16 a random router can near-tie: on "deepseek_v3-plain" one token of 48 picks another expert in
