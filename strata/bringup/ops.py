@@ -273,8 +273,9 @@ def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None
     formats, unread = format_lines(raw, names)
     try:
         plan = plan_model_load(model_dir)
-    except (ModelConfigError, UnknownArchitecture, WeightsError, ValueError):
-        return {"tensors": len(names), "unclaimed": sorted(names), "unused": 0, "missing": {}, "formats": formats}
+    except (ModelConfigError, UnknownArchitecture, WeightsError, ValueError, KeyError, TypeError) as exc:
+        return {"tensors": len(names), "unclaimed": sorted(names), "unused": 0, "missing": {}, "formats": formats,
+                "unchecked": str(exc)}
     missing = {part: sorted({_LAYER_NUMBER.sub(".*.", n) for n in params}) for part, params in plan.unfilled.items()}
     return {"tensors": len(names), "reads": len(plan.reads), "unclaimed": sorted(set(plan.unclaimed()) | set(unread)),
             "unused": len(plan.past_decoder), "missing": missing, "formats": formats}
@@ -324,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
             missing.append(f"{part} weights")
         if weights["unclaimed"]:
             missing.append("unclaimed weights")
+        if weights.get("unchecked"):
+            print(f"# weights: not planned, the model does not build from this config ({weights['unchecked']})")
         if weights.get("unreadable"):
             print(f"# weights: {weights['unreadable']}")
             missing.append("readable weights")
