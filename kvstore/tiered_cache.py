@@ -1,7 +1,7 @@
 """The KV store's one face to the engine: a device pool plus the lower tiers, driven by a few verbs.
 
-All block arithmetic lives here; the scheduler above only decides who runs, who waits and who
-is preempted. The verbs, each on a sequence's :class:`BlockTable`:
+All block arithmetic lives in the KV store; the scheduler above only decides who runs, who waits and
+who is preempted. The verbs, each on a sequence's :class:`BlockTable`:
 
 * ``reserve(table, num_tokens, keep_free)`` - can the table hold ``num_tokens`` while
   ``keep_free`` blocks stay allocatable? Allocates, spilling leading published blocks of live
