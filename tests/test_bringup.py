@@ -143,6 +143,28 @@ def test_a_tensor_ops_calls_unclaimed_is_one_the_loader_refuses(llama_dir: Path,
         load_language_model(copy)
 
 
+@pytest.mark.parametrize("damage", ["garbled-index", "unknown-architecture"])
+def test_weights_ops_cannot_plan_are_reported_not_a_traceback(damage: str, llama_dir: Path, tmp_path: Path,
+                                                              capsys) -> None:
+    """A garbled index, or a config no model builds from: ops says why in one line and exits 1."""
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_dir, copy)
+    if damage == "garbled-index":
+        (copy / "model.safetensors.index.json").write_text("{not json")
+    else:
+        config = json.loads((copy / "config.json").read_text())
+        config.update(architectures=["NoSuchModelForCausalLM"], model_type="no_such_model")
+        (copy / "config.json").write_text(json.dumps(config))
+    report = tmp_path / "ops.json"
+    code, out, err = _strata(capsys, "ops", "--model", str(copy), "--json", str(report))
+    assert code == 1 and "Traceback" not in err
+    if damage == "garbled-index":
+        assert "is not a valid safetensors index" in out and "readable weights" in json.loads(report.read_text())["missing"]
+    else:
+        weights = json.loads(report.read_text())["weights"]
+        assert "# weights: not planned" in out and weights["unclaimed"] and len(weights["unclaimed"]) == weights["tensors"]
+
+
 def test_ops_on_a_directory_without_a_config_is_one_line(tmp_path: Path, capsys) -> None:
     code, out, err = _strata(capsys, "ops", "--model", str(tmp_path))
     assert code == 2 and err.startswith("strata: error: no config.json") and "Traceback" not in err

@@ -65,11 +65,12 @@ def plan_load(names: Iterable[str], modules: dict[str, nn.Module], arch: ModelAr
         if part not in modules:
             plan.skipped += 1
             continue
+        owners = owner_names(name, modules[part])
         if part == "text" and quantized is not None and quantized.claims(name):
             expert = quantized.expert_of(name) if shard is not None else None
-        elif owner_names(name, modules[part])[0] in owned[part]:
+        elif owners[0] in owned[part]:
             expert = shard.expert_of(name) if shard is not None and part == "text" else None
-            filled[part].update(owner_names(name, modules[part]))
+            filled[part].update(owners)
         else:
             _not_owned(plan, ckpt_name, part, name, layers, arch)
             continue
