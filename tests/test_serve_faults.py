@@ -299,11 +299,13 @@ def _stream_text(server, body: dict[str, Any], after_events: int = 0, then: Any 
 @pytest.mark.parametrize("rank", [0, 1], ids=["driver", "worker"])
 def test_a_tp_step_failing_on_one_rank_mid_stream_changes_no_token(server, rank: int) -> None:
     """A fault in one rank's forward, between a layer's two all-reduces, while the decode group streams:
-    the group abandons that step together and retries it, so the stream is exactly the unfaulted one."""
-    body = _chat(_long_prompt(40, 7), max_tokens=48, ignore_eos=True, stream=True)
+    the group abandons that step together and retries it, so the stream is exactly the unfaulted one. The
+    fault is armed at the stream's third event, and the stream is long enough (~1-3 s of steps here) that a
+    client slowed by a busy host still arms it well before the last step."""
+    body = _chat(_long_prompt(40, 7), max_tokens=320, ignore_eos=True, stream=True)
     expected, _ = _stream_text(server, body)
     armed = server.faults / f"tp_layer.rank{rank}"
-    got, lines = _stream_text(server, body, after_events=5, then=lambda: armed.write_text("1"))
+    got, lines = _stream_text(server, body, after_events=3, then=lambda: armed.write_text("1"))
     assert not armed.exists(), "the fault fired inside the stream"
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
     assert got == expected

@@ -15,8 +15,10 @@ two threads need (one preempted thread holds its partner at every barrier of the
 Slow work, made slow on purpose (stall points, ``pipeline/parallel/fault_points.py``: the work sleeps, so
 it costs no core and the test is not about CPU contention): tokenizing a prompt, checking a grammar at the
 front door, compiling it in the engine (its request waits in its own state, as vLLM's waiting-for-FSM),
-preprocessing an image and encoding it each take 1.5 s more, and a stream beside them never waits 0.5 s.
-Any of them on the step loop would hold it for the whole 1.5 s."""
+preprocessing an image and encoding it each take 3 s more, and a stream beside them never waits 1 s. Any
+of them on the step loop would hold it for the whole 3 s; the margin below that is for the real work beside
+the stalls (decoding and encoding the image, compiling the grammar) on a busy 2-core host, where a 0.8 s gap
+was seen once against a 0.5 s bound beside 1.5 s stalls."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from helpers import MODEL_NAME
 pytestmark = pytest.mark.serve
 LONG_PROMPT_TOKENS = 32_000
 PACE_FACTOR = 6  # measured here: 2.5-4.9 (see the module)
-STALL_S = 1.5
+STALL_S = 3.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
           "required": ["name"], "additionalProperties": False}
 
@@ -198,4 +200,7 @@ def test_work_that_is_slow_never_holds_a_running_stream(qwen_vl_server) -> None:
     assert not [p.name for p in server.faults.iterdir()], "every stall point was passed"
     assert burst.done - burst.arrived >= STALL_S
     gaps = burst.stream.gaps(burst.arrived, burst.done)
-    assert len(gaps) > 20 and max(gaps) < STALL_S / 3, f"a {max(gaps):.2f} s gap beside {STALL_S} s stalls"
+    worst = max(gaps)
+    assert len(gaps) > 20 and worst < STALL_S / 3, (
+        f"a {worst:.2f} s gap {burst.stream.gap_start(worst) - burst.arrived:.2f} s after the requests arrived, "
+        f"beside {STALL_S} s stalls")
