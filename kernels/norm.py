@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def rms_norm_spanning(x: torch.Tensor, weight: torch.Tensor, eps: float, width: int,
+                      sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], replicas: int = 1) -> torch.Tensor:
+    """:func:`rms_norm` of rows split across tensor-parallel ranks (MiniMax-M2's q/k norm spans every
+    head; a rank holds some): each rank's sum of squares is summed over the group (``sum_over_ranks``, an
+    all-reduce), divided by the ``replicas`` ranks holding each column (KV heads held twice count once),
+    and the mean is over the full ``width``. Same order as :func:`rms_norm`: normalise in fp32, cast,
+    scale."""
+    h = x.to(torch.float32)
+    squares = sum_over_ranks(h.pow(2).sum(-1, keepdim=True)) / replicas
+    return weight * (h * torch.rsqrt(squares / width + eps)).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -136,6 +136,7 @@ QUANTIZED = {
     "qwen3_moe-mxfp4": ("qwen3_moe", {"moe_intermediate_size": 64}, "mxfp4", True),  # gpt-oss-style experts
     "qwen3_moe-int4-asym": ("qwen3_moe", {"moe_intermediate_size": 64}, "int4-asym", False),
     "llama-fp8-channel": ("llama", {}, "fp8-channel", False),  # a community FP8 release
+    "minimax_m2-fp8": ("minimax_m2", {}, "fp8-block", False),  # MiniMax-M2 as released: FP8 blocks, dense routers
 }
 
 

@@ -1,6 +1,6 @@
 """Checkpoints as they are released, quantized by compressed-tensors (never by Strata): DeepSeek-V3 in FP8
 blocks with partial blocks, Kimi-K2.5's INT4 routed experts, MXFP4 experts, asymmetric INT4 everywhere and
-per-channel FP8. Each generates exactly what transformers generates in fp32 on the exactly dequantized
+per-channel FP8, MiniMax-M2 in FP8 blocks. Each generates exactly what transformers generates in fp32 on the exactly dequantized
 weights, keeps its weights in their stored format, and is refused in one line when its config or its
 tensors say something Strata does not read."""
 
@@ -21,7 +21,8 @@ from strata.pipeline.models.model_loader import load_language_model
 from strata.pipeline.models.quant_modules import quant_weights
 
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.", "A short one."]
-NAMES = ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-mxfp4", "qwen3_moe-int4-asym", "llama-fp8-channel"]
+NAMES = ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-mxfp4", "qwen3_moe-int4-asym", "llama-fp8-channel",
+         "minimax_m2-fp8"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -56,7 +57,7 @@ def test_weights_stay_in_their_stored_format(name: str, quantized_models) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-int4-asym"])
+@pytest.mark.parametrize("name", ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-int4-asym", "minimax_m2-fp8"])
 def test_tp2_equals_tp1(name: str, quantized_models) -> None:
     """Each rank reads its slices of the codes and the scales (splits fall on block and group boundaries);
     experts split whole."""

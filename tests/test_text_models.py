@@ -1,5 +1,5 @@
 """Text-only LLMs of every registered family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
-DeepSeek-V3, GLM-4.5, gpt-oss) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
+DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
 `strata ops` covers them, `strata align` passes in fp32 and bf16, images are refused with a 400-style
 error, MLA's latent blocks spill, reload, hand off and are reused like any other blocks."""
 
@@ -23,7 +23,7 @@ from strata.stages.factory import build_decode_service, build_prefill_service
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
-            "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square"]
+            "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -182,10 +182,11 @@ def test_per_expert_checkpoints_load_like_stacked_ones(text_models, tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2"])
 def test_tp2_equals_tp1(arch: str, text_models) -> None:
     """MLA: heads split, the latent replicated on both ranks; GQA (GLM-4.5: partial RoPE and q/k/v biases per
-    head; gpt-oss: sinks per head); MoE: experts split whole with their biases, shared experts by columns; both
+    head; gpt-oss: sinks per head; MiniMax-M2: q/k norms over every head, their squares summed over the group);
+    MoE: experts split whole with their biases, shared experts by columns; both
     ranks' partial outputs meet in one all-reduce."""
     model_dir = text_models[arch]
     reqs = [{"prompt": p, "params": greedy(10 + i)} for i, p in enumerate(PROMPTS)]
@@ -198,7 +199,7 @@ def test_tp2_equals_tp1(arch: str, text_models) -> None:
         two.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe", "minimax_m2"])
 def test_the_planners_parameter_count_is_the_checkpoints(arch: str, text_models) -> None:
     """Sinks, router and expert biases included: the planner sizes what transformers holds."""
     from transformers import AutoModelForCausalLM

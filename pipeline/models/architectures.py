@@ -1,9 +1,9 @@
 """The model registry: every architecture Strata serves, declared as a choice of components.
 
 A decoder family (:class:`TextFamily`, keyed by ``model_type``) says which attention (GQA, MLA),
-which optional q/k norm and biases, which sliding-window rule, which MoE router (softmax top-k as in
-Mixtral and Qwen3-MoE, or DeepSeek-V3's sigmoid scores with bias-corrected group-limited top-k and
-shared experts) and where its config keeps the counts. Positions come from the config's
+which optional q/k norm and biases, which sliding-window rule, which MoE router (a
+``router_kinds.RouterKind``), which layers are sparse (a ``sparse_layers`` rule) and where its config
+keeps the counts. Positions come from the config's
 ``rope_parameters`` (default / linear / llama3 / yarn with mscale, over all of a head or the first
 ``partial_rotary_factor`` of it; see ``kernels.rope``).
 
@@ -22,6 +22,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from strata.pipeline.models import router_kinds
+from strata.pipeline.models.router_kinds import RouterKind
+from strata.pipeline.models.sparse_layers import SparseLayerRule, every_layer, first_k_dense, sparse_step
+
 
 @dataclass(frozen=True)
 class TextFamily:
@@ -33,19 +37,20 @@ class TextFamily:
     bias_on_o: bool = True  # ``attention_bias`` covers the output projection too (Llama); GLM biases q/k/v only
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     qk_norm_key: str | None = None  # or the config key that switches it on (GLM-4.5's ``use_qk_norm``)
+    qk_norm_over_heads: bool = False  # q and k normalised over their whole projection, all heads at once
+    # (MiniMax-M2), not head by head
     windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3,
     # when ``use_sliding_window`` says so) | "layer_types-always" (gpt-oss: its ``layer_types`` alone decide)
     norm_scale_fp32: bool = False  # RMSNorm scales in fp32 before its cast back (gpt-oss), not after (Llama)
     sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
-    router: str | None = None  # None (dense) | "softmax" | "sigmoid-grouped" | "topk-softmax" (gpt-oss: softmax
-    # over the k best logits of a router with a bias)
+    router: RouterKind | None = None  # None: a dense decoder
+    sparse_layers: SparseLayerRule = every_layer  # which layers route to experts
+    shared_experts: bool = False  # ``n_shared_experts`` always-on experts beside the routed ones (DeepSeek)
     experts: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: clamped gate and up, up + 1, biases, gate
     # and up columns interleaved and the matrices stored as x @ W in the checkpoint)
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
-    always_renormalize: bool = False  # Mixtral renormalises the top-k weights whatever the config says
     positions: str = "rope"  # "rope" (1-D) | "mrope" (Qwen2.5-VL: t/h/w in runs) | "mrope-interleaved" (Qwen3-VL)
-    renormalize_topk: bool = False  # the router always renormalises its top-k (Qwen3-VL-MoE), whatever the config says
 
     def uses_qk_norm(self, tc: dict[str, Any]) -> bool:
         """Whether a text config of this family normalizes q and k per head."""
@@ -65,23 +70,31 @@ for _family in (
     TextFamily("mistral", windows="all"),
     TextFamily("qwen2", qkv_bias=True, windows="layer_types"),
     TextFamily("qwen3", qk_norm=True, windows="layer_types"),
-    TextFamily("mixtral", windows="all", router="softmax", always_renormalize=True),
-    TextFamily("qwen3_moe", qk_norm=True, windows="layer_types", router="softmax",
+    # Mixtral: every layer sparse, experts as wide as a dense MLP would be
+    TextFamily("mixtral", windows="all", router=router_kinds.SOFTMAX_MIXTRAL, expert_size_key="intermediate_size"),
+    TextFamily("qwen3_moe", qk_norm=True, windows="layer_types", router=router_kinds.SOFTMAX_QWEN,
+               sparse_layers=sparse_step,
                experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
-    TextFamily("deepseek_v3", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
-    TextFamily("kimi_k2", attention="mla", router="sigmoid-grouped", experts_keys=("n_routed_experts",)),
+    TextFamily("deepseek_v3", attention="mla", router=router_kinds.SIGMOID_GROUPED, sparse_layers=first_k_dense,
+               shared_experts=True, experts_keys=("n_routed_experts",)),
+    TextFamily("kimi_k2", attention="mla", router=router_kinds.SIGMOID_GROUPED, sparse_layers=first_k_dense,
+               shared_experts=True, experts_keys=("n_routed_experts",)),
     # GLM-4.5/4.6: GQA with q/k/v biases (none on o), optional q/k norm, partial RoPE; DeepSeek-V3's router
-    TextFamily("glm4_moe", bias_on_o=False, qk_norm_key="use_qk_norm", router="sigmoid-grouped",
-               experts_keys=("n_routed_experts",)),
+    TextFamily("glm4_moe", bias_on_o=False, qk_norm_key="use_qk_norm", router=router_kinds.SIGMOID_GROUPED,
+               sparse_layers=first_k_dense, shared_experts=True, experts_keys=("n_routed_experts",)),
     # gpt-oss: GQA with biases and sinks, sliding and full layers alternating, a biased top-k router over
     # clamped-SwiGLU experts with biases
-    TextFamily("gpt_oss", windows="layer_types-always", norm_scale_fp32=True, sinks=True, router="topk-softmax", experts="clamped-swiglu",
+    TextFamily("gpt_oss", windows="layer_types-always", norm_scale_fp32=True, sinks=True,
+               router=router_kinds.TOPK_SOFTMAX, experts="clamped-swiglu", expert_size_key="intermediate_size"),
+    # MiniMax-M2: GQA with q and k normalised over all heads at once, partial RoPE, sigmoid routing with a
+    # correction bias over every expert in every layer, experts as wide as ``intermediate_size``
+    TextFamily("minimax_m2", qk_norm=True, qk_norm_over_heads=True, router=router_kinds.SIGMOID_TOPK,
                expert_size_key="intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", qkv_bias=True, windows="layer_types", positions="mrope"),
     TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
-    TextFamily("qwen3_vl_moe_text", qk_norm=True, router="softmax", experts_keys=("num_experts", "num_local_experts"),
-               positions="mrope-interleaved", renormalize_topk=True),
+    TextFamily("qwen3_vl_moe_text", qk_norm=True, router=router_kinds.SOFTMAX_QWEN_VL, sparse_layers=sparse_step,
+               experts_keys=("num_experts", "num_local_experts"), positions="mrope-interleaved"),
 ):
     register_text_family(_family)
 
@@ -91,6 +104,10 @@ NameRule = tuple[str, str, str]
 
 # gpt-oss calls its router ``mlp.router``; every other family's is ``mlp.gate``
 GPT_OSS_RENAMES: tuple[NameRule, ...] = ((r"^model\.layers\.(\d+)\.mlp\.router\.", "text", r"layers.\1.mlp.gate."),)
+# MiniMax-M2 keeps its routing correction on the MoE block; it is the router's (``router_kinds.SIGMOID_TOPK``)
+MINIMAX_M2_RENAMES: tuple[NameRule, ...] = (
+    (r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.e_score_correction_bias$", "text",
+     r"layers.\1.mlp.gate.e_score_correction_bias"),)
 
 CAUSAL_LM_NAMES: tuple[NameRule, ...] = (
     ("model.layers.", "text", "layers."),
@@ -246,6 +263,8 @@ for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistr
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
 register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_LM_NAMES, text_family="gpt_oss",
                                         renames=GPT_OSS_RENAMES))
+register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CAUSAL_LM_NAMES, text_family="minimax_m2",
+                                        renames=MINIMAX_M2_RENAMES))
 
 
 class UnknownArchitecture(ValueError):

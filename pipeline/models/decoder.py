@@ -1,6 +1,7 @@
 """The decoder of every registered text family, assembled from components, over the paged KV cache.
 
-A layer is input norm, an attention component (GQA with optional q/k norm here; MLA in
+A layer is input norm, an attention component (GQA with optional q/k norm, per head or over all heads,
+here; MLA in
 ``models.attention_mla``), post-attention norm and a feed-forward component (dense SwiGLU, or a sparse
 MoE from ``models.moe`` on the layers the config makes sparse). Tokens of all sequences in a step are
 flattened to [T, hidden]; attention reads and writes the block pool through
@@ -17,6 +18,9 @@ parts are pure tensor functions in :class:`DenseSteps`, which ``pipeline.compile
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -32,8 +36,8 @@ from strata.kernels import (
     write_kv,
 )
 from strata.kernels.layer_ops import silu_mul
+from strata.kernels.norm import rms_norm_spanning
 from strata.kernels.sinks import apply_sinks
-from strata.pipeline.models.architectures import TEXT_FAMILIES
 from strata.pipeline.models.attention_mla import MLAAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
@@ -58,6 +62,35 @@ def qkv_norm_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.
     qk = torch.cat([rms_norm(qkv[:, :hq], q_norm_w, eps), rms_norm(qkv[:, hq : hq + hkv], k_norm_w, eps)], dim=1)
     qk = rotate_heads(qk, cos, sin_signed)
     return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+
+
+def qkv_norm_over_heads_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                             qkv_b: torch.Tensor | None, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                             cos: torch.Tensor, sin_signed: torch.Tensor, hq: int, hkv: int, d: int,
+                             spanning: "NormSpan | None" = None):
+    """:func:`qkv_rope` with q and k each normalised over its whole projection, all heads at once
+    (MiniMax-M2); ``spanning`` when this rank holds only some heads (the sums of squares are summed)."""
+    t = x.shape[0]
+    qkv = linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b)
+    q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d]
+    if spanning is None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    else:
+        q = rms_norm_spanning(q, q_norm_w, eps, spanning.q_width, spanning.sum_over_ranks)
+        k = rms_norm_spanning(k, k_norm_w, eps, spanning.k_width, spanning.sum_over_ranks, spanning.kv_replicas)
+    qk = rotate_heads(torch.cat([q, k], dim=1).view(t, hq + hkv, d), cos, sin_signed)
+    return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+
+
+@dataclass(frozen=True)
+class NormSpan:
+    """A q/k norm over every head, computed on a rank that holds some (``ParallelLanguageModel`` sets it):
+    the full widths, the group's sum, and how many ranks hold each KV head."""
+
+    q_width: int
+    k_width: int
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+    kv_replicas: int = 1
 
 
 def out_proj_norm(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
@@ -116,9 +149,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head, or over the whole projection (MiniMax-M2)
+            q_heads, k_heads = (cfg.num_heads, cfg.num_kv_heads) if cfg.qk_norm_over_heads else (1, 1)
+            self.q_norm = RMSNorm(cfg.head_dim * q_heads, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim * k_heads, cfg.rms_norm_eps)
+        self.norm_over_heads = cfg.qk_norm_over_heads
+        self.norm_span: NormSpan | None = None  # set on a tensor-parallel rank
         # gpt-oss: a learned logit per head in every softmax (``kernels.sinks``)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.sinks else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse
@@ -132,7 +168,11 @@ class Attention(nn.Module):
         """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
         if self.qkv_weight is None:
             self.fuse()
-        if hasattr(self, "q_norm"):
+        if self.norm_over_heads:  # eager: under tp its norm sums over the group
+            q, k, v = qkv_norm_over_heads_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, self.q_norm.weight,
+                                               self.k_norm.weight, cos, sin_signed, self.num_heads, self.num_kv_heads,
+                                               self.head_dim, self.norm_span)
+        elif hasattr(self, "q_norm"):
             q, k, v = steps.qkv_norm_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, self.q_norm.weight,
                                           self.k_norm.weight, cos, sin_signed, self.num_heads, self.num_kv_heads,
                                           self.head_dim)
@@ -168,7 +208,7 @@ class DecoderLayer(nn.Module):
         self.self_attn: Attention | MLAAttention = MLAAttention(cfg, layer_idx) if cfg.mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = SparseMoE(cfg, TEXT_FAMILIES[cfg.model_type].always_renormalize)
+            self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 

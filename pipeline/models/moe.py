@@ -1,8 +1,7 @@
 """Sparse mixture-of-experts feed-forward blocks: routed experts, a router, optional shared experts.
 
-One module for every family in the registry: the router kind (softmax top-k; sigmoid with
-bias-corrected group-limited top-k; gpt-oss's softmax over the k best logits of a biased router), the
-experts' gate (SwiGLU, or gpt-oss's clamped one with biases) and the shared experts come from
+One module for every family in the registry: the router (its kind, ``router_kinds``, finds its arithmetic
+in ``ROUTES``), the experts' gate (SwiGLU, or gpt-oss's clamped one with biases) and the shared experts come from
 :class:`MoEConfig`. Expert weights are stacked 3-D tensors (the transformers-5 layout); the loader
 stacks per-expert checkpoints into it.
 """
@@ -53,41 +52,54 @@ class MoEExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
+def _route_softmax(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = gate.moe
+    weights, ids = moe_route(F.linear(x, gate.weight), m.experts_per_tok, m.norm_topk_prob)
+    return (weights.to(x.dtype).float() if m.router.weights_in_logits_dtype else weights), ids
+
+
+def _route_sigmoid(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = gate.moe
+    logits = F.linear(x.float(), gate.weight) if m.router.scores_fp32 else F.linear(x, gate.weight)
+    return moe_route_grouped(logits, gate.e_score_correction_bias, m.experts_per_tok, m.n_group, m.topk_group,
+                             m.norm_topk_prob, m.routed_scaling_factor)
+
+
+def _route_topk_softmax(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_route_topk_logits(F.linear(x, gate.weight, gate.bias), gate.moe.experts_per_tok)
+
+
+# The arithmetic of each router kind (``router_kinds.RouterKind.method``): (fp32 weights [T, k], ids [T, k])
+ROUTES = {"softmax": _route_softmax, "sigmoid": _route_sigmoid, "topk-softmax": _route_topk_softmax}
+
+
 class Router(nn.Module):
-    """Scores every expert for every token. DeepSeek's router scores in fp32 whatever the model dtype
-    (``keep_fp32``: the loader leaves its tensors in fp32) and carries the bias that corrects choices."""
+    """Scores every expert for every token, as its kind (``moe.router``) says. A kind that scores in fp32
+    whatever the model dtype (DeepSeek's) sets ``keep_fp32``: the loader leaves its tensors in fp32."""
 
     def __init__(self, moe: MoEConfig, hidden: int) -> None:
         super().__init__()
+        kind = moe.router
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
-        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
-        if moe.router == "sigmoid-grouped":
-            self.keep_fp32 = True
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if kind.logit_bias else None
+        if kind.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+        if kind.scores_fp32:
+            self.keep_fp32 = True
+        self._route = ROUTES[kind.method]
 
-    def route(self, x: torch.Tensor, renormalize: bool, logits_dtype_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 weights [T, k], expert ids [T, k]). ``logits_dtype_weights``: round the weights to the
-        logits' dtype first, as Qwen3-MoE's reference does (Mixtral's keeps them fp32)."""
-        m = self.moe
-        if m.router == "sigmoid-grouped":
-            logits = F.linear(x.float(), self.weight)
-            return moe_route_grouped(logits, self.e_score_correction_bias, m.experts_per_tok, m.n_group,
-                                     m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
-        if m.router == "topk-softmax":
-            return moe_route_topk_logits(F.linear(x, self.weight, self.bias), m.experts_per_tok)
-        weights, ids = moe_route(F.linear(x, self.weight), m.experts_per_tok, renormalize)
-        return (weights.to(x.dtype).float() if logits_dtype_weights else weights), ids
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 weights [T, k], expert ids [T, k])."""
+        return self._route(self, x)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: TextConfig, always_renormalize: bool = False) -> None:
+    def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         moe = cfg.moe
         assert moe is not None
         self.top_k = moe.experts_per_tok
-        self.renormalize = always_renormalize or moe.norm_topk_prob
-        self.logits_dtype_weights = not always_renormalize
         self.gate = Router(moe, cfg.hidden_size)
         self.experts = MoEExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.expert_bias)
         self.act = functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit) \
@@ -97,7 +109,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         """Routed experts (only ``first_expert ..`` of them when this rank holds a run) plus shared experts."""
-        weights, ids = self.gate.route(x, self.renormalize, self.logits_dtype_weights)
+        weights, ids = self.gate.route(x)
         e = self.experts
         out = moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, first_expert, e.gate_up_proj_bias,
                           e.down_proj_bias, self.act)

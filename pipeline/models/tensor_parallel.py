@@ -12,7 +12,8 @@ One rank holds:
   a column slice of the shared experts, so routed and shared partial outputs share one all-reduce;
 * embedding and LM head: vocab rows ``[v0, v1)``, padded to one length so the logits gather evenly.
 
-A layer's two row-parallel outputs (attention's projection, the MLP) are summed over the group
+A q/k norm over every head (MiniMax-M2) holds this rank's columns of its weight and sums its squares over
+the group (one small all-reduce each for q and k). A layer's two row-parallel outputs (attention's projection, the MLP) are summed over the group
 (one all-reduce each) before the residual add; a bias on them is added once, after the sum. Norms,
 RoPE and the router are replicated. ``pipeline.shard_plan.ShardPlan`` says which slice of each
 checkpoint tensor a rank reads, so the loader reads nothing else.
@@ -25,7 +26,7 @@ import torch
 
 from strata.kernels import linear, rms_norm
 from strata.kernels.layer_ops import silu_mul
-from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
+from strata.pipeline.models.decoder import DecoderLayer, LanguageModel, NormSpan
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.moe import MoEExperts
 from strata.pipeline.parallel.fault_points import fault_point
@@ -68,8 +69,12 @@ class ParallelLanguageModel(LanguageModel):
         self.plan = plan
         self.group = group
         self.vocab_start, self.vocab_stop = plan.vocab
+        c = plan.cfg
         for layer in self.layers:
             layer.group = group
+            if getattr(layer.self_attn, "norm_over_heads", False):  # MiniMax-M2's q/k norm spans heads other ranks hold
+                layer.self_attn.norm_span = NormSpan(c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                                     group.all_reduce, plan.kv_replicas)
             if plan.cfg.is_moe_layer(layer.self_attn.layer_idx):
                 lo, hi = plan.experts
                 layer.first_expert = lo

@@ -12,6 +12,7 @@ from typing import Any
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
+from strata.pipeline.models.router_kinds import SOFTMAX_MIXTRAL, RouterKind
 
 TEXT_MODEL_TYPES = tuple(TEXT_FAMILIES)
 
@@ -43,8 +44,8 @@ class MoEConfig:
     num_experts: int
     experts_per_tok: int
     intermediate_size: int  # of one routed expert
-    router: str = "softmax"  # "softmax" | "sigmoid-grouped" | "topk-softmax" (with a router bias)
-    norm_topk_prob: bool = True
+    router: RouterKind = SOFTMAX_MIXTRAL  # how tokens choose experts (``router_kinds``)
+    norm_topk_prob: bool = True  # the router renormalises the chosen weights (the kind's rule, resolved)
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
@@ -53,10 +54,6 @@ class MoEConfig:
     activation: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: with biases, ``swiglu_alpha``/``_limit``)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-
-    @property
-    def router_bias(self) -> bool:
-        return self.router == "topk-softmax"
 
     @property
     def expert_bias(self) -> bool:
@@ -90,6 +87,7 @@ class TextConfig:
     experts_per_tok: int = 0
     hidden_act: str = "silu"
     qk_norm: bool = False
+    qk_norm_over_heads: bool = False  # the q/k norm spans all heads' projection at once (MiniMax-M2)
     sinks: bool = False  # a learned logit per head in every softmax (gpt-oss; ``kernels.sinks``)
     norm_scale_fp32: bool = False  # RMSNorm weights held in fp32: scale before the cast (gpt-oss; ``kernels.norm``)
     mla: MLAConfig | None = None
@@ -155,7 +153,7 @@ def _windows(tc: dict[str, Any], family: TextFamily, num_layers: int) -> tuple[i
     return (None,) * num_layers
 
 
-def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
+def _rope_parameters(tc: dict[str, Any], head_dim: int) -> dict[str, Any]:
     params = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
     params.setdefault("rope_type", params.pop("type", "default"))
@@ -165,6 +163,8 @@ def _rope_parameters(tc: dict[str, Any]) -> dict[str, Any]:
         params.setdefault("original_max_position_embeddings", tc.get("max_position_embeddings"))
     if "partial_rotary_factor" in tc and "partial_rotary_factor" not in params:  # transformers 4's top-level key
         params["partial_rotary_factor"] = tc["partial_rotary_factor"]
+    if tc.get("rotary_dim") and "partial_rotary_factor" not in params:  # MiniMax's releases count the dims
+        params["partial_rotary_factor"] = checked_size(tc["rotary_dim"], "rotary_dim") / head_dim
     return params
 
 
@@ -183,33 +183,23 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
     per_token = size(tc, "num_experts_per_tok")
     if per_token > experts:
         raise ModelConfigError(f"config.json: num_experts_per_tok ({per_token}) exceeds {key} ({experts})")
-    if family.router == "softmax" and family.always_renormalize:  # Mixtral: experts as wide as the dense MLP
-        moe = MoEConfig(experts, per_token, size(tc, "intermediate_size"))
-        return moe, (True,) * layers
-    sigmoid = family.router == "sigmoid-grouped"
+    routing = family.router.routing(tc, experts)
     clamped = family.experts == "clamped-swiglu"
     moe = MoEConfig(
         num_experts=experts,
         experts_per_tok=per_token,
         intermediate_size=size(tc, family.expert_size_key),
         router=family.router,
-        norm_topk_prob=family.renormalize_topk or bool(tc.get("norm_topk_prob", sigmoid)),
-        routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0) or 1.0) if sigmoid else 1.0,
-        n_group=int(tc.get("n_group") or 1) if sigmoid else 1,
-        topk_group=int(tc.get("topk_group") or 1) if sigmoid else 1,
-        n_shared_experts=int(tc.get("n_shared_experts") or 0) if sigmoid else 0,
+        norm_topk_prob=routing.renormalize,
+        routed_scaling_factor=routing.scaling,
+        n_group=routing.n_group,
+        topk_group=routing.topk_group,
+        n_shared_experts=int(tc.get("n_shared_experts") or 0) if family.shared_experts else 0,
         activation=family.experts,
         swiglu_alpha=_positive(tc, "swiglu_alpha", 1.702) if clamped else 1.702,
         swiglu_limit=_positive(tc, "swiglu_limit", 7.0) if clamped else 7.0,
     )
-    if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
-        raise ModelConfigError(f"{experts} experts do not split into n_group={moe.n_group} groups with "
-                               f"topk_group={moe.topk_group}")
-    if sigmoid:  # DeepSeek: the first k layers stay dense, then every moe_layer_freq-th layer is sparse
-        first, freq = int(tc.get("first_k_dense_replace") or 0), int(tc.get("moe_layer_freq") or 1)
-        return moe, tuple(i >= first and i % freq == 0 for i in range(layers))
-    skip, step = set(tc.get("mlp_only_layers") or ()), int(tc.get("decoder_sparse_step") or 1)
-    return moe, tuple(i not in skip and (i + 1) % step == 0 for i in range(layers))
+    return moe, family.sparse_layers(tc, layers)
 
 
 def _positive(tc: dict[str, Any], key: str, default: float) -> float:
@@ -242,7 +232,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     if mla is not None and tc.get("attention_bias"):
         raise ModelConfigError("MLA with attention_bias is not supported")
     moe, moe_layers = _moe(tc, family, layers)
-    rope_parameters = _rope_parameters(tc)
+    rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
     factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
     rotated = int((mla.qk_rope_head_dim if mla else head_dim) * factor)
     if not 0 < rotated <= (mla.qk_rope_head_dim if mla else head_dim) or rotated % 2:
@@ -269,6 +259,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         experts_per_tok=moe.experts_per_tok if moe else 0,
         hidden_act=act,
         qk_norm=family.uses_qk_norm(tc),
+        qk_norm_over_heads=family.qk_norm_over_heads and family.uses_qk_norm(tc),
         sinks=family.sinks,
         norm_scale_fp32=family.norm_scale_fp32,
         mla=mla,

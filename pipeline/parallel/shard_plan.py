@@ -33,10 +33,11 @@ class DecoderShape(Protocol):
     mlp_bias: bool
     tie_word_embeddings: bool
     qk_norm: bool
+    qk_norm_over_heads: bool  # the q/k norm weights are as wide as q and k (split with their heads)
     sinks: bool  # a learned softmax logit per q head (gpt-oss)
     mla: Any  # MLAConfig | None: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split,
-    # router_bias, expert_bias
+    # expert_bias
     moe_layers: tuple[bool, ...]
 
     @property
@@ -161,6 +162,8 @@ class ShardPlan:
                 return (1, lo * m_.v_head_dim, hi * m_.v_head_dim)
             return None  # q_a_proj, kv_a_proj_with_mqa and their norms: every rank computes the latent
         rows = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
+        if c.qk_norm_over_heads:  # the norm's weight is as wide as the projection it normalises
+            rows.update(q_norm=self.heads, k_norm=self.kv_heads)
         if proj in rows:
             lo, hi = rows[proj]
             return (0, lo * d, hi * d)
@@ -211,8 +214,7 @@ class ShardPlan:
             e, ie = self.experts[1] - self.experts[0], c.moe.intermediate_size
             roles["experts"] = moe_layers * e * 3 * h * ie
             roles["other"] += moe_layers * e * (2 * ie + h) * (c.mlp_bias or c.moe.expert_bias)
-            router_bias = c.moe.router == "sigmoid-grouped" or c.moe.router_bias  # DeepSeek's correction, gpt-oss's
-            roles["router"] = moe_layers * (c.num_experts * h + c.num_experts * router_bias)
+            roles["router"] = moe_layers * c.moe.router.params(c.num_experts, h)
             shared = c.moe.intermediate_size * c.moe.n_shared_experts
             roles["shared_experts"] = moe_layers * 3 * h * (shared // self.size)
         roles["embed"] = self.padded_vocab * h
@@ -231,7 +233,8 @@ class ShardPlan:
             return q + kv_a + heads * m.v_head_dim * h, kv_b, (m.q_lora_rank or 0) + m.kv_lora_rank
         d = c.head_dim
         q, kv = heads * d, (self.kv_heads[1] - self.kv_heads[0]) * d
-        other = (q + 2 * kv) * c.attention_bias + h * c.o_bias + 2 * d * c.qk_norm + heads * c.sinks
+        norms = (q + kv if c.qk_norm_over_heads else 2 * d) * c.qk_norm
+        other = (q + 2 * kv) * c.attention_bias + h * c.o_bias + norms + heads * c.sinks
         return 2 * h * q + 2 * h * kv, 0, other
 
 

@@ -33,6 +33,8 @@ from strata.pipeline.models.architectures import (
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.model_config import read_config_json
 from strata.pipeline.models.model_loader import plan_model_load
+from strata.pipeline.models.router_kinds import Routing
+from strata.pipeline.models.text_config import parse_text_config
 from strata.pipeline.models.weights import WeightsError, weight_map
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -125,27 +127,31 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, model_type: str) -
 
 
 def _mlp(tc: dict[str, Any], family: TextFamily | None) -> Component:
+    """The feed-forward as the loader's parse of the config has it (an MoE the registry cannot parse is
+    missing, said how)."""
     experts = next((tc[k] for k in EXPERT_KEYS if tc.get(k)), None)
     if not experts:
         return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
-    top_k = tc.get("num_experts_per_tok")
-    grouped = bool(tc.get("n_group") or tc.get("topk_method") or tc.get("n_shared_experts"))
-    if "swiglu_limit" in tc:  # gpt-oss
-        desc = (f"MoE: top-{top_k} of {experts} experts, softmax over the {top_k} best logits of a router with a "
-                f"bias; SwiGLU clamped at {tc['swiglu_limit']} (alpha {tc.get('swiglu_alpha', 1.702)}), up + 1, biases")
-        ok = family is not None and family.router == "topk-softmax" and family.experts == "clamped-swiglu"
-    elif grouped:
-        desc = (f"MoE: top-{top_k} of {experts} experts, sigmoid scores with bias-corrected group-limited choice "
-                f"({tc.get('n_group', 1)} groups, best {tc.get('topk_group', 1)}), {tc.get('n_shared_experts', 0)} "
-                f"shared, scaling {tc.get('routed_scaling_factor', 1.0)}, first {tc.get('first_k_dense_replace', 0)} "
-                f"layers dense")
-        ok = family is not None and family.router == "sigmoid-grouped"
-    else:
-        renorm = family is not None and (family.always_renormalize or family.renormalize_topk) \
-            or tc.get("norm_topk_prob", False)
-        desc = f"MoE: top-{top_k} of {experts} experts, softmax{' then renormalise' if renorm else ''}"
-        ok = family is not None and family.router == "softmax"
-    return Component("mlp", desc, "pipeline.models.moe (kernels.moe routing + experts)" if ok else MISSING)
+    if family is None or family.router is None:
+        return Component("mlp", f"MoE: top-{tc.get('num_experts_per_tok')} of {experts} experts, a router "
+                                "this family is not registered with", MISSING)
+    try:
+        moe = parse_text_config(tc, family.model_type)
+    except (ModelConfigError, KeyError, TypeError, ValueError) as e:
+        return Component("mlp", f"MoE the loader cannot parse: {e}", MISSING)
+    m = moe.moe
+    if m is None:
+        return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
+    routing = Routing(m.norm_topk_prob, m.routed_scaling_factor, m.n_group, m.topk_group)
+    desc = "MoE: " + m.router.describe(m.experts_per_tok, m.num_experts, routing)
+    if m.n_shared_experts:
+        desc += f", {m.n_shared_experts} shared"
+    if m.activation == "clamped-swiglu":
+        desc += f"; SwiGLU clamped at {m.swiglu_limit:g} (alpha {m.swiglu_alpha:g}), up + 1, biases"
+    dense = moe.num_layers - sum(moe.moe_layers)
+    if dense:
+        desc += f"; {dense} of {moe.num_layers} layers dense"
+    return Component("mlp", desc, "pipeline.models.moe (kernels.moe routing + experts)")
 
 
 def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> list[Component]:

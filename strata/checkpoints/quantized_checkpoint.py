@@ -30,7 +30,8 @@ from torch import nn
 
 from strata.checkpoints.tiny_model import write_sha256sums
 
-SKIP = ("embed_tokens", "lm_head", "mlp.gate.", "vision_tower", "visual", "multi_modal_projector")  # never quantized
+SKIP = ("embed_tokens", "lm_head", "mlp.gate.", "block_sparse_moe.gate.", "vision_tower", "visual",
+        "multi_modal_projector")  # never quantized (routers: every release keeps them dense)
 EXPERTS = ".mlp.experts."
 
 
@@ -170,7 +171,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, only_experts
 
 
 def _routers(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(k.removesuffix(".weight") for k in tensors if k.endswith(".mlp.gate.weight"))
+    return sorted(k.removesuffix(".weight") for k in tensors if k.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")))
 
 
 def _write(src: Path, out: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any] | None, shards: int) -> None:

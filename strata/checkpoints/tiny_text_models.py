@@ -7,7 +7,9 @@ and llama3 RoPE (Llama, as SmolLM2), a sliding window (Mistral), q/k/v biases (Q
 apart from hidden/heads with q/k norm (Qwen3), softmax MoE with and without renormalisation and
 dense layers between sparse ones (Mixtral, Qwen3-MoE), for DeepSeek-V3 MLA with or without a
 q LoRA, interleaved yarn RoPE with mscale, sigmoid group-limited routing, shared experts and a
-first dense layer, and for gpt-oss sinks, alternating sliding and full layers and clamped-SwiGLU experts. ``overrides`` change any config field (tests build variants with them).
+first dense layer, for gpt-oss sinks, alternating sliding and full layers and clamped-SwiGLU experts, and
+for MiniMax-M2 q/k norms over all heads, a quarter of each head rotated and sigmoid routing over every
+expert. ``overrides`` change any config field (tests build variants with them).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
-TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
+                      "minimax_m2")
 
 # "<s>user: Hi\nassistant: Hello</s>\n...assistant:" (content is a string, as text models' templates read it)
 TEXT_CHAT_TEMPLATE = (
@@ -61,6 +64,10 @@ _FAMILY: dict[str, dict[str, Any]] = {
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True,
                     rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024}),
+    # MiniMax-M2 as released, small: q/k norms over all heads, RoPE over a quarter of each head (its releases
+    # say ``rotary_dim``), sigmoid routing with a correction bias over every expert of every layer
+    "minimax_m2": dict(head_dim=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8,
+                       rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}),
 }
 
 
