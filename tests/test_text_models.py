@@ -53,6 +53,40 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
     assert result["weights"]["reads"] == load_language_model(text_models[arch])[1].tensors_read > 0
 
 
+OPS_LINES = {  # what ops says is what the loader parsed: the family's rules applied to this config
+    "gpt_oss": {"attention": "sliding window 12 on 2 of 3 layers", "mlp": "softmax over the k best logits"},
+    "qwen3": {"attention": "q/k RMSNorm per head"},
+    "qwen3_moe": {"mlp": "top-2 of 4 experts, softmax; 1 of 3 layers dense"},
+    "glm4_moe": {"rope": "over 0.5 of each head", "mlp": "(4 groups, best 2), renormalised, scaling 2.5, 1 shared"},
+    "minimax_m2": {"attention": "q/k RMSNorm over all heads at once", "rope": "over 0.25 of each head",
+                   "mlp": "sigmoid scores, bias-corrected choice, renormalised"},
+}
+
+
+@pytest.mark.parametrize("arch", OPS_LINES)
+def test_ops_describes_the_parsed_components(arch: str, text_models, capsys) -> None:
+    assert main(["ops", "--model", str(text_models[arch])]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    for component, words in OPS_LINES[arch].items():
+        assert words in rows[component], rows[component]
+
+
+def test_minimax_m2_as_released_counts_its_rotary_dims(text_models, tmp_path: Path) -> None:
+    """MiniMax's own configs say ``rotary_dim`` (64 of 128) and no rotary factor; transformers converts it
+    and so does the parse: the answer is the one with the factor spelled out."""
+    import shutil
+
+    source = text_models["minimax_m2"]
+    copy = tmp_path / "minimax_m2"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config["rope_parameters"]["partial_rotary_factor"]
+    assert config["rotary_dim"] == 8
+    (copy / "config.json").write_text(json.dumps(config))
+    reqs = [{"prompt": PROMPTS[0], "params": greedy(10, ignore_eos=True)}]
+    assert build(copy).generate(reqs)[0].output_token_ids == transformers_greedy(source, PROMPTS[0], 10)
+
+
 # In bf16 a random router can near-tie: on "deepseek_v3-plain" one token of 48 picks another expert in
 # the last layer than transformers does (its hidden state differs by bf16 rounding), an error of 19 on
 # that token and under 0.9 on every other. That is routing being discontinuous, not a numerics bug: the

@@ -24,7 +24,17 @@ from typing import Any
 
 from strata.pipeline.models import router_kinds
 from strata.pipeline.models.router_kinds import RouterKind
-from strata.pipeline.models.sparse_layers import SparseLayerRule, every_layer, first_k_dense, sparse_step
+from strata.pipeline.models.layer_rules import (
+    SparseLayerRule,
+    WindowRule,
+    every_layer,
+    first_k_dense,
+    no_window,
+    one_window,
+    sparse_step,
+    typed_windows,
+    typed_windows_if_enabled,
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +49,7 @@ class TextFamily:
     qk_norm_key: str | None = None  # or the config key that switches it on (GLM-4.5's ``use_qk_norm``)
     qk_norm_over_heads: bool = False  # q and k normalised over their whole projection, all heads at once
     # (MiniMax-M2), not head by head
-    windows: str = "none"  # "none" | "all" (one ``sliding_window`` for every layer) | "layer_types" (Qwen2/3,
-    # when ``use_sliding_window`` says so) | "layer_types-always" (gpt-oss: its ``layer_types`` alone decide)
+    windows: WindowRule = no_window  # which layers attend within a sliding window (``layer_rules``)
     norm_scale_fp32: bool = False  # RMSNorm scales in fp32 before its cast back (gpt-oss), not after (Llama)
     sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
     router: RouterKind | None = None  # None: a dense decoder
@@ -67,12 +76,12 @@ def register_text_family(family: TextFamily) -> TextFamily:
 
 for _family in (
     TextFamily("llama"),
-    TextFamily("mistral", windows="all"),
-    TextFamily("qwen2", qkv_bias=True, windows="layer_types"),
-    TextFamily("qwen3", qk_norm=True, windows="layer_types"),
+    TextFamily("mistral", windows=one_window),
+    TextFamily("qwen2", qkv_bias=True, windows=typed_windows_if_enabled),
+    TextFamily("qwen3", qk_norm=True, windows=typed_windows_if_enabled),
     # Mixtral: every layer sparse, experts as wide as a dense MLP would be
-    TextFamily("mixtral", windows="all", router=router_kinds.SOFTMAX_MIXTRAL, expert_size_key="intermediate_size"),
-    TextFamily("qwen3_moe", qk_norm=True, windows="layer_types", router=router_kinds.SOFTMAX_QWEN,
+    TextFamily("mixtral", windows=one_window, router=router_kinds.SOFTMAX_MIXTRAL, expert_size_key="intermediate_size"),
+    TextFamily("qwen3_moe", qk_norm=True, windows=typed_windows_if_enabled, router=router_kinds.SOFTMAX_QWEN,
                sparse_layers=sparse_step,
                experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
     TextFamily("deepseek_v3", attention="mla", router=router_kinds.SIGMOID_GROUPED, sparse_layers=first_k_dense,
@@ -84,14 +93,14 @@ for _family in (
                sparse_layers=first_k_dense, shared_experts=True, experts_keys=("n_routed_experts",)),
     # gpt-oss: GQA with biases and sinks, sliding and full layers alternating, a biased top-k router over
     # clamped-SwiGLU experts with biases
-    TextFamily("gpt_oss", windows="layer_types-always", norm_scale_fp32=True, sinks=True,
+    TextFamily("gpt_oss", windows=typed_windows, norm_scale_fp32=True, sinks=True,
                router=router_kinds.TOPK_SOFTMAX, experts="clamped-swiglu", expert_size_key="intermediate_size"),
     # MiniMax-M2: GQA with q and k normalised over all heads at once, partial RoPE, sigmoid routing with a
     # correction bias over every expert in every layer, experts as wide as ``intermediate_size``
     TextFamily("minimax_m2", qk_norm=True, qk_norm_over_heads=True, router=router_kinds.SIGMOID_TOPK,
                expert_size_key="intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
-    TextFamily("qwen2_5_vl_text", qkv_bias=True, windows="layer_types", positions="mrope"),
+    TextFamily("qwen2_5_vl_text", qkv_bias=True, windows=typed_windows_if_enabled, positions="mrope"),
     TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
     TextFamily("qwen3_vl_moe_text", qk_norm=True, router=router_kinds.SOFTMAX_QWEN_VL, sparse_layers=sparse_step,
                experts_keys=("num_experts", "num_local_experts"), positions="mrope-interleaved"),

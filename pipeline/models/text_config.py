@@ -140,19 +140,6 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _windows(tc: dict[str, Any], family: TextFamily, num_layers: int) -> tuple[int | None, ...]:
-    window = tc.get("sliding_window")
-    if family.windows in ("layer_types", "layer_types-always"):
-        switched_off = family.windows == "layer_types" and not tc.get("use_sliding_window", False)
-        if switched_off or window is None:
-            return (None,) * num_layers
-        types = tc.get("layer_types") or ["full_attention"] * num_layers
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if family.windows == "all" and window is not None:
-        return (int(window),) * num_layers
-    return (None,) * num_layers
-
-
 def _rope_parameters(tc: dict[str, Any], head_dim: int) -> dict[str, Any]:
     params = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
@@ -253,7 +240,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         attention_bias=qkv_bias,
         o_bias=not family.qkv_bias and family.bias_on_o and bool(tc.get("attention_bias", False)),
         mlp_bias=bool(tc.get("mlp_bias", False)),
-        layer_windows=_windows(tc, family, layers),
+        layer_windows=family.windows(tc, layers),
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", False)),
         num_experts=moe.num_experts if moe else 0,
         experts_per_tok=moe.experts_per_tok if moe else 0,

@@ -34,7 +34,7 @@ from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.model_config import read_config_json
 from strata.pipeline.models.model_loader import plan_model_load
 from strata.pipeline.models.router_kinds import Routing
-from strata.pipeline.models.text_config import parse_text_config
+from strata.pipeline.models.text_config import TextConfig, parse_text_config
 from strata.pipeline.models.weights import WeightsError, weight_map
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -98,59 +98,82 @@ def _family(tc: dict[str, Any], arch: ModelArchitecture | None) -> TextFamily | 
     return TEXT_FAMILIES.get(arch.text_family) if arch is not None and arch.text_family else None
 
 
-def _attention(tc: dict[str, Any], family: TextFamily | None, model_type: str) -> Component:
+def _parsed(tc: dict[str, Any], family: TextFamily | None) -> tuple[TextConfig | None, str]:
+    """The decoder config exactly as the loader parses it, or None and why not (an unknown family, or a
+    config the loader refuses: the decoder row says so)."""
+    if family is None:
+        return None, "no registered family"
+    try:
+        return parse_text_config(tc, family.model_type), ""
+    except (ModelConfigError, KeyError, TypeError, ValueError) as e:
+        return None, f"the config does not parse: {e}"
+
+
+def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | None) -> Component:
     heads = tc.get("num_attention_heads")
     if tc.get("kv_lora_rank"):
         latent = tc["kv_lora_rank"] + (tc.get("qk_rope_head_dim") or 0)
         need = f"MLA ({heads} heads over one {latent}-value latent per token: compressed KV + shared RoPE key)"
-        ok = family is not None and family.attention == "mla"
+        ok = parsed is not None and parsed.mla is not None
         return Component("attention", need, f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}"
                          if ok else MISSING)
     kv_heads = tc.get("num_key_value_heads") or heads
     kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
-    window = tc.get("sliding_window")
-    use_window = window is not None and (family is None or family.windows != "layer_types"
-                                         or tc.get("use_sliding_window", False))
     types = sorted(set(tc.get("layer_types") or []))
     detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
-    if family is not None and family.uses_qk_norm(tc):
-        detail += ", q/k RMSNorm"
-    if family is not None and family.sinks:
+    if parsed is not None and parsed.qk_norm:
+        detail += ", q/k RMSNorm " + ("over all heads at once" if parsed.qk_norm_over_heads else "per head")
+    if parsed is not None and parsed.sinks:
         detail += ", a sink logit per head (kernels.sinks)"
-    if use_window:
-        detail += f", sliding window {window}"
+    windows = [w for w in (parsed.layer_windows if parsed is not None else ()) if w is not None]
+    if windows:
+        where = "" if len(windows) == parsed.num_layers else f" on {len(windows)} of {parsed.num_layers} layers"
+        detail += f", sliding window {windows[0]}{where}"
     if types:
         detail += f", per-layer types {'/'.join(types)}"
     known_types = set(types) <= {"full_attention", "sliding_attention"}
-    ok = known_types and (family is None or family.attention == "gqa")
+    ok = known_types and (parsed.mla is None if parsed is not None else family is None)
     return Component("attention", detail, _attention_impl() if ok else MISSING)
 
 
-def _mlp(tc: dict[str, Any], family: TextFamily | None) -> Component:
-    """The feed-forward as the loader's parse of the config has it (an MoE the registry cannot parse is
-    missing, said how)."""
+def _rope(tc: dict[str, Any], parsed: TextConfig | None) -> Component:
+    """Positions as the loader parses them (an M-RoPE config needs a family that declares M-RoPE)."""
+    rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+    mrope = "mrope_section" in rope
+    params = parsed.rope_parameters if parsed is not None else rope
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "default" if rope_type == "mrope" else rope_type
+    partial = float(params.get("partial_rotary_factor", tc.get("partial_rotary_factor", 1.0)))
+    mrope_ok = not mrope or (parsed is not None and parsed.uses_mrope)
+    ok = rope_type in SUPPORTED_ROPE_TYPES and 0 < partial <= 1 and mrope_ok
+    interleaved = parsed is not None and parsed.mrope_interleaved
+    desc = f"RoPE {rope_type}" + (f" with M-RoPE (t/h/w sections {rope['mrope_section']}"
+                                  f"{', interleaved' if interleaved else ''})" if mrope else "") + \
+        (" (interleaved pairs)" if parsed is not None and parsed.rope_interleave else "") + \
+        f", theta {params.get('rope_theta', tc.get('rope_theta', 10000.0))}" + \
+        (f", over {partial:g} of each head" if partial != 1 else "")
+    return Component("rope", desc, ("kernels.rope + pipeline.models.mrope" if mrope else "kernels.rope") if ok else MISSING)
+
+
+def _mlp(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | None) -> Component:
+    """The feed-forward as the loader's parse of the config has it."""
     experts = next((tc[k] for k in EXPERT_KEYS if tc.get(k)), None)
     if not experts:
         return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
-    if family is None or family.router is None:
-        return Component("mlp", f"MoE: top-{tc.get('num_experts_per_tok')} of {experts} experts, a router "
-                                "this family is not registered with", MISSING)
-    try:
-        moe = parse_text_config(tc, family.model_type)
-    except (ModelConfigError, KeyError, TypeError, ValueError) as e:
-        return Component("mlp", f"MoE the loader cannot parse: {e}", MISSING)
-    m = moe.moe
+    m = parsed.moe if parsed is not None else None
     if m is None:
-        return Component("mlp", "dense SwiGLU MLP", "pipeline.models.mlp (fused gate/up)")
+        how = "a router this family is not registered with" if family is None or family.router is None else \
+            "a config the loader does not parse"
+        return Component("mlp", f"MoE: top-{tc.get('num_experts_per_tok')} of {experts} experts, {how}", MISSING)
     routing = Routing(m.norm_topk_prob, m.routed_scaling_factor, m.n_group, m.topk_group)
     desc = "MoE: " + m.router.describe(m.experts_per_tok, m.num_experts, routing)
     if m.n_shared_experts:
         desc += f", {m.n_shared_experts} shared"
     if m.activation == "clamped-swiglu":
         desc += f"; SwiGLU clamped at {m.swiglu_limit:g} (alpha {m.swiglu_alpha:g}), up + 1, biases"
-    dense = moe.num_layers - sum(moe.moe_layers)
+    dense = parsed.num_layers - sum(parsed.moe_layers)
     if dense:
-        desc += f"; {dense} of {moe.num_layers} layers dense"
+        desc += f"; {dense} of {parsed.num_layers} layers dense"
     return Component("mlp", desc, "pipeline.models.moe (kernels.moe routing + experts)")
 
 
@@ -158,31 +181,18 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     tc = _text_config(raw, arch)
     family = _family(tc, arch)
     model_type = tc.get("model_type", "?")
-    out = [Component("decoder", f"{family.model_type if family else model_type} decoder",
-                     "pipeline.models.decoder (registry)" if family is not None else MISSING),
-           _attention(tc, family, model_type)]
-    rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    mrope = "mrope_section" in rope
-    rope_type = "default" if mrope and rope_type == "mrope" else rope_type
-    mrope_ok = not mrope or (family is not None and family.positions != "rope")
-    partial = float(rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 1.0)))
-    ok_rope = rope_type in SUPPORTED_ROPE_TYPES and 0 < partial <= 1 and mrope_ok
-    interleaved = mrope and (rope.get("mrope_interleaved") or (family is not None and family.positions == "mrope-interleaved"))
-    rope_desc = f"RoPE {rope_type}" + (f" with M-RoPE (t/h/w sections {rope['mrope_section']}"
-                                       f"{', interleaved' if interleaved else ''})" if mrope else "") + \
-        (" (interleaved pairs)" if tc.get("rope_interleave") and tc.get("kv_lora_rank") else "") + \
-        f", theta {rope.get('rope_theta', tc.get('rope_theta', 10000.0))}" + \
-        (f", over {partial:g} of each head" if partial != 1 else "")
-    out.append(Component("rope", rope_desc, ("kernels.rope + pipeline.models.mrope" if mrope else "kernels.rope")
-                         if ok_rope else MISSING))
+    parsed, why_not = _parsed(tc, family)
+    decoder = f"{family.model_type if family else model_type} decoder"
+    out = [Component("decoder", decoder if parsed is not None or family is None else f"{decoder} ({why_not})",
+                     "pipeline.models.decoder (registry)" if parsed is not None else MISSING),
+           _attention(tc, family, parsed), _rope(tc, parsed)]
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
         out.append(Component("norm", f"LayerNorm, eps {tc.get('layer_norm_eps', tc.get('norm_epsilon'))}", MISSING))
     else:
         out.append(Component("norm", f"RMSNorm, eps {tc.get('rms_norm_eps', 1e-6)}", "kernels.norm (rms_norm)"))
     act = tc.get("hidden_act", "silu")
     out.append(Component("activation", f"{act} (gated MLP)", "kernels / torch" if act == "silu" else MISSING))
-    out.append(_mlp(tc, family))
+    out.append(_mlp(tc, family, parsed))
     tied = _tied(raw, tc, arch)
     out.append(Component("lm_head", "tied to the embeddings" if tied else "its own matrix", "pipeline.models.decoder"))
     return out

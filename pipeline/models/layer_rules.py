@@ -1,0 +1,60 @@
+"""A family's per-layer rules, read from its config keys: which layers route to experts, and which attend
+within a sliding window.
+
+The sparse-layer rule belongs to the family, not to its router: GLM-4.5 routes like DeepSeek-V3 and keeps
+its dense-layer keys, while MiniMax-M2 routes like it with every layer sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+SparseLayerRule = Callable[[dict[str, Any], int], tuple[bool, ...]]
+WindowRule = Callable[[dict[str, Any], int], tuple["int | None", ...]]
+
+
+def every_layer(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Mixtral, gpt-oss, MiniMax-M2: no dense layer."""
+    return (True,) * layers
+
+
+def first_k_dense(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """DeepSeek-V3 and its kin: the first ``first_k_dense_replace`` layers dense, then every
+    ``moe_layer_freq``-th layer sparse."""
+    first, freq = int(tc.get("first_k_dense_replace") or 0), int(tc.get("moe_layer_freq") or 1)
+    return tuple(i >= first and i % freq == 0 for i in range(layers))
+
+
+def sparse_step(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Qwen-MoE: every ``decoder_sparse_step``-th layer sparse, except those in ``mlp_only_layers``."""
+    skip, step = set(tc.get("mlp_only_layers") or ()), int(tc.get("decoder_sparse_step") or 1)
+    return tuple(i not in skip and (i + 1) % step == 0 for i in range(layers))
+
+
+def no_window(tc: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Every layer attends over the whole context."""
+    return (None,) * layers
+
+
+def one_window(tc: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Mistral, Mixtral: one ``sliding_window`` for every layer, when the config sets one."""
+    window = tc.get("sliding_window")
+    return (None,) * layers if window is None else (int(window),) * layers
+
+
+def _typed(tc: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    window = tc.get("sliding_window")
+    if window is None:
+        return (None,) * layers
+    types = tc.get("layer_types") or ["full_attention"] * layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def typed_windows_if_enabled(tc: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Qwen2/3: ``layer_types`` say which layers slide, only when ``use_sliding_window`` is on."""
+    return _typed(tc, layers) if tc.get("use_sliding_window", False) else (None,) * layers
+
+
+def typed_windows(tc: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """gpt-oss: its ``layer_types`` alone say which layers slide."""
+    return _typed(tc, layers)
