@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build, greedy, transformers_greedy
+from helpers import build, greedy, preempting_engine, transformers_greedy
 
 from strata.cli import main
 from strata.pipeline.contract.config import EngineConfig
@@ -129,10 +129,11 @@ def test_mla_caches_one_latent_per_token(text_models) -> None:
     assert layout.bytes_per_token() == 3 * 40 * 4  # 3 layers, fp32: K and V are one vector
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "gpt_oss", "minimax_m2"])
 def test_spilled_blocks_reload_and_are_reused_from_the_host_tier(arch: str, text_models, tmp_path: Path) -> None:
     """A context four times the device pool: blocks go to the host tier and stream back into attention;
-    a fresh engine over the same tier adopts them as prefix hits. Both equal the all-on-device answer."""
+    a fresh engine over the same tier adopts them as prefix hits. Both equal the all-on-device answer
+    (gpt-oss: its sliding layers read spilled blocks through their window, and its sinks join the merge)."""
     model_dir = text_models[arch]
     prompt = "Tell me the whole story of the sea and the stars, from the start. " * 30
     expected = build(model_dir, max_model_len=2048).generate([{"prompt": prompt, "params": greedy(10)}])[0]
@@ -146,15 +147,31 @@ def test_spilled_blocks_reload_and_are_reused_from_the_host_tier(arch: str, text
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 1000
 
 
-def test_a_repeated_prompt_reuses_mla_blocks_on_device(text_models) -> None:
-    engine = build(text_models["deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "minimax_m2", "glm4_moe"])
+def test_preempted_requests_recompute_the_same_tokens(arch: str, text_models) -> None:
+    """Four requests growing in a pool too small for all of them: some are preempted and computed again
+    (gpt-oss: windows and sinks over the recomputed blocks), and each equals its answer alone."""
+    model_dir = text_models[arch]
+    reqs = [{"prompt": p, "params": greedy(24, ignore_eos=True)} for p in [*PROMPTS, PROMPTS[1] + " Again."]]
+    alone = [o.output_token_ids for o in build(model_dir).generate(reqs)]
+    engine = preempting_engine(model_dir)
+    assert [o.output_token_ids for o in engine.generate(reqs)] == alone
+    assert engine.scheduler.num_preemptions > 0
+    engine.kv.pool.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "minimax_m2"])
+def test_a_repeated_prompt_reuses_blocks_on_device(arch: str, text_models) -> None:
+    """MLA's latent blocks, gpt-oss's blocks under sliding and full layers, MiniMax-M2's: a prefix hit is the
+    fresh answer, and says how many tokens it reused."""
+    engine = build(text_models[arch])
     request = {"prompt": PROMPTS[1], "params": greedy(8)}
     first, second = engine.generate([request])[0], engine.generate([request])[0]
     assert second.output_token_ids == first.output_token_ids
     assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 32
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "gpt_oss", "minimax_m2"])
 def test_the_prefill_to_decode_handoff_equals_the_engine(arch: str, text_models, tmp_path: Path) -> None:
     """Prefill and decode as separate services over a shared host tier (MLA: latent blocks cross)."""
     model_dir = text_models[arch]
