@@ -37,7 +37,7 @@ from strata.pipeline.frontend.tools.request import ToolRequest, tool_request
 # instead of a silently different answer. (Defaults such as `presence_penalty: 0` are accepted.)
 UNSUPPORTED = {
     "functions": None, "function_call": None,  # the deprecated form of tools
-    "best_of": 1, "suffix": None, "echo": False, "audio": None, "modalities": None, "prediction": None,
+    "best_of": 1, "suffix": None, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None,
 }
 
@@ -157,6 +157,7 @@ class _SamplingFields(LenientModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
@@ -174,6 +175,17 @@ class _SamplingFields(LenientModel):
 
     def requested_logprobs(self) -> int | None:
         return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``: each prompt token's logprob and this many most likely at its place."""
+        asked = (self.model_extra or {}).get("prompt_logprobs")
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)
+                                  or not 0 <= asked <= MAX_LOGPROBS):
+            raise APIError(400, f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {asked!r}",
+                           param="prompt_logprobs")
+        if asked is not None and self.n > 1:
+            raise APIError(400, "prompt logprobs are given for n = 1 only", param="n")
+        return asked
 
     def _structured(self) -> tuple[str, str] | None:
         fields = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -218,6 +230,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") \
                 from None
 
+    @model_validator(mode="after")
+    def _no_echo(self) -> "ChatCompletionRequest":
+        if (self.model_extra or {}).get("echo") not in (None, False):
+            raise ValueError("the parameter 'echo' is supported on /v1/completions only")
+        return self
+
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -236,18 +254,52 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr]
+    # text, or token ids (what lm-eval sends by default); in a list of one (lm-eval batches one request)
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False  # the prompt before the answer, its tokens' logprobs before the answer's
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_TOKENS)  # 0: only the echoed prompt
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
+    def requested_prompt_logprobs(self) -> int | None:
+        asked = super().requested_prompt_logprobs()
+        if self.echo and self.logprobs is not None:  # OpenAI's echo: the prompt's logprobs as the answer's
+            if self.n > 1:
+                raise APIError(400, "echo with logprobs is given for n = 1 only", param="n")
+            return max(asked or 0, self.logprobs)
+        return asked
+
+    def sampling_params(self) -> SamplingParams:
+        """``max_tokens: 0`` echoes the prompt and generates nothing: one token is computed (the prompt's
+        forward gives it anyway) and left out of the answer (``generates``)."""
+        if self.echo and self.n > 1:
+            raise APIError(400, "echo is given for n = 1 only", param="n")
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise APIError(400, "max_tokens 0 needs echo: true (there is nothing else to return)",
+                               param="max_tokens")
+            return self.model_copy(update={"max_tokens": 1}).sampling_params()
+        return super().sampling_params()
+
+    @property
+    def generates(self) -> bool:
+        """Whether the answer holds generated tokens (not with ``max_tokens: 0``)."""
+        return self.max_tokens != 0
+
+    def prompt_input(self) -> dict[str, Any]:
+        """What intake takes: ``raw_prompt`` text, or ``prompt_token_ids``."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
                 raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return {"raw_prompt": prompt}
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return {"prompt_token_ids": list(prompt)}
 
 
 def check_prompt_size(body: Any, max_model_len: int) -> None:

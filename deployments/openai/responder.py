@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.deployments.openai import request_metrics as metrics
+from strata.deployments.openai.prompt_echo import echo_logprobs, joined, prompt_logprobs_of, vllm_prompt_logprobs
 from strata.deployments.openai.protocol import APIError, usage
 from strata.deployments.openai.request_end import at_request_end
 from strata.deployments.openai.responses import (
@@ -42,6 +43,11 @@ from strata.stages.pixel_budget import PixelBudgetTimeout
 
 log = logging.getLogger("strata.ingress")
 Decode = Callable[[list[int]], str]
+
+
+def _asks_prompt_logprobs(req: Any) -> bool:
+    """The client asked for vLLM's ``prompt_logprobs`` field (echo alone puts them in ``logprobs``)."""
+    return (req.model_extra or {}).get("prompt_logprobs") is not None
 
 
 class GenerationFailed(Exception):
@@ -199,9 +205,10 @@ class Responder:
             log.warning("request %s failed: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
-        text = "".join(ev.text_delta for ev in collected)
         cached = max((ev.num_cached_tokens for ev in collected), default=0)
-        use = usage(prepared.num_prompt_tokens, len(collected), cached)
+        shown = collected if getattr(req, "generates", True) else []  # max_tokens 0: the echo alone
+        text = "".join(ev.text_delta for ev in shown)
+        use = usage(prepared.num_prompt_tokens, len(shown), cached)
         created = int(time.time())
         if chat:
             body = chat_completion(prepared.request_id, self.model_name, created, text, reason, use)
@@ -209,11 +216,35 @@ class Responder:
                 with_tool_calls(body["choices"][0], tools)
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
+            if _asks_prompt_logprobs(req):  # vLLM puts a chat's at the top
+                body["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, collected)
         else:
-            body = completion(prepared.request_id, self.model_name, created, text, reason, use)
+            echo = self._echo_text(req, prepared)
+            body = completion(prepared.request_id, self.model_name, created, echo + text, reason, use)
+            choice = body["choices"][0]
             if req.requested_logprobs() is not None:
-                body["choices"][0]["logprobs"] = self.completion_logprobs(collected, 0)
+                answer = self.completion_logprobs(shown, len(echo))
+                choice["logprobs"] = joined(self._echo_logprobs(prepared, collected), answer) if req.echo else answer
+            if _asks_prompt_logprobs(req):
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, collected)
         return JSONResponse(body)
+
+    # ------------------------------------------------------------ the prompt's own logprobs (``prompt_echo``)
+    def _echo_text(self, req: Any, prepared: Request) -> str:
+        """The prompt as echoed: the client's text, or its token ids decoded."""
+        if not getattr(req, "echo", False):
+            return ""
+        given = req.prompt_input()
+        return given["raw_prompt"] if "raw_prompt" in given else self.decode(prepared.prompt_token_ids)
+
+    def _echo_logprobs(self, prepared: Request, events: list[TokenEvent]) -> dict[str, Any]:
+        return echo_logprobs(prepared.prompt_token_ids, prompt_logprobs_of(events), self._token_list)
+
+    def _vllm_prompt_logprobs(self, prepared: Request, events: list[TokenEvent]) -> list[Any]:
+        return vllm_prompt_logprobs(prepared.prompt_token_ids, prompt_logprobs_of(events), self._token_list)
+
+    def _token_list(self, ids: list[int]) -> str:
+        return self.decode(ids)
 
     # ------------------------------------------------------------ streams
     async def stream(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
@@ -244,17 +275,32 @@ class Responder:
         want_logprobs = req.requested_logprobs() is not None
         content = ContentChunks(rid, model, created, chat)
         n, cached, reason, offset, text = 0, 0, None, 0, ""
+        shows = getattr(req, "generates", True)  # max_tokens 0: the echo alone
         try:
             if chat:
-                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+                role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
+                if _asks_prompt_logprobs(req):
+                    role["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])
+                yield sse(role)
+            elif req.echo or _asks_prompt_logprobs(req):  # the prompt's chunk first
+                echo = self._echo_text(req, prepared)
+                chunk = completion_chunk(rid, model, created, echo, None)
+                if req.echo and want_logprobs:
+                    chunk["choices"][0]["logprobs"] = self._echo_logprobs(prepared, first or [])
+                if _asks_prompt_logprobs(req):
+                    chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])
+                yield sse(chunk)
+                offset = len(echo)
             batch = first
             while batch is not None:
                 out = []  # one chunk per token, one write per batch
                 for ev in batch:
-                    n += 1
                     cached = max(cached, ev.num_cached_tokens)
                     if ev.finished:
                         reason = openai_finish_reason(ev.finish_reason)
+                    if not shows:
+                        continue
+                    n += 1
                     if tool_deltas is not None:
                         text += ev.text_delta
                     elif want_logprobs:

@@ -293,7 +293,7 @@ class Ingress:
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
             else:
-                prepared = await self.flow.prepare(rid, params, [], raw_prompt=req.prompt_text())
+                prepared = await self.flow.prepare(rid, params, [], **req.prompt_input())
         except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)

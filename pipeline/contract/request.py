@@ -69,6 +69,15 @@ class Request(msgspec.Struct, tag_field="kind", tag="request"):
         return decode(data, cls)
 
 
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """One prompt token's log-probability given the tokens before it, its rank (1: the most likely), and
+    the most likely tokens at its position (as many as the request asked for)."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 class TokenEvent(msgspec.Struct, array_like=True):
     """One generated token of one request (a list on the wire: events are the hottest message)."""
 
@@ -80,6 +89,8 @@ class TokenEvent(msgspec.Struct, array_like=True):
     error: str | None = None  # with finish_reason "error": what went wrong, in words fit for the client
     logprob: float | None = None  # of token_id, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely tokens of this position
+    # on a request's first event, when it asked for prompt logprobs: one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.errors import RequestFailed
-from strata.pipeline.contract.request import Request, TokenEvent
+from strata.pipeline.contract.request import PromptLogprob, Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.engine_core import EngineCore
 from strata.pipeline.core.sequence import Sequence
@@ -36,6 +36,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # when asked for: prompt tokens 1.. given those before
 
 
 class Engine:
@@ -181,7 +182,8 @@ class Engine:
         errors = {ev.request_id: ev.error for ev in self.run() if ev.finish_reason == "error"}
         return [
             RequestOutput(s.request_id, list(s.output_token_ids), s.text, s.finish_reason, s.num_prompt_tokens,
-                          s.num_cached_tokens, errors.get(s.request_id))
+                          s.num_cached_tokens, errors.get(s.request_id),
+                          s.prompt_logprobs if s.params.prompt_logprobs is not None else None)
             for s in seqs
         ]
 

@@ -19,6 +19,7 @@ from strata.kvstore import KVBlockLostError
 from strata.pipeline.contract.request import TokenEvent
 from strata.pipeline.core.logits_processors import apply_logits_processors, needs_processing
 from strata.pipeline.core.model_runner import ModelRunner
+from strata.pipeline.core.prompt_logprobs import take_prompt_rows, wants_prompt_rows
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop, row_is_finite
 from strata.pipeline.core.scheduler import ScheduledChunk, Scheduler
@@ -83,6 +84,10 @@ class EngineCore:
             return events + self._take_failed()
         except Exception:
             logits, chunks = self._isolate(out.chunks)
+        logits, bad_rows = take_prompt_rows(logits, chunks)  # before commit: it reads what the chunk computed
+        for seq in bad_rows:
+            self.fail(seq, INVALID_VALUES)
+        chunks = [c for c in chunks if c.seq not in bad_rows]
         for chunk in chunks:
             if not chunk.draft:  # a verified draft commits what it accepted, below
                 self.scheduler.commit(chunk)
@@ -202,7 +207,7 @@ class EngineCore:
                 self.fail(chunk.seq, INTERNAL_ERROR)
                 continue
             good.append(chunk)
-            if chunk.samples:
+            if chunk.samples or wants_prompt_rows(chunk):
                 rows.append(logits)
         logits = torch.cat(rows) if rows else torch.empty(0, 0)
         return logits, good
@@ -272,6 +277,8 @@ class EngineCore:
             seq.finish_reason = result.finish_reason
             self.finish(seq)
         event = TokenEvent(seq.request_id, token, delta, seq.finish_reason if finished else None, seq.num_cached_tokens)
+        if seq.params.prompt_logprobs is not None and len(output_ids) == 1:  # the first token carries them
+            event.prompt_logprobs = seq.prompt_logprobs
         if logprobs is not None and logprobs.chosen[row] is not None:
             event.logprob, event.top_logprobs = logprobs.chosen[row], logprobs.top[row]
         return seq, event

@@ -14,6 +14,7 @@ import torch
 
 from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
 from strata.kvstore import BlockTable, TieredKVCache
+from strata.pipeline.core.prompt_logprobs import wants_prompt_rows
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.mrope import MRopeLayout
@@ -89,7 +90,8 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [sampled rows, vocab] (fp32), in the order the chunks appear: one row per sampling chunk,
-        1 + len(draft) for a chunk verifying a draft."""
+        1 + len(draft) for a chunk verifying a draft, every row of a chunk whose prompt rows are scored
+        (``core.prompt_logprobs.logits_rows``)."""
         inputs = self.prepare(chunks)
         spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
         logits = self.executor.run(inputs, spilled)
@@ -119,6 +121,8 @@ class ModelRunner:
                 s.slots.extend(table.slots(start, end))
             if chunk.draft:
                 s.last_rows.extend(range(len(s.token_ids) - len(chunk.draft) - 1, len(s.token_ids)))
+            elif wants_prompt_rows(chunk):  # every row scores a prompt token (``core.prompt_logprobs``)
+                s.last_rows.extend(range(len(s.token_ids) - (end - start), len(s.token_ids)))
             elif end == seq.num_tokens:
                 s.last_rows.append(len(s.token_ids) - 1)
             s.query_lens.append(end - start)

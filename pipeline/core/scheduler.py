@@ -145,7 +145,8 @@ class Scheduler:
         if not (self.config.enable_prefix_caching and self.kv.can_spill):
             return
         for seq in itertools.islice(self.waiting, lookahead):
-            if not seq.prefetched and seq.num_computed_tokens == 0 and seq.block_table.is_empty():
+            if not seq.prefetched and seq.num_computed_tokens == 0 and seq.block_table.is_empty() \
+                    and seq.params.prompt_logprobs is None:
                 seq.prefetched = True
                 self.kv.prefetch(seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens)))
 
@@ -172,8 +173,8 @@ class Scheduler:
         return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
     def _match_prefix(self, seq: Sequence) -> None:
-        if not self.config.enable_prefix_caching:
-            return
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return  # prompt logprobs need every prompt row computed (``core.prompt_logprobs``)
         hashes = seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens))
         if seq.lost_blocks:  # never again past a block this sequence found lost
             hashes = hashes[: next((i for i, h in enumerate(hashes) if h in seq.lost_blocks), len(hashes))]

@@ -11,7 +11,7 @@ import torch
 
 from strata.kvstore import BlockTable, ImageSpan, KVHandle, hash_chain
 from strata.pipeline.contract.handoff import Handoff, SequenceState
-from strata.pipeline.contract.request import ImageEmbedding, Request, TokenEvent
+from strata.pipeline.contract.request import ImageEmbedding, PromptLogprob, Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.pipeline.core.logits_processors import TokenCounts
 from strata.pipeline.core.sampler import make_generator
@@ -68,6 +68,7 @@ class Sequence:
         self.text = ""  # detokenized output so far
         self.detokenizer = IncrementalDetokenizer()
         self.emitted_text_len = 0  # characters already streamed to the client
+        self.prompt_logprobs: list[PromptLogprob] = []  # of prompt tokens 1.. as their rows ran (``core.prompt_logprobs``)
 
     @classmethod
     def from_request(cls, request: Request, block_size: int) -> "Sequence":
