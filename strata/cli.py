@@ -25,7 +25,7 @@ OPTIONAL_PACKAGES = {"matplotlib": "bench", "locust": "bench", "openai": "bench"
 
 def build_parser() -> argparse.ArgumentParser:
     from strata.bringup import add_bringup_commands
-    from strata.commands import bench, build_kernels, generate, make_demo_image, make_tiny_model, plan, serve
+    from strata.commands import bench, build_kernels, evaluate, generate, make_demo_image, make_tiny_model, plan, serve
 
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("make-demo-image", "write the deterministic demo PNG", make_demo_image),
         ("generate", "generate text for one prompt (and images) in this process", generate),
         ("bench", "benchmarks", bench),
+        ("eval", "model-level checks against a reference: `strata eval ppl` (perplexity)", evaluate),
         ("plan", "plan device / host / disk memory from config.json alone (no weights needed)", plan),
         ("serve", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)", serve),
         ("build-kernels", "compile the C++ CPU kernels now (install time), not on the first server start",

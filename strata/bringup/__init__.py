@@ -1,6 +1,7 @@
 """Bringing up a new checkpoint, one command per step: `strata ops` (operator inventory), `strata
-align` (layer-by-layer numerics against a reference) and `strata smoke` (a real server, checked
-through the openai client). `strata plan` (memory) and `strata bench serve` (load) complete the path.
+align` (layer-by-layer numerics against a reference), `strata eval ppl` (perplexity against a reference,
+``bringup.perplexity``, registered with the `eval` family in ``strata.commands.evaluate``) and `strata smoke`
+(a real server, checked through the openai client). `strata plan` (memory) and `strata bench serve` (load) complete the path.
 """
 
 from __future__ import annotations
