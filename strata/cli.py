@@ -23,12 +23,23 @@ log = logging.getLogger("strata")
 OPTIONAL_PACKAGES = {"matplotlib": "bench", "locust": "bench", "openai": "bench", "psutil": "bench"}
 
 
+def _version() -> str:
+    """The installed package's version (what `/version` serves too)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strata")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from strata.bringup import add_bringup_commands
     from strata.commands import bench, build_kernels, evaluate, generate, make_demo_image, make_tiny_model, plan, serve
 
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
+    parser.add_argument("--version", action="version", version=f"strata {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub, [
         ("make-tiny-model", "write a tiny random checkpoint of a real architecture", make_tiny_model),

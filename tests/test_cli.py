@@ -425,3 +425,11 @@ def test_a_hugging_face_id_resolves_through_the_local_cache_and_nothing_is_downl
     out = strata_in_process(capsys, "generate", "--model", "acme/tiny-llava", "--raw-prompt", "USER: hi ASSISTANT:",
                             "--max-tokens", "2", "--temperature", "0")
     assert out.returncode == 0, out.stderr
+
+
+def test_version_prints_the_installed_version(capsys) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"strata {version('strata')}"

@@ -226,3 +226,12 @@ def test_tool_calls_through_the_openai_client(keyed_server) -> None:
         response = _post(keyed_server, "/v1/chat/completions", {**ask, **bad})
         assert response.status_code == 400, bad
         assert param is None or response.json()["error"]["param"] == param
+
+
+def test_the_openai_client_retrieves_the_model_and_a_404_for_another(keyed_server) -> None:
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY)
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/another-model")
+    assert err.value.body["code"] == "model_not_found"

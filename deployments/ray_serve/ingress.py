@@ -1,6 +1,6 @@
 """The HTTP front door: an OpenAI-compatible FastAPI app served by Ray Serve.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
 tests); vLLM's ``/ping``, ``/version``, ``/metrics``, ``POST /tokenize`` and ``POST /detokenize``
 (``deployments.ray_serve.token_routes``). With ``--api-key`` every route but ``/health`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
@@ -220,10 +220,20 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "strata",
-             "max_model_len": self.config.engine.max_model_len}
-        ]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> Response:
+        """One model's card (the openai client's ``models.retrieve``); another id is a 404."""
+        try:
+            self._check_model(model_id)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "strata",
+                "max_model_len": self.config.engine.max_model_len}
 
     @app.get("/strata/stats")
     async def stats(self) -> dict[str, Any]:
