@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from strata.deployments.ray_serve.loopback import LOOPBACK_ENV
+from strata.deployments.ray_serve.vllm_flags import add_vllm_arguments, vllm_dtype, vllm_engine_flags
 from strata.pipeline.contract.config import json_object_flag
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
@@ -34,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", "--served-model-name", dest="model_name",
                    help="the model id clients send (default: the directory name)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request (engine.max_model_len)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="weights and KV (engine.dtype; default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "half"),
+                   help="weights and KV (engine.dtype; auto, the default: float32 on CPU, bfloat16 on CUDA; "
+                        "half = float16)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
                    help="what the KV cache stores in every tier: auto (the model's dtype) or fp8 (e4m3 with "
                         "per-layer scales calibrated at load: half of bf16's bytes) (engine.kv_cache_dtype)")
@@ -57,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read the API key from FILE ('-': standard input), its first line; the safe way to give it")
     p.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_FORMATS),
                    help="how answers are read for tool calls (default auto: the syntax the chat template writes)")
-    p.add_argument("--chat-template", type=Path, metavar="FILE",
-                   help="a Jinja chat template replacing the checkpoint's (one that renders tools enables them)")
+    p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template replacing the checkpoint's, as a file or inline (one that renders "
+                        "tools enables them)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="join a running cluster (ray://host:port or auto) instead of starting one")
@@ -75,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use Ray Serve's default request path instead of its throughput-optimized one (replicas "
                         "that serve HTTP themselves, user code on the replica's event loop, calls between "
                         "deployments over gRPC)")
+    add_vllm_arguments(p)  # vLLM's flags: honoured, or refused in one line (``vllm_flags.FLAGS``)
 
 
 def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> Any:
@@ -89,6 +93,11 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
              if (value := getattr(args, key, None)) is not None}
     if "speculative" in flags:
         flags["speculative"] = json_object_flag("--speculative-config", flags["speculative"])
+    if "dtype" in flags and vllm_dtype(flags["dtype"]) is None:  # auto: the device's default
+        del flags["dtype"]
+    elif "dtype" in flags:
+        flags["dtype"] = vllm_dtype(flags["dtype"])
+    flags.update(vllm_engine_flags(args))
     if flags:  # flags win over the JSON config, and are validated like it
         config = ServeConfig.from_dict({**config.to_dict(), "engine": {**config.engine.to_dict(), **flags}})
     ref = getattr(args, "model_ref", None)
@@ -160,11 +169,22 @@ def _sized_kv_pool(engine: Any, model_dir: str, address: str | None) -> Any:
     return with_kv_budget(engine, Path(model_dir), load_model_config(model_dir).text)
 
 
-def _read_template(path: Path) -> str:
+def _is_file(path: Path) -> bool:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.is_file()
+    except OSError:  # a name too long to be a path (an inline template)
+        return False
+
+
+def _read_template(given: str | Path) -> str:
+    """A template file's text, or the template itself when given inline (as vLLM takes either)."""
+    path = Path(given)
+    inline = isinstance(given, str) and ("{{" in given or "{%" in given) and not _is_file(path)
+    try:
+        text = given if inline else path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--chat-template: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    path = path if not inline else Path("the inline template")
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
