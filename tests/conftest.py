@@ -244,7 +244,7 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     fault directory (``server.faults``: files there make its processes fail at named points). It decodes with
     prompt-lookup speculation (``SPECULATIVE``): greedy answers are the plain engine's, so every test of it
     holds either way, and ``test_serve_surface`` checks the speculation itself."""
-    from helpers import SMOLLM2_KEY, SPECULATIVE
+    from helpers import SMOLLM2_ALIAS, SMOLLM2_KEY, SPECULATIVE
     from serve_process import ServeProcess
 
     workdir = tmp_path_factory.mktemp("keyed")
@@ -253,7 +253,7 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
     server = ServeProcess(smollm2, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048,
                                                                               "speculative": SPECULATIVE},
-                                             "chat_template": template},
+                                             "chat_template": template, "model_aliases": [SMOLLM2_ALIAS]},
                           env={"STRATA_API_KEY": SMOLLM2_KEY, "STRATA_FAULT_DIR": str(faults)})
     server.faults = faults
     try:

@@ -31,6 +31,7 @@ BS = 16  # block size the kernel tests use
 MODEL_NAME = "strata-test"  # the model id the shared test server serves
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SMOLLM2_KEY = "sk-strata-test-9f3c"  # the API key of the shared SmolLM2 server (conftest's keyed_server)
+SMOLLM2_ALIAS = "HuggingFaceTB/SmolLM2-135M-Instruct"  # another id it answers to (vLLM's --served-model-name a b)
 # The attention backend engines built by `build` use unless a test names one; the
 # `attention_backend` fixture runs a whole module once per backend by setting it.
 DEFAULT_BACKEND = {"name": "auto"}

@@ -401,7 +401,8 @@ def test_the_serving_banner_waits_for_health_and_says_what_it_waits_for(capsys) 
 def test_a_hugging_face_id_resolves_through_the_local_cache_and_nothing_is_downloaded(
         llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """`strata serve org/name` (or --model org/name, or `strata generate --model org/name`) finds a model the
-    local Hugging Face cache holds, offline; one it does not hold is a one-line error saying how to get it."""
+    local Hugging Face cache holds, offline, and serves it under that id (or the --served-model-name values:
+    the first, and aliases); one it does not hold is a one-line error saying how to get it."""
     import argparse
     import shutil
 
@@ -417,8 +418,11 @@ def test_a_hugging_face_id_resolves_through_the_local_cache_and_nothing_is_downl
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert load_config(parser.parse_args(["acme/tiny-llava"])).model_dir == str(snapshot)
+    config = load_config(parser.parse_args(["acme/tiny-llava"]))
+    assert config.model_dir == str(snapshot) and config.model_name == "acme/tiny-llava"  # its id, not its hash
     assert load_config(parser.parse_args(["--model", "acme/tiny-llava"])).model_dir == str(snapshot)
+    named = load_config(parser.parse_args(["acme/tiny-llava", "--served-model-name", "tiny", "llava-small"]))
+    assert named.model_name == "tiny" and named.model_aliases == ["llava-small"]  # vLLM's several names
     res = strata_in_process(capsys, "serve", "acme/not-here", "--port", "1")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "not in the local Hugging Face cache" in res.stderr and "hf download acme/not-here" in res.stderr

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import MODEL_NAME, SMOLLM2_KEY
+from helpers import MODEL_NAME, SMOLLM2_ALIAS, SMOLLM2_KEY
 
 pytestmark = pytest.mark.serve  # the session's real SmolLM2 server, started with an API key
 
@@ -229,9 +229,14 @@ def test_tool_calls_through_the_openai_client(keyed_server) -> None:
 
 
 def test_the_openai_client_retrieves_the_model_and_a_404_for_another(keyed_server) -> None:
+    """The served name and its alias (``model_aliases``: vLLM's further --served-model-name values) both
+    answer; the card names the served name."""
     client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY)
     card = client.models.retrieve(MODEL_NAME)
     assert card.id == MODEL_NAME and card.object == "model"
+    assert client.models.retrieve(SMOLLM2_ALIAS).id == MODEL_NAME
+    answer = client.completions.create(model=SMOLLM2_ALIAS, prompt="Hello", max_tokens=2, temperature=0)
+    assert answer.model == MODEL_NAME and answer.choices[0].text
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("org/another-model")
     assert err.value.body["code"] == "model_not_found"

@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a Hugging Face id already in the local cache "
                                    "(default: the built-in tiny demo model)")
     p.add_argument("--config", type=Path, help="JSON serve config: engine knobs and per-stage replicas/autoscaling")
-    p.add_argument("--model-name", "--served-model-name", dest="model_name",
-                   help="the model id clients send (default: the directory name)")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", nargs="+", metavar="NAME",
+                   help="the model id clients send, and any aliases after it (default: the Hugging Face id the "
+                        "model was given as, else the directory name)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens of one request (engine.max_model_len)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "half"),
                    help="weights and KV (engine.dtype; auto, the default: float32 on CPU, bfloat16 on CUDA; "
@@ -104,11 +105,14 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
     if ref is not None and args.model is not None and ref != args.model:
         raise ValueError(f"two models given: {ref} and --model {args.model}")
     if (ref or args.model) is not None:
-        from strata.pipeline.models.model_source import resolve_model_dir
+        from strata.pipeline.models.model_source import is_hub_id, resolve_model_dir
 
         config.model_dir = str(resolve_model_dir(ref or args.model))
-    if args.model_name:
-        config.model_name = args.model_name
+        if is_hub_id(ref or args.model) and config.model_name is None:  # named as asked for, not by its snapshot
+            config.model_name = str(ref or args.model)
+    if args.model_name:  # the first is the name; any others are aliases (else the config's stand)
+        config.model_name = args.model_name[0]
+        config.model_aliases = args.model_name[1:] or config.model_aliases
     if getattr(args, "tool_call_parser", None):
         config.tool_call_parser = args.tool_call_parser
     if getattr(args, "chat_template", None) is not None:

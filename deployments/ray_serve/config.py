@@ -82,7 +82,9 @@ class ServeConfig(ConfigModel):
 
     model_dir: str | None = Field(None, description="the checkpoint (None: the built-in tiny demo model)")
     model_name: str | None = Field(None, description="the id clients send as \"model\" (default: the "
-                                                     "directory name)")
+                                                     "Hugging Face id it was given as, else the directory name)")
+    model_aliases: list[str] = Field(default_factory=list, description="other ids clients may send for it "
+                                                                        "(vLLM's further --served-model-name values)")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     stages: dict[Stage, StageConfig] = Field(default_factory=dict, description="per stage; every stage not "
                                                                                 "named gets the defaults")

@@ -321,6 +321,6 @@ class Ingress:
         return await self.responder.whole(req, prepared, events, chat, t0, calls)
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model != self.model_name and model not in self.config.model_aliases:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                            code="model_not_found", param="model")

@@ -19,6 +19,12 @@ class ModelNotFound(ValueError):
     """Neither a checkpoint directory nor a cached Hugging Face model; the message says what to do."""
 
 
+def is_hub_id(ref: str | Path) -> bool:
+    """``org/name`` that is no local path: a Hugging Face id (served under that id, as vLLM does)."""
+    path = Path(ref).expanduser()
+    return not path.exists() and path.suffix != ".gguf" and bool(HUB_ID.match(str(ref)))
+
+
 def resolve_model_dir(ref: str | Path, cache_dir: Path | None = None) -> Path:
     """The checkpoint directory ``ref`` names (a directory with config.json, a cached hub id, or a ``.gguf``
     file, read once into ``cache_dir`` with its quantized blocks kept)."""
