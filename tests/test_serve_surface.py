@@ -77,12 +77,14 @@ def test_responses_validate_against_openais_published_schemas(keyed_server) -> N
         _validator("CreateChatCompletionResponse").validate(broken)
 
 
-def test_the_api_key_guards_every_route_but_health(keyed_server) -> None:
+def test_the_api_key_guards_every_route_but_the_probes(keyed_server) -> None:
+    """/health, /ping, /version and /metrics stay open without a key (as in vLLM: probes and scrapers)."""
     base = keyed_server.base_url
-    assert httpx.get(base + "/health", timeout=30).status_code == 200
+    for path in ("/health", "/ping", "/version", "/metrics"):
+        assert httpx.get(base + path, timeout=30).status_code == 200, path
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/strata/stats"),
-                             ("POST", "/tokenize"), ("GET", "/metrics")):
+                             ("POST", "/tokenize"), ("GET", "/v1/models/" + MODEL_NAME)):
             response = httpx.request(method, base + path, headers=headers, json={}, timeout=30)
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["code"] == "invalid_api_key" and KEY not in response.text

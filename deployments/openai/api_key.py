@@ -1,8 +1,9 @@
 """Bearer-token auth for the HTTP API (``strata serve --api-key``), as vLLM's ``--api-key``.
 
-Every route but ``/health`` (what load balancers and Serve's own probes call) needs
-``Authorization: Bearer <key>``; anything else is a 401 with an OpenAI-style body. The key itself never
-leaves the CLI process: ``serve_cli`` takes it out of the environment and ``sys.argv`` as it reads it
+Every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` (what load balancers, Serve's own
+probes and Prometheus scrapers call, open as in vLLM) needs ``Authorization: Bearer <key>``; anything else
+is a 401 with an OpenAI-style body. The key itself never
+leaves the CLI process: ``ray_serve.cli`` takes it out of the environment and ``sys.argv`` as it reads it
 (before Ray starts: Ray's processes inherit the one, and Ray records the other), the serve config carries
 its SHA-256, replicas compare the SHA-256 of what a client sends against it with ``hmac.compare_digest``
 (constant time), and error bodies never echo it.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 DIGEST_ENV = "STRATA_API_KEY_SHA256"  # where a replica keeps the digest its middleware checks
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 UNAUTHORIZED = {"error": {"message": "missing or invalid API key: send Authorization: Bearer <key>",

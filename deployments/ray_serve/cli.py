@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct-port", type=int,
                    help="first port of the replicas' own HTTP endpoints (fast path; default: 30000, or the first "
                         "free port above it)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                                     "$STRATA_API_KEY; only its SHA-256 reaches the replicas). A key on the command "
-                                     "line is visible to other users of this machine: prefer --api-key-file")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health, /ping, "
+                                     "/version and /metrics (default: $STRATA_API_KEY; only its SHA-256 reaches the "
+                                     "replicas). A key on the command line is visible to other users of this "
+                                     "machine: prefer --api-key-file")
     p.add_argument("--api-key-file", type=Path, metavar="FILE",
                    help="read the API key from FILE ('-': standard input), its first line; the safe way to give it")
     p.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_FORMATS),

@@ -99,8 +99,8 @@ class ServeConfig(ConfigModel):
     stream_interval_ms: float = Field(5.0, ge=0, le=1000, description="aggregated: after a stream's first "
                                       "token, gather its tokens up to this long per write (0: every step)")
     api_key_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$", description="hex SHA-256 of the API key "
-                                       "every route but /health requires as a Bearer token (strata serve --api-key "
-                                       "fills it; the key itself is never stored)")
+                                       "every route but /health, /ping, /version and /metrics requires as a Bearer "
+                                       "token (strata serve --api-key fills it; the key itself is never stored)")
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2", "deepseek_v3"] = Field(
         "auto", description="how answers are read for tool calls: a family's syntax, auto (the one the chat template "
                             "writes) or none (requests with tools get a 400)")

@@ -3,8 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``GET /health`` and ``GET /strata/stats`` (per-stage KV and queue figures, for operators and
 tests); vLLM's ``/ping``, ``/version``, ``/metrics``, ``POST /tokenize`` and ``POST /detokenize``
-(``deployments.ray_serve.token_routes``). With ``--api-key`` every route but ``/health`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status; streaming uses
-server-sent events ending with ``data: [DONE]``.
+(``deployments.ray_serve.token_routes``). With ``--api-key`` every route but ``/health``, ``/ping``, ``/version``
+and ``/metrics`` needs the Bearer token. Validation failures are OpenAI-style error bodies with a 4xx status;
+streaming uses server-sent events ending with ``data: [DONE]``.
 
 In the aggregated mode this deployment (named ``LLM``) also runs the engine: prefill and decode in
 one step loop over one KV pool, so the replica that generates a token is the one that writes it to
@@ -63,7 +64,7 @@ app.add_middleware(RequestEndMiddleware)  # a request's end-of-request work (its
 
 @app.middleware("http")
 async def _require_api_key(request: HTTPRequest, call_next: Any) -> Response:
-    """``--api-key``: every route but /health needs the Bearer token (``deployments.openai.api_key``). The digest is
+    """``--api-key``: every route but the probes (/health, /ping, /version, /metrics) needs the Bearer token (``deployments.openai.api_key``). The digest is
     read from this replica's environment, where ``Ingress.__init__`` puts it: Serve ships this app to the
     replica by value, so a module global set there would be another copy than the one this function sees."""
     if not authorized(request.url.path, request.headers.get("authorization"), os.environ.get(DIGEST_ENV)):
