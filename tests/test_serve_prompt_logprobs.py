@@ -100,7 +100,7 @@ def test_vllms_prompt_logprobs_on_both_endpoints(keyed_server, reference) -> Non
     ({"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "Hi", "prompt_logprobs": True}, "prompt_logprobs"),
     ({"prompt": "Hi", "echo": True, "n": 2}, "n"),
-    ({"prompt": [[1, 2], [3, 4]]}, "prompt"),
+    ({"prompt": [[1, 2], [3, 4]], "echo": True}, "prompt"),
     ({"prompt": [], "echo": True}, "prompt"),
     ({"prompt": [10**9]}, None),
 ])

@@ -242,3 +242,21 @@ def test_the_openai_client_retrieves_the_model_and_a_404_for_another(keyed_serve
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("org/another-model")
     assert err.value.body["code"] == "model_not_found"
+
+
+def test_several_prompts_in_one_completion_request(keyed_server) -> None:
+    """vLLM's batch form: texts or token-id lists, n choices each, indexed prompt by prompt; each choice is
+    that prompt's answer alone, and usage counts each prompt once. Past 16 choices is a 400."""
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY)
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = httpx.post(keyed_server.base_url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                     json={"model": MODEL_NAME, "prompt": prompts[1]}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=[ids, ids], max_tokens=5, temperature=0)
+    assert [c.text for c in by_ids.choices] == [alone[1].choices[0].text] * 2
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt=["a"] * 9, max_tokens=2, n=2)

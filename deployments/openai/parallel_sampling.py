@@ -1,4 +1,5 @@
-"""OpenAI's ``n``: one prompt, n answers, the prompt's KV computed once.
+"""OpenAI's ``n``: one prompt, n answers, the prompt's KV computed once; and several prompts in one
+``/v1/completions`` request (each its n choices, indexed prompt by prompt, as vLLM).
 
 The ingress prepares the request once (template, tokens, images), then runs n children of it. Child 0
 starts first; once its first token is out, its prompt's full blocks are in the prefix cache, and children
@@ -47,6 +48,21 @@ def children(prepared: Request, n: int) -> list[Request]:
         params = dataclasses.replace(prepared.params, seed=child_seed, stop=list(prepared.params.stop))
         out.append(msgspec.structs.replace(prepared, request_id=f"{prepared.request_id}-{i}", params=params))
     return out
+
+
+def _per_prompt(req: Any, kids: list[Request]) -> int:
+    """Choices per prompt: the request's n (all of them for a request that does not say)."""
+    return getattr(req, "n", None) or len(kids)
+
+
+def _roots(kids: list[Request], n: int) -> range:
+    """The first child of each prompt (``kids`` holds each prompt's n children in a row)."""
+    return range(0, len(kids), n)
+
+
+def _prompt_tokens(kids: list[Request], n: int) -> int:
+    """Usage counts each prompt once, however many answers it has."""
+    return sum(kids[i].num_prompt_tokens for i in _roots(kids, n))
 
 
 async def _children_batches(kids: list[Request], start: Start, endpoint: str, t0: float, deadline_s: float,
@@ -120,8 +136,8 @@ class ManyChoices:
             log.warning("request %s failed: %r", kids[0].request_id, exc)
             return error_response(client_error(exc, r.retry_after_s), endpoint)
         metrics.requests().inc(tags={"endpoint": endpoint, "status": "200"})
-        cached = max((e.num_cached_tokens for e in collected[0]), default=0)
-        use = usage(kids[0].num_prompt_tokens, sum(len(c) for c in collected), cached)
+        cached = sum(max((e.num_cached_tokens for e in collected[i]), default=0) for i in _roots(kids, _per_prompt(req, kids)))
+        use = usage(_prompt_tokens(kids, _per_prompt(req, kids)), sum(len(c) for c in collected), cached)
         created, rid = int(time.time()), kids[0].request_id
         choices = []
         for i, (events, reason) in enumerate(zip(collected, reasons)):
@@ -166,7 +182,7 @@ class ManyChoices:
                 body["choices"][0]["logprobs"] = r.chat_logprobs([ev]) if chat else r.completion_logprobs([ev], offset)
             return sse(body)
 
-        total, offsets, cached = 0, [0] * len(kids), 0
+        total, offsets, cached = 0, [0] * len(kids), [0] * len(kids)
         try:
             if chat:
                 for i in range(len(kids)):
@@ -178,7 +194,7 @@ class ManyChoices:
                 out = []
                 for ev in batch:
                     total += 1
-                    cached = max(cached, ev.num_cached_tokens) if i == 0 else cached
+                    cached[i] = max(cached[i], ev.num_cached_tokens)
                     if deltas is not None:  # read for tool calls: the delta of what the text adds
                         texts[i] += ev.text_delta
                         delta = deltas[i].update(texts[i], final=ev.finished)
@@ -201,7 +217,8 @@ class ManyChoices:
                 raise GenerationFailed("the token stream ended before the request finished")
             tail = []
             if req.include_usage:
-                tail.append(sse(usage_chunk(rid, model, created, obj, usage(kids[0].num_prompt_tokens, total, cached))))
+                hits = sum(cached[i] for i in _roots(kids, _per_prompt(req, kids)))
+                tail.append(sse(usage_chunk(rid, model, created, obj, usage(_prompt_tokens(kids, _per_prompt(req, kids)), total, hits))))
             tail.append(sse("[DONE]"))
             status.status = "200"
             yield "".join(tail)

@@ -254,7 +254,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    # text, or token ids (what lm-eval sends by default); in a list of one (lm-eval batches one request)
+    # text, or token ids (what lm-eval sends by default); or a list of either (one choice each, as vLLM)
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool = False  # the prompt before the answer, its tokens' logprobs before the answer's
@@ -288,18 +288,33 @@ class CompletionRequest(_SamplingFields):
         """Whether the answer holds generated tokens (not with ``max_tokens: 0``)."""
         return self.max_tokens != 0
 
-    def prompt_input(self) -> dict[str, Any]:
-        """What intake takes: ``raw_prompt`` text, or ``prompt_token_ids``."""
+    def prompt_inputs(self) -> list[dict[str, Any]]:
+        """What intake takes for each prompt: ``raw_prompt`` text, or ``prompt_token_ids``. Several prompts
+        (a list of texts or of id lists) give ``n`` choices each, at most ``MAX_CHOICES`` in all; echo and
+        prompt logprobs take one prompt."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return {"raw_prompt": prompt}
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return {"prompt_token_ids": list(prompt)}
+        many = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(many) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(many)} prompts x n = {self.n} is more than {MAX_CHOICES} choices",
+                           param="prompt")
+        if len(many) > 1 and (self.echo or self.requested_prompt_logprobs() is not None):
+            raise APIError(400, "echo and prompt logprobs take one prompt per request", param="prompt")
+        out = []
+        for one in many:
+            if isinstance(one, str):
+                out.append({"raw_prompt": one})
+            elif not one:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            else:
+                out.append({"prompt_token_ids": list(one)})
+        return out
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The one prompt of a request that has one (echo reads it)."""
+        return self.prompt_inputs()[0]
+
+
+MAX_CHOICES = 16  # prompts x n in one request: each is an engine request the admission counts once
 
 
 def check_prompt_size(body: Any, max_model_len: int) -> None:

@@ -47,7 +47,7 @@ Decode = Callable[[list[int]], str]
 
 def _asks_prompt_logprobs(req: Any) -> bool:
     """The client asked for vLLM's ``prompt_logprobs`` field (echo alone puts them in ``logprobs``)."""
-    return (req.model_extra or {}).get("prompt_logprobs") is not None
+    return (getattr(req, "model_extra", None) or {}).get("prompt_logprobs") is not None
 
 
 class GenerationFailed(Exception):
@@ -224,7 +224,7 @@ class Responder:
             choice = body["choices"][0]
             if req.requested_logprobs() is not None:
                 answer = self.completion_logprobs(shown, len(echo))
-                choice["logprobs"] = joined(self._echo_logprobs(prepared, collected), answer) if req.echo else answer
+                choice["logprobs"] = joined(self._echo_logprobs(prepared, collected), answer) if getattr(req, "echo", False) else answer
             if _asks_prompt_logprobs(req):
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, collected)
         return JSONResponse(body)
@@ -282,10 +282,10 @@ class Responder:
                 if _asks_prompt_logprobs(req):
                     role["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])
                 yield sse(role)
-            elif req.echo or _asks_prompt_logprobs(req):  # the prompt's chunk first
+            elif getattr(req, "echo", False) or _asks_prompt_logprobs(req):  # the prompt's chunk first
                 echo = self._echo_text(req, prepared)
                 chunk = completion_chunk(rid, model, created, echo, None)
-                if req.echo and want_logprobs:
+                if getattr(req, "echo", False) and want_logprobs:
                     chunk["choices"][0]["logprobs"] = self._echo_logprobs(prepared, first or [])
                 if _asks_prompt_logprobs(req):
                     chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])

@@ -303,15 +303,18 @@ class Ingress:
                 prepared = await self.flow.prepare(rid, params, images, messages=messages,
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
-            else:
-                prepared = await self.flow.prepare(rid, params, [], **req.prompt_input())
+            else:  # several prompts: one request each, ``<id>``, ``<id>-p1``, ...
+                prompts = [await self.flow.prepare(rid if i == 0 else f"{rid}-p{i}", params, [], **one)
+                           for i, one in enumerate(req.prompt_inputs())]
+                prepared = prompts[0]
         except Exception as exc:  # APIError: the client's to fix; anything else: ours, without internals
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         calls = self.tool_format if reads_calls else None  # the answer is read for tool calls
-        if req.n > 1:  # n answers of one prompt, its KV computed once (deployments.openai.parallel_sampling)
-            kids = children(prepared, req.n)
+        roots = [prepared] if chat else prompts
+        if req.n > 1 or len(roots) > 1:  # n answers of each prompt, its KV computed once (``parallel_sampling``)
+            kids = [kid for root in roots for kid in children(root, req.n)]
             many = ManyChoices(self.responder)
             if req.stream:
                 return await many.stream(req, kids, self.flow.events, chat, t0, calls)
