@@ -136,3 +136,36 @@ def test_a_request_without_them_computes_one_row_per_sequence(model_dir: Path, p
     ])
     assert outs[0].output_token_ids == alone and outs[0].prompt_logprobs is None
     assert len(outs[1].prompt_logprobs) == len(prompt_ids) - 1 and all(p.top == [] for p in outs[1].prompt_logprobs)
+
+
+def test_a_non_finite_prompt_row_fails_its_own_request_only(model_dir: Path, prompt_ids: list[int],
+                                                          monkeypatch) -> None:
+    """A NaN in one prompt row of a prompt-logprobs request ends that request with an error event; the
+    request batched beside it keeps exactly its tokens, and every block is released."""
+    from strata.pipeline.core.model_runner import ModelRunner
+    from strata.pipeline.core.prompt_logprobs import logits_rows
+
+    alone = build(model_dir, prefill_chunk_tokens=8).generate(
+        [{"prompt_token_ids": prompt_ids[:30], "params": greedy(6)}])[0].output_token_ids
+    original = ModelRunner.execute
+
+    def poisoned(self, chunks):
+        logits = original(self, chunks).clone()  # an inference tensor: written outside inference mode
+        row = 0
+        for chunk in chunks:
+            n = logits_rows(chunk)
+            if chunk.seq.request_id == "bad" and n > 1:
+                logits[row + 1] = float("nan")
+            row += n
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "execute", poisoned)
+    engine = build(model_dir, prefill_chunk_tokens=8)
+    good = engine.add_request(prompt_token_ids=prompt_ids[:30], params=greedy(6))
+    engine.add_request(prompt_token_ids=prompt_ids, request_id="bad",
+                       params=SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2))
+    events = list(engine.run())
+    bad = [e for e in events if e.request_id == "bad"]
+    assert len(bad) == 1 and bad[0].finish_reason == "error" and "invalid values" in bad[0].error
+    assert [e.token_id for e in events if e.request_id == good] == alone
+    assert engine.kv.pool.stats()["in_use"] == 0
