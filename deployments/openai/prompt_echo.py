@@ -21,12 +21,26 @@ def prompt_logprobs_of(events: list[TokenEvent]) -> list[PromptLogprob]:
     return next((ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None), [])
 
 
+def token_texts(decode: Decode) -> Callable[[int], str]:
+    """Each token id's text, decoded once per response: a long prompt's top maps repeat the same few ids, and
+    a tokenizer call per entry would cost seconds on a 32K-token prompt."""
+    cache: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in cache:
+            cache[token] = decode([token])
+        return cache[token]
+
+    return text
+
+
 def vllm_prompt_logprobs(prompt_ids: list[int], logprobs: list[PromptLogprob], decode: Decode) -> list[Any]:
     """vLLM's ``prompt_logprobs``: ``[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]``."""
+    text = token_texts(decode)
     out: list[Any] = [None]
     for token, lp in zip(prompt_ids[1:], logprobs):
-        entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": decode([t])} for i, (t, v) in enumerate(lp.top)}
-        entry[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode([token])}
+        entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": text(t)} for i, (t, v) in enumerate(lp.top)}
+        entry[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(token)}
         out.append(entry)
     return out
 
@@ -34,10 +48,11 @@ def vllm_prompt_logprobs(prompt_ids: list[int], logprobs: list[PromptLogprob], d
 def echo_logprobs(prompt_ids: list[int], logprobs: list[PromptLogprob], decode: Decode) -> dict[str, Any]:
     """OpenAI's completion ``logprobs`` of the echoed prompt: its tokens, their logprobs (``None`` first),
     their top maps (the prompt token included, as vLLM gives them) and their offsets in the echoed text."""
+    one = token_texts(decode)
     tokens, values, tops, offsets = [], [], [], []
     offset = 0
     for i, token in enumerate(prompt_ids):
-        text = decode([token])
+        text = one(token)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -47,7 +62,7 @@ def echo_logprobs(prompt_ids: list[int], logprobs: list[PromptLogprob], decode: 
             continue
         lp = logprobs[i - 1]
         values.append(lp.logprob)
-        top = {decode([t]): v for t, v in lp.top}
+        top = {one(t): v for t, v in lp.top}
         top[text] = lp.logprob
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -216,17 +216,19 @@ class Responder:
                 with_tool_calls(body["choices"][0], tools)
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
-            if _asks_prompt_logprobs(req):  # vLLM puts a chat's at the top
-                body["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, collected)
+            if _asks_prompt_logprobs(req):  # vLLM puts a chat's at the top (built off the shared loop)
+                body["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, prepared, collected)
         else:
             echo = self._echo_text(req, prepared)
             body = completion(prepared.request_id, self.model_name, created, echo + text, reason, use)
             choice = body["choices"][0]
             if req.requested_logprobs() is not None:
                 answer = self.completion_logprobs(shown, len(echo))
-                choice["logprobs"] = joined(self._echo_logprobs(prepared, collected), answer) if getattr(req, "echo", False) else answer
+                # a prompt's logprobs are as long as the prompt: built off the loop the other streams share
+                choice["logprobs"] = joined(await asyncio.to_thread(self._echo_logprobs, prepared, collected), answer) \
+                    if getattr(req, "echo", False) else answer
             if _asks_prompt_logprobs(req):
-                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, collected)
+                choice["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, prepared, collected)
         return JSONResponse(body)
 
     # ------------------------------------------------------------ the prompt's own logprobs (``prompt_echo``)
@@ -280,15 +282,17 @@ class Responder:
             if chat:
                 role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
                 if _asks_prompt_logprobs(req):
-                    role["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])
+                    role["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, prepared, first or [])
                 yield sse(role)
             elif getattr(req, "echo", False) or _asks_prompt_logprobs(req):  # the prompt's chunk first
                 echo = self._echo_text(req, prepared)
                 chunk = completion_chunk(rid, model, created, echo, None)
                 if getattr(req, "echo", False) and want_logprobs:
-                    chunk["choices"][0]["logprobs"] = self._echo_logprobs(prepared, first or [])
+                    chunk["choices"][0]["logprobs"] = await asyncio.to_thread(
+                        self._echo_logprobs, prepared, first or [])
                 if _asks_prompt_logprobs(req):
-                    chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prepared, first or [])
+                    chunk["choices"][0]["prompt_logprobs"] = await asyncio.to_thread(
+                        self._vllm_prompt_logprobs, prepared, first or [])
                 yield sse(chunk)
                 offset = len(echo)
             batch = first

@@ -16,10 +16,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--max-num-seqs N": ("honoured", "running sequences per stage (engine.max_num_seqs)"),
     "--max-num-batched-tokens N": ("honoured", "per-step token budget (engine.max_num_batched_tokens)"),
     "--enable-auto-tool-choice": ("accepted", "Strata reads tool calls whenever a request sends tools"),
-    "--limit-mm-per-prompt": ("honoured", "image=N or {\"image\": N}: images per request (engine.max_images_per_request)"),
+    "--limit-mm-per-prompt": ("honoured", "image=N or {\"image\": N}: images per request "
+                                          "(engine.max_images_per_request)"),
     "--chat-template FILE/TEMPLATE": ("honoured", "a file, or the Jinja template itself given inline"),
-    "--served-model-name NAME [ALIAS ...]": ("honoured", "the model id clients send, then aliases it also answers to; "
-                                                       "by default a model given by Hugging Face id is served as that id"),
+    "--served-model-name NAME [ALIAS ...]": (
+        "honoured", "the model id clients send, then aliases it also answers to; by default a model given by "
+                    "Hugging Face id is served as that id"),
     "--kv-cache-dtype auto/fp8/fp8_e4m3": ("honoured", "what the KV cache stores in every tier"),
     "--tensor-parallel-size N": ("honoured", "tensor-parallel ranks of every decoder stage"),
     "--speculative-config JSON": ("honoured", "ngram (prompt lookup) speculation"),
