@@ -169,3 +169,25 @@ def test_a_non_finite_prompt_row_fails_its_own_request_only(model_dir: Path, pro
     assert len(bad) == 1 and bad[0].finish_reason == "error" and "invalid values" in bad[0].error
     assert [e.token_id for e in events if e.request_id == good] == alone
     assert engine.kv.pool.stats()["in_use"] == 0
+
+
+def test_a_scored_prompt_runs_in_bounded_chunks(model_dir: Path, prompt_ids: list[int], monkeypatch) -> None:
+    """A prompt-logprobs request computes at most ``SCORED_CHUNK_TOKENS`` rows a step, whatever chunk the
+    engine is configured with (its logits are [rows, vocab] fp32), and its numbers do not change."""
+    import strata.pipeline.core.scheduler as scheduler
+    from strata.pipeline.core.model_runner import ModelRunner
+
+    expected = _run(build(model_dir, prefill_chunk_tokens=8), prompt_ids)
+    monkeypatch.setattr(scheduler, "SCORED_CHUNK_TOKENS", 16)
+    widths: list[int] = []
+    original = ModelRunner.execute
+
+    def watched(self, chunks):
+        widths.extend(c.num_tokens for c in chunks if c.seq.params.prompt_logprobs is not None)
+        return original(self, chunks)
+
+    monkeypatch.setattr(ModelRunner, "execute", watched)
+    got = _run(build(model_dir, prefill_chunk_tokens=512), prompt_ids)
+    assert max(widths) == 16 and len(widths) >= len(prompt_ids) // 16
+    torch.testing.assert_close(torch.tensor([p.logprob for p in got.prompt_logprobs]),
+                               torch.tensor([p.logprob for p in expected.prompt_logprobs]), rtol=0, atol=1e-5)

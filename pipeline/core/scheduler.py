@@ -20,6 +20,9 @@ from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
 
+SCORED_CHUNK_TOKENS = 512  # the most prompt rows one step scores for one request (0.3 GB of logits at 150K vocab)
+
+
 @dataclass
 class ScheduledChunk:
     seq: Sequence
@@ -109,7 +112,7 @@ class Scheduler:
             if not self.ready(seq):
                 held.append(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk_limit(seq))
             if n <= 0:
                 continue
             draft = seq.draft[: budget - 1] if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1 else []
@@ -162,10 +165,17 @@ class Scheduler:
                 return False
         return True
 
+    def _chunk_limit(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` one step may compute: a prompt-logprobs prompt's chunk returns a [tokens, vocab]
+        fp32 logits block, so it is held to ``SCORED_CHUNK_TOKENS`` whatever the configured chunk."""
+        if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
+            return min(self.config.prefill_chunk_tokens, SCORED_CHUNK_TOKENS)
+        return self.config.prefill_chunk_tokens
+
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         if seq.num_computed_tokens == 0 and seq.block_table.is_empty():
             self._match_prefix(seq)
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_tokens)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk_limit(seq))
         if not self.kv.reserve(seq.block_table, seq.num_computed_tokens + n, keep_free=self.admission_watermark()):
             self.kv.free(seq.block_table)  # don't hold cached blocks while waiting
             seq.num_computed_tokens = seq.num_cached_tokens = 0
