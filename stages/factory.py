@@ -21,7 +21,8 @@ from strata.pipeline.core.scheduler import Scheduler
 from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, calibrate_group, share_kv_scales
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
-from strata.pipeline.models.model_config import load_model_config
+from strata.pipeline.models.fallback_config import check_fallback_engine
+from strata.pipeline.models.model_config import load_model_config, with_model_impl
 from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,
                                               shared_scales)
 from strata.pipeline.models.model_identity import kv_fingerprint
@@ -68,8 +69,10 @@ class LanguageStage:
                  group_host: str = "127.0.0.1") -> None:
         self._restore_threads = apply_threads(config.num_threads, config.tp)  # undone on close (an engine inside a test process)
         self.model_dir = Path(model_dir)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_config = with_model_impl(load_model_config(self.model_dir), config.model_impl)
         cfg = self.model_config
+        if cfg.arch.fallback:
+            check_fallback_engine(config)
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
         layout = kv_layout(cfg.text, config.block_size, kv_dtype(config))
@@ -86,7 +89,7 @@ class LanguageStage:
                 scales = self._kv_scales(config.dtype, layout, lambda: calibrate_group(
                     group, shard, self._calibration_ids(), config.block_size, backend, config.device))
                 share_kv_scales(group, shard, scales)
-            self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
+            self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
@@ -98,17 +101,24 @@ class LanguageStage:
                 model, self._calibration_ids(), config.block_size, backend, config.device)))
             set_kv_scales(model, scales)
         # after the load: a manifest check there already read each shard, so this costs no second read
-        self.fingerprint = kv_fingerprint(self.model_dir, cfg.text.model_type, config.dtype, layout, scales)
+        self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
 
+    @property
+    def model_kind(self) -> str:
+        """What computes the cache's keys and values, in its fingerprint: the family, and the transformers
+        fallback apart from Strata's own code for it (their blocks are not each other's)."""
+        cfg = self.model_config
+        return cfg.text.model_type + ("+transformers" if cfg.arch.fallback else "")
+
     def _kv_scales(self, dtype: str, layout: KVLayout, calibrate: Callable[[], list[tuple[float, float]]]
                    ) -> list[tuple[float, float]]:
         """An FP8 cache's scales: this node's for the model if a process calibrated it, else ``calibrate()``."""
-        key = kv_fingerprint(self.model_dir, self.model_config.text.model_type, dtype, layout)
+        key = kv_fingerprint(self.model_dir, self.model_kind, dtype, layout)
         return shared_scales(key, layout.num_layers, calibrate)
 
     def _calibration_ids(self) -> list[int]:

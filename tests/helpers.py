@@ -257,6 +257,40 @@ def tokens_through_handoff(model_dir: Path, config: EngineConfig, engine: Any, i
         decode.close()
 
 
+def concurrent_handoffs(model_dir: Path, host_dir: Path, prompts: list[str], params: SamplingParams
+                        ) -> tuple[list[list[int]], int]:
+    """Text prompts prefilled by a prefill service and decoded by a decode service at once (both in this process,
+    over a host tier under ``host_dir``), each hand-off passed as bytes: every request's tokens, and how many
+    handed-off tokens the decode side had to recompute."""
+    import asyncio
+
+    from strata.pipeline.contract.handoff import Handoff
+    from strata.stages.factory import build_decode_service, build_prefill_service
+
+    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(host_dir))
+    prefill, decode = build_prefill_service(model_dir, config), build_decode_service(model_dir, config)
+    engine = build(model_dir)
+
+    async def complete(i: int, prompt: str) -> list[int]:
+        request = engine.intake.make_request(f"h{i}", params, prompt=prompt)[0]
+        handoff = Handoff.from_msgpack((await prefill.prefill(request)).to_msgpack())
+        tokens = [handoff.first.token_id]
+        if not handoff.first.finished:
+            async for batch in decode.generate(handoff):
+                tokens += [e.token_id for e in batch]
+        return tokens
+
+    async def run_all() -> list[list[int]]:
+        return await asyncio.gather(*(complete(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        tokens = asyncio.run(run_all())
+        return tokens, asyncio.run(decode.stats())["handoff_tokens"]["recomputed"]
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def spilling_engine(model_dir: Path, host_dir: Path):
     """An engine whose device pool (10 blocks) is smaller than one long prompt: the prompt's older blocks
     spill to a host tier under ``host_dir`` and stream back to attention."""
@@ -268,6 +302,17 @@ def preempting_engine(model_dir: Path):
     computed again (prefix caching off, so the recompute is a real one)."""
     return build(model_dir, num_kv_blocks=14, max_num_batched_tokens=64, prefill_chunk_tokens=32,
                  enable_prefix_caching=False)
+
+
+def assert_preemption_recomputes_the_same(model_dir: Path, prompts: list[str]) -> None:
+    """Four requests growing in a pool too small for all of them (``preempting_engine``): some are preempted
+    and computed again, each equals its answer alone, and the pool's invariants hold after."""
+    reqs = [{"prompt": p, "params": greedy(24, ignore_eos=True)} for p in [*prompts, prompts[1] + " Again."]]
+    alone = [o.output_token_ids for o in build(model_dir).generate(reqs)]
+    engine = preempting_engine(model_dir)
+    assert [o.output_token_ids for o in engine.generate(reqs)] == alone
+    assert engine.scheduler.num_preemptions > 0
+    engine.kv.pool.check_invariants()
 
 
 def image_chat(images: list[bytes], prompt: str) -> list[dict[str, Any]]:

@@ -63,13 +63,14 @@ HAND_WRITTEN = {
          "rms_norm_eps": 1e-6, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
          "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "patch_size": 14}},
         {"architecture", "decoder", "rope", "vision_tower", "projector"}),
-    "deepseek-v2": (  # MLA and group-limited routing, but a family the registry does not hold
+    "deepseek-v2": (  # a family the registry does not hold: the transformers fallback runs its layers, but MLA's
+        # keys and values are not the paged cache's K/V heads
         {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000, "hidden_act": "silu",
          "rms_norm_eps": 1e-6, "kv_lora_rank": 16, "q_lora_rank": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
          "n_shared_experts": 1, "n_group": 2, "topk_method": "group_limited_greedy",
          "rope_scaling": {"type": "yarn", "factor": 40}},
-        {"architecture", "decoder", "attention", "mlp"}),
+        {"attention"}),
     "llama-with-a-latent": (  # a registered family asked for a component it is not declared with
         {**LLAVA_TEXT, "architectures": ["LlamaForCausalLM"], "kv_lora_rank": 16, "qk_rope_head_dim": 8},
         {"attention"}),

@@ -5,20 +5,16 @@ error, MLA's latent blocks spill, reload, hand off and are reused like any other
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import build, greedy, preempting_engine, transformers_greedy
+from helpers import assert_preemption_recomputes_the_same, build, concurrent_handoffs, greedy, transformers_greedy
 
 from strata.cli import main
-from strata.pipeline.contract.config import EngineConfig
-from strata.pipeline.contract.handoff import Handoff
 from strata.pipeline.frontend.tokenizer import NO_IMAGES
 from strata.pipeline.models.model_loader import load_language_model
-from strata.stages.factory import build_decode_service, build_prefill_service
 
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
            "Tell me about the tides and the moon. " * 4, "A short one."]
@@ -152,12 +148,7 @@ def test_preempted_requests_recompute_the_same_tokens(arch: str, text_models) ->
     """Four requests growing in a pool too small for all of them: some are preempted and computed again
     (gpt-oss: windows and sinks over the recomputed blocks), and each equals its answer alone."""
     model_dir = text_models[arch]
-    reqs = [{"prompt": p, "params": greedy(24, ignore_eos=True)} for p in [*PROMPTS, PROMPTS[1] + " Again."]]
-    alone = [o.output_token_ids for o in build(model_dir).generate(reqs)]
-    engine = preempting_engine(model_dir)
-    assert [o.output_token_ids for o in engine.generate(reqs)] == alone
-    assert engine.scheduler.num_preemptions > 0
-    engine.kv.pool.check_invariants()
+    assert_preemption_recomputes_the_same(model_dir, PROMPTS)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "minimax_m2"])
@@ -176,28 +167,9 @@ def test_the_prefill_to_decode_handoff_equals_the_engine(arch: str, text_models,
     """Prefill and decode as separate services over a shared host tier (MLA: latent blocks cross)."""
     model_dir = text_models[arch]
     expected = build(model_dir).generate([{"prompt": p, "params": greedy(10)} for p in PROMPTS])
-    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
-    prefill, decode = build_prefill_service(model_dir, config), build_decode_service(model_dir, config)
-    engine = build(model_dir)
-
-    async def complete(i: int, prompt: str) -> list[int]:
-        request = engine.intake.make_request(f"h{i}", greedy(10), prompt=prompt)[0]
-        handoff = Handoff.from_msgpack((await prefill.prefill(request)).to_msgpack())
-        tokens = [handoff.first.token_id]
-        if not handoff.first.finished:
-            async for batch in decode.generate(handoff):
-                tokens += [e.token_id for e in batch]
-        return tokens
-
-    async def run_all() -> list[list[int]]:
-        return await asyncio.gather(*(complete(i, p) for i, p in enumerate(PROMPTS)))
-
-    try:
-        assert asyncio.run(run_all()) == [o.output_token_ids for o in expected]
-        assert asyncio.run(decode.stats())["handoff_tokens"]["recomputed"] == 0
-    finally:
-        prefill.close()
-        decode.close()
+    tokens, recomputed = concurrent_handoffs(model_dir, tmp_path / "host", PROMPTS, greedy(10))
+    assert tokens == [o.output_token_ids for o in expected]
+    assert recomputed == 0
 
 
 def test_per_expert_checkpoints_load_like_stacked_ones(text_models, tmp_path: Path) -> None:

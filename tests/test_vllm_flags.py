@@ -32,6 +32,7 @@ HONOURED = {
     "--tensor-parallel-size N": (["--tensor-parallel-size", "2"], "engine.tp", 2),
     "--speculative-config JSON": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                                   "engine.speculative.num_speculative_tokens", 2),
+    "--model-impl auto/vllm/transformers": (["--model-impl", "vllm"], "engine.model_impl", "strata"),
 }
 REFUSED = {
     "--trust-remote-code": (["--trust-remote-code"], "Strata runs no checkpoint code"),

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
                    help="what the KV cache stores in every tier: auto (the model's dtype) or fp8 (e4m3 with "
                         "per-layer scales calibrated at load: half of bf16's bytes) (engine.kv_cache_dtype)")
+    p.add_argument("--model-impl", choices=("auto", "strata", "vllm", "transformers"),
+                   help="auto (default): Strata's model code where it has the architecture, else transformers' "
+                        "modules with Strata's paged attention; strata (= vllm): never the fallback; transformers: "
+                        "the fallback even where Strata has the architecture (engine.model_impl)")
     p.add_argument("--speculative-config", dest="speculative",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4} (engine.speculative)')
@@ -91,8 +95,10 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
     asked_len = "max_model_len" in config.engine.model_fields_set or getattr(args, "max_model_len", None) is not None
-    flags = {key: value for key in ("max_model_len", "dtype", "kv_cache_dtype", "tp", "kv_cache_memory", "speculative")
-             if (value := getattr(args, key, None)) is not None}
+    flags = {key: value for key in ("max_model_len", "dtype", "kv_cache_dtype", "model_impl", "tp", "kv_cache_memory",
+                                    "speculative") if (value := getattr(args, key, None)) is not None}
+    if flags.get("model_impl") == "vllm":  # vLLM's name for its own model code: Strata's here
+        flags["model_impl"] = "strata"
     if "speculative" in flags:
         flags["speculative"] = json_object_flag("--speculative-config", flags["speculative"])
     if "dtype" in flags and vllm_dtype(flags["dtype"]) is None:  # auto: the device's default

@@ -25,7 +25,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--kv-cache-dtype auto/fp8/fp8_e4m3": ("honoured", "what the KV cache stores in every tier"),
     "--tensor-parallel-size N": ("honoured", "tensor-parallel ranks of every decoder stage"),
     "--speculative-config JSON": ("honoured", "ngram (prompt lookup) speculation"),
+    "--model-impl auto/vllm/transformers": (
+        "honoured", "auto: Strata's model code where it has the architecture, else the transformers fallback "
+                    "(transformers' modules, Strata's paged attention); vllm: Strata's code only; transformers: "
+                    "the fallback (engine.model_impl)"),
     "--trust-remote-code": ("refused", "Strata runs no checkpoint code: it serves the architectures it implements "
+                                       "and, on the transformers fallback, those transformers implements "
                                        "(`strata ops --model DIR` says whether it covers one)"),
     "--gpu-memory-utilization F": ("refused", "size the device KV pool with --kv-cache-memory (a size, or a share of "
                                               "what the weights leave free)"),

@@ -44,6 +44,7 @@ def config_error(exc: ValidationError, root: str = "") -> ValueError:
 
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+ModelImpl = Literal["auto", "strata", "transformers"]  # as ``models.fallback_config.MODEL_IMPLS``
 
 
 class SpeculativeConfig(ConfigModel):
@@ -82,6 +83,10 @@ class EngineConfig(ConfigModel):
                                          "with per-layer power-of-two scales calibrated at load; 1 byte a value "
                                          "in every tier, half of bf16's); the cpu and torch attention backends "
                                          "read it")
+    model_impl: ModelImpl = Field("auto", description="auto (Strata's own model code where it has the architecture, "
+                                  "else the transformers fallback: transformers' modules with Strata's paged "
+                                  "attention), strata (refuse the fallback) or transformers (the fallback even "
+                                  "where Strata has the architecture; text-only causal LMs); vLLM's --model-impl")
     device: str = "cpu"
     attention_backend: str = Field("auto", description="auto, cpu (paged C++ kernel + flash), torch (reference), "
                                                        "triton (CUDA)")

@@ -215,6 +215,8 @@ class ModelArchitecture:
     # own setting, ``tie_default`` when absent: Kimi-K2.5, Qwen3-VL)
     tie: str = "either"
     tie_default: bool = False
+    # transformers' own modules run the layers, attention through Strata's paged attention (``models.fallback_model``)
+    fallback: bool = False
 
     @property
     def takes_images(self) -> bool:

@@ -28,20 +28,18 @@ from strata.kernels import (
     AttentionBackend,
     AttentionMetadata,
     RotaryEmbedding,
-    attend_spilled,
     linear,
     rms_norm,
     rotate_heads,
     signed_sin,
-    write_kv,
 )
 from strata.kernels.layer_ops import silu_mul
 from strata.kernels.norm import rms_norm_spanning
-from strata.kernels.sinks import apply_sinks
 from strata.pipeline.models.attention_mla import MLAAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
 from strata.pipeline.models.moe import SparseMoE, interleaved_experts_to_stacked
+from strata.pipeline.models.paged_attend import paged_attend
 
 
 def qkv_rope(x: torch.Tensor, ln_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
@@ -184,21 +182,8 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
                backend: AttentionBackend) -> torch.Tensor:
         """Write this step's k/v into the pool, attend over it (and over spilled blocks): [T, Hq, D]."""
-        k_cache, v_cache = kv[:, self.layer_idx, 0], kv[:, self.layer_idx, 1]
-        if self.kv_scales is not None:  # FP8: store k / s_k and v / s_v; attend with q * s_k, scale out by s_v
-            s_k, s_v = self.kv_scales
-            k, v, q = k / s_k, v / s_v, q * s_k
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
-        spilled = meta.spilled is not None
-        out, lse = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                   return_lse=spilled or self.sinks is not None)
-        if spilled:
-            out = attend_spilled(q, out, lse, meta, self.layer_idx, self.scale, self.sliding_window)
-        if self.sinks is not None:
-            out = apply_sinks(out, lse, self.sinks)
-        if self.kv_scales is not None:
-            out = out * self.kv_scales[1]
-        return out.contiguous()  # one layout whatever the backend (compiled steps guard on strides)
+        return paged_attend(q, k, v, kv, self.layer_idx, meta, backend, self.scale, self.sliding_window, self.sinks,
+                            self.kv_scales)
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,7 @@ from typing import Any
 
 from strata.pipeline.models.architectures import ModelArchitecture, UnknownArchitecture, resolve_architecture
 from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.fallback_config import MODEL_IMPLS, fallback_architecture, fallback_text_config
 from strata.pipeline.models.weight_formats import QuantScheme, parse_quantization
 from strata.pipeline.models.text_config import (  # re-exported: the config's types live in one import
     TEXT_MODEL_TYPES,
@@ -112,7 +113,10 @@ def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     try:
         arch = resolve_architecture(raw)
     except UnknownArchitecture as exc:
-        raise ModelConfigError(str(exc)) from None
+        fallback = fallback_architecture(raw)  # a causal LM transformers implements: its modules, our attention
+        if fallback is None:
+            raise ModelConfigError(str(exc)) from None
+        return fallback_model_config(raw, fallback)
     tc = arch.text_config(raw)
     # The config's own model_type names the decoder family (a Kimi-K2 config says DeepseekV3ForCausalLM
     # with model_type kimi_k2); one we do not know is refused, never read as the class's family.
@@ -157,6 +161,33 @@ def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         anyres_max_tiles=max_tiles,
         raw=raw,
     )
+
+
+def fallback_model_config(raw: dict[str, Any], arch: ModelArchitecture) -> ModelConfig:
+    """A text-only causal LM on the transformers fallback (``models.fallback_config``)."""
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(arch=arch, text=fallback_text_config(raw), eos_token_ids=eos_ids, raw=raw)
+
+
+def with_model_impl(cfg: ModelConfig, model_impl: str) -> ModelConfig:
+    """``cfg`` under vLLM's ``--model-impl``: ``auto`` keeps Strata's own family where there is one, else
+    the transformers fallback; ``strata`` refuses the fallback; ``transformers`` runs a text-only causal LM
+    on transformers' modules even when Strata has its family (to compare the two, or to work around ours)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ModelConfigError(f"model_impl {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+    if model_impl == "strata" and cfg.arch.fallback:
+        raise ModelConfigError(f"{cfg.arch.name} has no Strata implementation (model_impl strata): use "
+                               "model_impl auto or transformers for transformers' modules")
+    if model_impl != "transformers" or cfg.arch.fallback:
+        return cfg
+    if cfg.takes_images or cfg.arch.text_config_key is not None:
+        raise ModelConfigError(f"{cfg.arch.name} is a composite model: model_impl transformers serves text-only "
+                               "causal LMs")
+    arch = fallback_architecture(cfg.raw)
+    if arch is None:
+        raise ModelConfigError(f"transformers has no causal LM for model_type {cfg.raw.get('model_type')!r}")
+    return fallback_model_config(cfg.raw, arch)
 
 
 def _anyres(raw: dict[str, Any]) -> tuple[tuple[tuple[int, int], ...], int]:

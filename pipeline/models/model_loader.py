@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.fallback_model import TransformersLanguageModel, load_transformers_model
 from strata.pipeline.models.image_encoder import ImageEncoderModel
 from strata.pipeline.models.model_config import ModelConfig, ModelConfigError, load_model_config
 from strata.pipeline.models.quant_loading import check_tp_split, quantized_modules
@@ -35,6 +36,9 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
 def check_tensor_parallel_split(model_dir: str | Path, cfg: ModelConfig, tp: int) -> None:
     """``tp`` splits the model (:class:`ShardingError` otherwise), and every rank's slice of every quantized
     tensor starts on a block or group boundary, named when it does not: checked before any rank starts."""
+    if cfg.arch.fallback and tp > 1:
+        raise ShardingError(f"{cfg.arch.name} runs on the transformers fallback, which does not split across "
+                            "tensor-parallel ranks: use tp 1")
     ShardPlan(cfg.text, 0, tp)
     if cfg.quant is None or tp == 1:
         return
@@ -48,7 +52,10 @@ def check_tensor_parallel_split(model_dir: str | Path, cfg: ModelConfig, tp: int
 def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
     """The decoder's layer count is one the checkpoint's tensors hold (read from the index or the shard
     headers, before anything is built): a config that asks for more layers than were shipped is refused by
-    name. More is fine: DeepSeek's multi-token-prediction layer sits past ``num_hidden_layers``."""
+    name. More is fine: DeepSeek's multi-token-prediction layer sits past ``num_hidden_layers``. The
+    transformers fallback's names are transformers' to map: its loader refuses a missing tensor itself."""
+    if cfg.arch.fallback:
+        return
     held: set[int] = set()
     for name in weight_map(Path(model_dir)):
         target = cfg.arch.map_name(name)
@@ -66,6 +73,9 @@ def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> Lo
     """The load of every part of the model, planned against the checkpoint's tensor names with the
     modules built on the meta device (nothing allocated, nothing read): what ``strata ops`` reports."""
     cfg = cfg or load_model_config(model_dir)
+    if cfg.arch.fallback:
+        raise ModelConfigError(f"{cfg.arch.name} loads through transformers (the fallback), which maps its own "
+                               "tensor names")
     mapping = weight_map(Path(model_dir))
     with torch.device("meta"):
         modules: dict[str, torch.nn.Module] = {"text": LanguageModel(cfg.text)}
@@ -78,9 +88,12 @@ def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> Lo
 
 def load_language_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", cfg: ModelConfig | None = None
-) -> tuple[LanguageModel, LoadStats]:
-    """The prefill/decode stages' model: the decoder only, never the vision tower."""
+) -> tuple[LanguageModel | TransformersLanguageModel, LoadStats]:
+    """The prefill/decode stages' model: the decoder only, never the vision tower. An architecture on the
+    transformers fallback (``cfg.arch.fallback``) is transformers' model with Strata's paged attention."""
     cfg = cfg or load_model_config(model_dir)
+    if cfg.arch.fallback:
+        return load_transformers_model(model_dir, cfg, dtype, device)
     check_layers_in_weights(model_dir, cfg)
     with torch.device("meta"):
         model = LanguageModel(cfg.text)

@@ -80,6 +80,16 @@ def verify_shard(path: Path, expected: str) -> None:
     remember(path, digest, version)
 
 
+def checked_shard(model_dir: Path, shard_file: str, sums: dict[str, str]) -> Path:
+    """The path of a shard the index lists, present and matching its manifest digest when it has one."""
+    path = model_dir / shard_file
+    if not path.is_file():
+        raise WeightsError(f"shard {shard_file} listed in the index is missing from {model_dir}")
+    if shard_file in sums:
+        verify_shard(path, sums[shard_file])
+    return path
+
+
 def weight_map(model_dir: Path) -> dict[str, str]:
     """tensor name -> shard file name, from the index or from the shards themselves. Every shard named
     by the index must lie inside the model directory: a hostile index cannot make us open other files."""
@@ -226,11 +236,7 @@ def load_weights(
     total = sum((model_dir / s).stat().st_size for s in wanted if (model_dir / s).is_file())
     with _progress(total, progress if progress is not None else total > (256 << 20)) as bar:
         for shard_file in sorted(wanted):
-            path = model_dir / shard_file
-            if not path.is_file():
-                raise WeightsError(f"shard {shard_file} listed in the index is missing from {model_dir}")
-            if shard_file in sums:
-                verify_shard(path, sums[shard_file])
+            path = checked_shard(model_dir, shard_file, sums)
             stats.shards_opened.append(shard_file)
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -8,7 +8,8 @@ decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-th
 (native-resolution images: the encoder's packed batch vs one by one, TTFT by image count), ``structured``
 (the sampler's step with grammar-constrained rows), ``speculative`` (prompt lookup vs plain decoding), ``flow`` (a real server's request flow, traced: bytes and
 time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill), ``quant_linear`` (one
-quantized linear: the CPU kernels vs tiles vs fp32); ``serve`` is
+quantized linear: the CPU kernels vs tiles vs fp32), ``fallback`` (the transformers fallback vs Strata's own
+model code); ``serve`` is
 the HTTP load generator in
 ``loadtest``.
 """
@@ -22,8 +23,8 @@ from strata.commands import register
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
-    from strata.bench import (cross_node, flow, mixed_step, mla, offline, quant, quant_linear, serve_overhead,
-                              soak, speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
+    from strata.bench import (cross_node, fallback, flow, mixed_step, mla, offline, quant, quant_linear,
+                              serve_overhead, soak, speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -43,6 +44,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
          "tok/s", quant),
         ("quant-linear", "one quantized linear on the CPU: the engine's kernels vs dequantized tiles vs fp32 F.linear, "
          "by rows of x", quant_linear),
+        ("fallback", "the transformers fallback vs Strata's own model code on a Llama and a Qwen3-MoE: decode and "
+         "prefill tok/s, identical greedy answers", fallback),
         ("spec", "prompt-lookup speculative decoding vs plain decoding on a real model: tok/s at batch 1, "
          "acceptance, identical greedy answers", speculative),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),

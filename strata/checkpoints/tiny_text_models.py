@@ -21,6 +21,8 @@ from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
                       "minimax_m2")
+# Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
+FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
 # "<s>user: Hi\nassistant: Hello</s>\n...assistant:" (content is a string, as text models' templates read it)
 TEXT_CHAT_TEMPLATE = (
@@ -68,6 +70,19 @@ _FAMILY: dict[str, dict[str, Any]] = {
     # say ``rotary_dim``), sigmoid routing with a correction bias over every expert of every layer
     "minimax_m2": dict(head_dim=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8,
                        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}),
+    # The fallback's families vary what their releases vary: ERNIE-4.5's biased linears and dense first layer
+    # before the experts, Hunyuan's q/k norms after RoPE, Seed-OSS's q/k/v biases, GLM-4's extra norms around
+    # attention and MLP with RoPE over half of each head in interleaved pairs
+    "ernie4_5_moe": dict(num_hidden_layers=3, head_dim=16, use_bias=True, moe_num_experts=4, moe_k=2,
+                         moe_intermediate_size=32, moe_layer_start_index=1),
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
+    "seed_oss": dict(head_dim=16, attention_bias=True),
+    "glm4": dict(head_dim=16, partial_rotary_factor=0.5),
+    # Qwen3-Next: Gated DeltaNet linear attention in 3 of every 4 layers (the fallback refuses it: its state is
+    # no paged KV)
+    "qwen3_next": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32),
 }
 
 

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # Engine knobs a command line may set; a --config JSON file sets any of them, flags win over it.
 _ENGINE_FLAGS: dict[str, type] = {
-    "dtype": str, "kv_cache_dtype": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
+    "dtype": str, "kv_cache_dtype": str, "model_impl": str, "attention_backend": str, "compile": bool, "prefill_chunk_tokens": int, "max_model_len": int, "num_kv_blocks": int,
     "host_kv_blocks": int, "host_kv_dir": str, "disk_kv_blocks": int, "disk_kv_dir": str, "tp": int,
     "speculative": str,  # a JSON object, read by engine_config_from_args
 }
