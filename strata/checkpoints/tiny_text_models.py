@@ -9,7 +9,8 @@ dense layers between sparse ones (Mixtral, Qwen3-MoE), for DeepSeek-V3 MLA with 
 q LoRA, interleaved yarn RoPE with mscale, sigmoid group-limited routing, shared experts and a
 first dense layer, for gpt-oss sinks, alternating sliding and full layers and clamped-SwiGLU experts, and
 for MiniMax-M2 q/k norms over all heads, a quarter of each head rotated and sigmoid routing over every
-expert. ``overrides`` change any config field (tests build variants with them).
+expert. The same builder makes the families the transformers fallback serves (``FALLBACK_ARCHITECTURES``)
+and Qwen3-Next, which it refuses. ``overrides`` change any config field (tests build variants with them).
 """
 
 from __future__ import annotations
