@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (assert_preemption_recomputes_the_same, build, concurrent_handoffs, greedy, spilling_engine,
                      transformers_greedy)
 
@@ -130,8 +131,9 @@ def test_what_the_fallback_cannot_serve_is_refused_in_one_line(fallback_models, 
 
 
 def test_a_checkpoint_missing_a_tensor_or_corrupt_is_refused(fallback_models, tmp_path: Path) -> None:
-    """transformers would initialise a missing tensor at random: the fallback refuses the load, naming it. A
-    shard changed after its SHA-256 manifest is refused before transformers reads it."""
+    """transformers would initialise a missing tensor at random, and would drop one its model does not have: the
+    fallback refuses either load, naming the tensor. A shard changed after its SHA-256 manifest is refused
+    before transformers reads it."""
     from safetensors.torch import load_file, save_file
 
     copy = tmp_path / "seed"
@@ -146,6 +148,17 @@ def test_a_checkpoint_missing_a_tensor_or_corrupt_is_refused(fallback_models, tm
     write_sha256sums(copy)
     with pytest.raises(WeightsError, match=r"lacks or misshapes model\.layers\.1\.mlp\.down_proj\.weight"):
         build(copy)
+    # A tensor no module loads is refused too; one of a layer past num_hidden_layers (multi-token prediction)
+    # is not, as Strata's own loader skips it
+    extra = tmp_path / "extra"
+    shutil.copytree(fallback_models["seed_oss"], extra)
+    _add_tensor(extra, "model.layers.1.mlp.extra_proj.weight")
+    with pytest.raises(WeightsError, match=r"loads no tensor model\.layers\.1\.mlp\.extra_proj\.weight"):
+        build(extra)
+    mtp = tmp_path / "mtp"
+    shutil.copytree(fallback_models["seed_oss"], mtp)
+    _add_tensor(mtp, "model.layers.2.mlp.down_proj.weight")
+    assert isinstance(build(mtp).core.runner.model, TransformersLanguageModel)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(fallback_models["seed_oss"], corrupt)
     victim = sorted(corrupt.glob("*.safetensors"))[-1]
@@ -154,6 +167,18 @@ def test_a_checkpoint_missing_a_tensor_or_corrupt_is_refused(fallback_models, tm
     victim.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match="does not match its SHA-256"):
         build(corrupt)
+
+
+def _add_tensor(model_dir: Path, name: str) -> None:
+    """A checkpoint with one more tensor in its last shard (index and manifest updated)."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    shard = sorted(model_dir.glob("*.safetensors"))[-1]
+    save_file({**load_file(shard), name: torch.zeros(4, 4)}, shard, metadata={"format": "pt"})
+    index["weight_map"][name] = shard.name
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_sha256sums(model_dir)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ does more than its matrix.
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,11 @@ def load_transformers_model(model_dir: str | Path, cfg: ModelConfig, dtype: torc
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightsError(f"the checkpoint lacks or misshapes {missing[0]}{more}: transformers would initialise it "
                            "at random")
+    unread = sorted(k for k in info.get("unexpected_keys") or [] if not _past_decoder(k, cfg.text.num_layers))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise WeightsError(f"transformers' {cfg.arch.name} loads no tensor {unread[0]}{more}: the checkpoint is not "
+                           "the model its config describes")
     hf = hf.to(device).eval()
     model = TransformersLanguageModel(hf, cfg.text)
     model.compute_dtype = dtype
@@ -217,6 +223,15 @@ def probe(model: TransformersLanguageModel) -> None:
     if not torch.allclose(head, full.float(), rtol=1e-5, atol=1e-6):
         raise ModelConfigError(f"{name}'s forward changes the logits after its LM head (a scale or a softcap): the "
                                "transformers fallback computes the head's matrix alone")
+
+
+def _past_decoder(name: str, num_layers: int) -> bool:
+    """A tensor of a layer past ``num_hidden_layers`` (multi-token prediction), which serving does not run."""
+    match = _LAYER.search(name)
+    return match is not None and int(match.group(1)) >= num_layers
+
+
+_LAYER = re.compile(r"\blayers\.(\d+)\.")
 
 
 def _ranges(layers: list[int]) -> str:

@@ -378,8 +378,8 @@ def run(args: argparse.Namespace) -> int:
         print("# weights: none in the directory (config checked only)")
     else:
         if weights.get("fallback"):
-            print(f"# weights: {weights['tensors']} tensors, mapped by transformers' loader: a tensor it lacks "
-                  "refuses the load")
+            print(f"# weights: {weights['tensors']} tensors, mapped by transformers' loader: a tensor it lacks, or "
+                  "one it does not load, refuses the load")
         else:
             print(f"# weights: {weights['tensors']} tensors; {len(weights['unclaimed'])} claimed by no component"
                   + (f" (e.g. {', '.join(weights['unclaimed'][:3])})" if weights["unclaimed"] else ""))
