@@ -153,3 +153,26 @@ def test_bench_vs_vllm_says_which_side_is_better_and_needs_a_vllm_python(tmp_pat
     assert rows == {"output tok/s": "1.50x", "median TTFT": "1.00x", "median TPOT": "2.00x", "median ITL": "1.00x"}
     assert main(["bench", "vs-vllm", "--vllm-python", str(tmp_path / "no-python")]) == 2
     assert "is not a file: pass the python of a venv with vLLM" in capsys.readouterr().err
+
+
+def test_bench_vs_vllm_hands_vllm_a_llava_under_the_tower_names_it_reads(llama_dir: Path, tmp_path: Path) -> None:
+    """vLLM 0.32's LLaVA loader reads the CLIP tower only as ``vision_tower.vision_model.*``; transformers 5
+    saves ``vision_tower.*``. vLLM gets a renamed copy with every tensor's values; Strata keeps the original."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from strata.bench.vs_vllm import vllm_names
+
+    def tensors(model: Path) -> dict:
+        index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+        return {k: t for shard in sorted(set(index.values())) for k, t in load_file(model / shard).items()}
+
+    copy = vllm_names(llama_dir, tmp_path / "vllm")
+    ours, theirs = tensors(llama_dir), tensors(copy)
+    tower = [k for k in ours if k.startswith("vision_tower.")]
+    assert tower and not any(k.startswith("vision_tower.vision_model.") for k in ours)
+    assert sorted(theirs) == sorted(k.replace("vision_tower.", "vision_tower.vision_model.", 1) for k in ours)
+    assert all(theirs[k.replace("vision_tower.", "vision_tower.vision_model.", 1)].equal(ours[k]) for k in tower)
+    assert json.loads((copy / "config.json").read_text()) == json.loads((llama_dir / "config.json").read_text())
+    assert vllm_names(copy, tmp_path / "again") == copy  # already under vLLM's names: used as it is

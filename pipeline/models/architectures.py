@@ -1,7 +1,7 @@
 """The model registry: every architecture Strata serves, declared as a choice of components.
 
-A decoder family (:class:`TextFamily`, keyed by ``model_type``) says which attention (GQA, MLA),
-which optional q/k norm and biases, which sliding-window rule, which MoE router (a
+A decoder family (:class:`TextFamily`, keyed by ``model_type``) says which attention (an
+``attention_kinds.AttentionKind``: GQA or MLA, with its biases, q/k norm and sinks), which sliding-window rule, which MoE router (a
 ``router_kinds.RouterKind``), which layers are sparse (a ``sparse_layers`` rule) and where its config
 keeps the counts. Positions come from the config's
 ``rope_parameters`` (default / linear / llama3 / yarn with mscale, over all of a head or the first
@@ -22,7 +22,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from strata.pipeline.models import router_kinds
+from strata.pipeline.models import attention_kinds, expert_kinds, position_kinds, router_kinds, vision_kinds
+from strata.pipeline.models.attention_kinds import AttentionKind
+from strata.pipeline.models.expert_kinds import ExpertKind
+from strata.pipeline.models.position_kinds import PositionKind
+from strata.pipeline.models.vision_kinds import ProjectorKind, VisionKind
 from strata.pipeline.models.router_kinds import RouterKind
 from strata.pipeline.models.layer_rules import (
     SparseLayerRule,
@@ -42,28 +46,16 @@ class TextFamily:
     """How one decoder family's config maps onto components."""
 
     model_type: str
-    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA: separate K and V per KV head) | "mla" (one compressed latent)
-    qkv_bias: bool = False  # q/k/v always carry a bias (Qwen2); otherwise ``attention_bias`` decides
-    bias_on_o: bool = True  # ``attention_bias`` covers the output projection too (Llama); GLM biases q/k/v only
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    qk_norm_key: str | None = None  # or the config key that switches it on (GLM-4.5's ``use_qk_norm``)
-    qk_norm_over_heads: bool = False  # q and k normalised over their whole projection, all heads at once
-    # (MiniMax-M2), not head by head
+    attention: AttentionKind = attention_kinds.GQA  # its parameters, config keys and module (``attention_kinds``)
     windows: WindowRule = no_window  # which layers attend within a sliding window (``layer_rules``)
     norm_scale_fp32: bool = False  # RMSNorm scales in fp32 before its cast back (gpt-oss), not after (Llama)
-    sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
     router: RouterKind | None = None  # None: a dense decoder
     sparse_layers: SparseLayerRule = every_layer  # which layers route to experts
     shared_experts: bool = False  # ``n_shared_experts`` always-on experts beside the routed ones (DeepSeek)
-    experts: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: clamped gate and up, up + 1, biases, gate
-    # and up columns interleaved and the matrices stored as x @ W in the checkpoint)
+    experts: ExpertKind = expert_kinds.SWIGLU  # what a routed expert computes and how it is stored (``expert_kinds``)
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
-    positions: str = "rope"  # "rope" (1-D) | "mrope" (Qwen2.5-VL: t/h/w in runs) | "mrope-interleaved" (Qwen3-VL)
-
-    def uses_qk_norm(self, tc: dict[str, Any]) -> bool:
-        """Whether a text config of this family normalizes q and k per head."""
-        return self.qk_norm or bool(self.qk_norm_key and tc.get(self.qk_norm_key))
+    positions: PositionKind = position_kinds.ROPE  # 1-D, or M-RoPE's three axes (``position_kinds``)
 
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
@@ -77,33 +69,35 @@ def register_text_family(family: TextFamily) -> TextFamily:
 for _family in (
     TextFamily("llama"),
     TextFamily("mistral", windows=one_window),
-    TextFamily("qwen2", qkv_bias=True, windows=typed_windows_if_enabled),
-    TextFamily("qwen3", qk_norm=True, windows=typed_windows_if_enabled),
+    TextFamily("qwen2", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled),
+    TextFamily("qwen3", attention=attention_kinds.GQA_QK_NORM, windows=typed_windows_if_enabled),
     # Mixtral: every layer sparse, experts as wide as a dense MLP would be
     TextFamily("mixtral", windows=one_window, router=router_kinds.SOFTMAX_MIXTRAL, expert_size_key="intermediate_size"),
-    TextFamily("qwen3_moe", qk_norm=True, windows=typed_windows_if_enabled, router=router_kinds.SOFTMAX_QWEN,
-               sparse_layers=sparse_step,
+    TextFamily("qwen3_moe", attention=attention_kinds.GQA_QK_NORM, windows=typed_windows_if_enabled,
+               router=router_kinds.SOFTMAX_QWEN, sparse_layers=sparse_step,
                experts_keys=("num_experts", "num_local_experts")),  # Qwen's checkpoints, transformers 5's
-    TextFamily("deepseek_v3", attention="mla", router=router_kinds.SIGMOID_GROUPED, sparse_layers=first_k_dense,
-               shared_experts=True, experts_keys=("n_routed_experts",)),
-    TextFamily("kimi_k2", attention="mla", router=router_kinds.SIGMOID_GROUPED, sparse_layers=first_k_dense,
-               shared_experts=True, experts_keys=("n_routed_experts",)),
+    TextFamily("deepseek_v3", attention=attention_kinds.MLA, router=router_kinds.SIGMOID_GROUPED,
+               sparse_layers=first_k_dense, shared_experts=True, experts_keys=("n_routed_experts",)),
+    TextFamily("kimi_k2", attention=attention_kinds.MLA, router=router_kinds.SIGMOID_GROUPED,
+               sparse_layers=first_k_dense, shared_experts=True, experts_keys=("n_routed_experts",)),
     # GLM-4.5/4.6: GQA with q/k/v biases (none on o), optional q/k norm, partial RoPE; DeepSeek-V3's router
-    TextFamily("glm4_moe", bias_on_o=False, qk_norm_key="use_qk_norm", router=router_kinds.SIGMOID_GROUPED,
+    TextFamily("glm4_moe", attention=attention_kinds.GQA_GLM, router=router_kinds.SIGMOID_GROUPED,
                sparse_layers=first_k_dense, shared_experts=True, experts_keys=("n_routed_experts",)),
     # gpt-oss: GQA with biases and sinks, sliding and full layers alternating, a biased top-k router over
     # clamped-SwiGLU experts with biases
-    TextFamily("gpt_oss", windows=typed_windows, norm_scale_fp32=True, sinks=True,
-               router=router_kinds.TOPK_SOFTMAX, experts="clamped-swiglu", expert_size_key="intermediate_size"),
+    TextFamily("gpt_oss", attention=attention_kinds.GQA_SINKS, windows=typed_windows, norm_scale_fp32=True,
+               router=router_kinds.TOPK_SOFTMAX, experts=expert_kinds.CLAMPED_SWIGLU, expert_size_key="intermediate_size"),
     # MiniMax-M2: GQA with q and k normalised over all heads at once, partial RoPE, sigmoid routing with a
     # correction bias over every expert in every layer, experts as wide as ``intermediate_size``
-    TextFamily("minimax_m2", qk_norm=True, qk_norm_over_heads=True, router=router_kinds.SIGMOID_TOPK,
+    TextFamily("minimax_m2", attention=attention_kinds.GQA_QK_NORM_OVER_HEADS, router=router_kinds.SIGMOID_TOPK,
                expert_size_key="intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
-    TextFamily("qwen2_5_vl_text", qkv_bias=True, windows=typed_windows_if_enabled, positions="mrope"),
-    TextFamily("qwen3_vl_text", qk_norm=True, positions="mrope-interleaved"),
-    TextFamily("qwen3_vl_moe_text", qk_norm=True, router=router_kinds.SOFTMAX_QWEN_VL, sparse_layers=sparse_step,
-               experts_keys=("num_experts", "num_local_experts"), positions="mrope-interleaved"),
+    TextFamily("qwen2_5_vl_text", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled,
+               positions=position_kinds.MROPE),
+    TextFamily("qwen3_vl_text", attention=attention_kinds.GQA_QK_NORM, positions=position_kinds.MROPE_INTERLEAVED),
+    TextFamily("qwen3_vl_moe_text", attention=attention_kinds.GQA_QK_NORM, router=router_kinds.SOFTMAX_QWEN_VL,
+               sparse_layers=sparse_step, experts_keys=("num_experts", "num_local_experts"),
+               positions=position_kinds.MROPE_INTERLEAVED),
 ):
     register_text_family(_family)
 
@@ -205,9 +199,8 @@ class ModelArchitecture:
     names: tuple[NameRule, ...]
     text_config_key: str | None = None  # "text_config" when the decoder's fields are nested
     flat_text_config: bool = False  # the decoder's fields may also sit at the top level (Qwen's own releases)
-    vision: str | None = None  # vision tower ("clip", "moonvit", "qwen2.5-vit", "qwen3-vit"), None: text only
-    projector: str | None = None  # "mlp2": LLaVA's two linears ("mlp2-anyres": and OneVision's tiling);
-    # "patch-merger": Kimi's or Qwen's 2x2 group MLP
+    vision: VisionKind | None = None  # the tower (``vision_kinds``: CLIP/SigLIP, MoonViT, a Qwen-VL ViT); None: text only
+    projector: ProjectorKind | None = None  # LLaVA's two linears (which may tile), or a 2x2 patch merger
     text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
     renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
     # When the LM head is the embedding, as transformers decides for this class: "either" (the top-level
@@ -254,19 +247,23 @@ def register_architecture(arch: ModelArchitecture) -> ModelArchitecture:
 
 
 register_architecture(ModelArchitecture("LlavaForConditionalGeneration", "llava", LLAVA_NAMES,
-                                        text_config_key="text_config", vision="clip", projector="mlp2"))
+                                        text_config_key="text_config", vision=vision_kinds.CLIP,
+                                        projector=vision_kinds.MLP2))
 register_architecture(ModelArchitecture("LlavaOnevisionForConditionalGeneration", "llava_onevision",
-                                        LLAVA_ONEVISION_NAMES, text_config_key="text_config", vision="clip",
-                                        projector="mlp2-anyres"))
+                                        LLAVA_ONEVISION_NAMES, text_config_key="text_config", vision=vision_kinds.CLIP,
+                                        projector=vision_kinds.MLP2_ANYRES))
 register_architecture(ModelArchitecture("Kimi_K25ForConditionalGeneration", "kimi_k25", KIMI_K25_NAMES,
-                                        text_config_key="text_config", vision="moonvit", projector="patch-merger",
+                                        text_config_key="text_config", vision=vision_kinds.MOONVIT,
+                                        projector=vision_kinds.PATCH_MERGER,
                                         renames=KIMI_K25_RENAMES, tie="top", tie_default=True))
 register_architecture(ModelArchitecture("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN_VL_NAMES,
-                                        text_config_key="text_config", flat_text_config=True, vision="qwen2.5-vit",
-                                        projector="patch-merger", text_family="qwen2_5_vl_text"))
+                                        text_config_key="text_config", flat_text_config=True,
+                                        vision=vision_kinds.QWEN2_5_VIT,
+                                        projector=vision_kinds.PATCH_MERGER, text_family="qwen2_5_vl_text"))
 for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")):
-    register_architecture(ModelArchitecture(_cls, _type, QWEN_VL_NAMES, text_config_key="text_config", vision="qwen3-vit",
-                                            projector="patch-merger", text_family=f"{_type}_text", tie="top"))
+    register_architecture(ModelArchitecture(_cls, _type, QWEN_VL_NAMES, text_config_key="text_config",
+                                            vision=vision_kinds.QWEN3_VIT, projector=vision_kinds.PATCH_MERGER,
+                                            text_family=f"{_type}_text", tie="top"))
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3"),

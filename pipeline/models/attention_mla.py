@@ -60,6 +60,9 @@ class MLAAttention(nn.Module):
         # rotated by the half-split rule, so gathering evens then odds first makes it ours, bit for bit.
         self._pairs = torch.cat([torch.arange(0, self.rope, 2, device="cpu"), torch.arange(1, self.rope, 2, device="cpu")]) if self.interleave else None
 
+    def join_group(self, full: TextConfig, all_reduce: object, kv_replicas: int) -> None:
+        """On a tensor-parallel rank: nothing to share (each rank computes the whole latent, its heads alone)."""
+
     def fuse(self) -> None:
         """Nothing to fuse. A ``kv_b_proj`` stored quantized is dequantized once here, as vLLM does: the
         absorbed form splits it per head into W_UK and W_UV (a few percent of the model's weights)."""

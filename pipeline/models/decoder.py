@@ -161,6 +161,13 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
+    def join_group(self, full: TextConfig, all_reduce: Callable[[torch.Tensor], torch.Tensor], kv_replicas: int) -> None:
+        """On a tensor-parallel rank (``full``: the whole model's config): a q/k norm over every head sums its
+        squares over the group, since other ranks hold the other heads (MiniMax-M2)."""
+        if self.norm_over_heads:
+            self.norm_span = NormSpan(full.num_heads * full.head_dim, full.num_kv_heads * full.head_dim, all_reduce,
+                                      kv_replicas)
+
     def run(self, x: torch.Tensor, ln: RMSNorm, cos: torch.Tensor, sin_signed: torch.Tensor, kv: torch.Tensor,
             meta: AttentionMetadata, backend: AttentionBackend, steps: DenseSteps) -> torch.Tensor:
         """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
@@ -186,11 +193,15 @@ class Attention(nn.Module):
                             self.kv_scales)
 
 
+# the module that computes each attention kind (``attention_kinds.AttentionKind.module``)
+ATTENTION_MODULES: dict[str, type[Attention] | type[MLAAttention]] = {"gqa": Attention, "mla": MLAAttention}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
-        self.self_attn: Attention | MLAAttention = MLAAttention(cfg, layer_idx) if cfg.mla else Attention(cfg, layer_idx)
+        self.self_attn: Attention | MLAAttention = ATTENTION_MODULES[cfg.attention.module](cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         if cfg.is_moe_layer(layer_idx):
             self.mlp: nn.Module = SparseMoE(cfg)
@@ -242,7 +253,7 @@ class LanguageModel(nn.Module):
     def split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """The loader's hook for a checkpoint tensor in another layout than ours: gpt-oss's experts."""
         moe = self.cfg.moe
-        if moe is None or moe.activation != "clamped-swiglu":
+        if moe is None or not moe.expert_kind.interleaved_gate_up:
             return None
         stacked = interleaved_experts_to_stacked(name, tensor)
         return None if stacked is None else [(name, stacked)]

@@ -130,37 +130,11 @@ def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     if not arch.takes_images:
         return ModelConfig(arch=arch, text=text, eos_token_ids=eos_ids, raw=raw)
-    if arch.vision in ("qwen2.5-vit", "qwen3-vit"):
-        vision = parse_qwen_vision_config(raw.get("vision_config") or {}, "qwen3" if arch.vision == "qwen3-vit" else "qwen2.5")
-        if vision.out_hidden_size != text.hidden_size:
-            raise ModelConfigError(f"vision out_hidden_size {vision.out_hidden_size} must equal the text hidden size "
-                                   f"{text.hidden_size}")
-        return ModelConfig(arch=arch, text=text, vision=vision, image_token_id=int(raw.get("image_token_id", 151655)),
-                           eos_token_ids=eos_ids, raw=raw)
-    if arch.vision == "moonvit":
-        return ModelConfig(arch=arch, text=text, vision=parse_moonvit_config(raw.get("vision_config") or {}, raw),
-                           image_token_id=int(raw.get("image_token_id", raw.get("media_placeholder_token_id", 163605))),
-                           eos_token_ids=eos_ids, raw=raw)
-    vision = parse_vision_config(raw.get("vision_config") or {})
-    layers = raw.get("vision_feature_layer", -2)
-    layers = [layers] if isinstance(layers, int) else list(layers)
-    n_states = vision.num_layers + 1
-    absolute = tuple(l % n_states for l in layers)
-    pinpoints, max_tiles = _anyres(raw) if arch.projector == "mlp2-anyres" else ((), 0)
-    return ModelConfig(
-        arch=arch,
-        text=text,
-        vision=vision,
-        image_token_id=int(raw.get("image_token_id", raw.get("image_token_index", 32000))),
-        vision_feature_layers=absolute,
-        vision_feature_select_strategy=raw.get("vision_feature_select_strategy", "default"),
-        projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
-        projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-        eos_token_ids=eos_ids,
-        image_grid_pinpoints=pinpoints,
-        anyres_max_tiles=max_tiles,
-        raw=raw,
-    )
+    settings = arch.vision.settings(raw, arch.projector)
+    out_hidden = getattr(settings["vision"], "out_hidden_size", text.hidden_size)  # a tower ending in the decoder's width
+    if out_hidden != text.hidden_size:
+        raise ModelConfigError(f"vision out_hidden_size {out_hidden} must equal the text hidden size {text.hidden_size}")
+    return ModelConfig(arch=arch, text=text, eos_token_ids=eos_ids, raw=raw, **settings)
 
 
 def fallback_model_config(raw: dict[str, Any], arch: ModelArchitecture) -> ModelConfig:
@@ -188,20 +162,6 @@ def with_model_impl(cfg: ModelConfig, model_impl: str) -> ModelConfig:
     if arch is None:
         raise ModelConfigError(f"transformers has no causal LM for model_type {cfg.raw.get('model_type')!r}")
     return fallback_model_config(cfg.raw, arch)
-
-
-def _anyres(raw: dict[str, Any]) -> tuple[tuple[tuple[int, int], ...], int]:
-    """LLaVA-OneVision's tiling: the grid resolutions and the "anyres_max_N" cap, checked."""
-    pinpoints = tuple((int(h), int(w)) for h, w in raw.get("image_grid_pinpoints") or ())
-    if not pinpoints:
-        raise ModelConfigError("image_grid_pinpoints is empty: anyres needs the grid resolutions")
-    ratio = str(raw.get("vision_aspect_ratio", "anyres_max_9"))
-    if not ratio.startswith("anyres_max_") or not ratio[len("anyres_max_"):].isdigit():
-        raise ModelConfigError(f"vision_aspect_ratio {ratio!r} is not supported (anyres_max_N)")
-    size = int((raw.get("vision_config") or {}).get("image_size", 384))
-    if any(h % size or w % size for h, w in pinpoints):
-        raise ModelConfigError(f"image_grid_pinpoints {list(pinpoints)} must be multiples of the tower's {size} px")
-    return pinpoints, int(ratio[len("anyres_max_"):])
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

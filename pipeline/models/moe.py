@@ -14,6 +14,7 @@ from torch import nn
 
 import functools
 import re
+from typing import Any, Callable
 
 from strata.kernels import moe_experts, moe_route, moe_route_grouped
 from strata.kernels.layer_ops import clamped_swiglu, silu_mul
@@ -94,6 +95,13 @@ class Router(nn.Module):
         return self._route(self, x)
 
 
+# the activation of each expert kind (``expert_kinds.ExpertKind.method``), given the layer's MoE config
+EXPERT_ACTIVATIONS: dict[str, Callable[[Any], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "swiglu": lambda moe: silu_mul,
+    "clamped-swiglu": lambda moe: functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit),
+}
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -102,8 +110,7 @@ class SparseMoE(nn.Module):
         self.top_k = moe.experts_per_tok
         self.gate = Router(moe, cfg.hidden_size)
         self.experts = MoEExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.expert_bias)
-        self.act = functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit) \
-            if moe.activation == "clamped-swiglu" else silu_mul
+        self.act = EXPERT_ACTIVATIONS[moe.expert_kind.method](moe)
         self.shared_experts = DenseMLP(cfg.hidden_size, moe.shared_intermediate_size, False) \
             if moe.n_shared_experts else None
 

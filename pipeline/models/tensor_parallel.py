@@ -26,7 +26,7 @@ import torch
 
 from strata.kernels import linear, rms_norm
 from strata.kernels.layer_ops import silu_mul
-from strata.pipeline.models.decoder import DecoderLayer, LanguageModel, NormSpan
+from strata.pipeline.models.decoder import DecoderLayer, LanguageModel
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.moe import MoEExperts
 from strata.pipeline.parallel.fault_points import fault_point
@@ -72,9 +72,7 @@ class ParallelLanguageModel(LanguageModel):
         c = plan.cfg
         for layer in self.layers:
             layer.group = group
-            if getattr(layer.self_attn, "norm_over_heads", False):  # MiniMax-M2's q/k norm spans heads other ranks hold
-                layer.self_attn.norm_span = NormSpan(c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                                     group.all_reduce, plan.kv_replicas)
+            layer.self_attn.join_group(c, group.all_reduce, plan.kv_replicas)
             if plan.cfg.is_moe_layer(layer.self_attn.layer_idx):
                 lo, hi = plan.experts
                 layer.first_expert = lo

@@ -1,4 +1,4 @@
-"""The decoder's part of a checkpoint's config: :class:`TextConfig` (with :class:`MLAConfig` and
+"""The decoder's part of a checkpoint's config: :class:`TextConfig` (with ``attention_kinds.MLAConfig`` and
 :class:`MoEConfig` when the family uses them) and how a family's config fields map onto it
 (``parse_text_config``). Which fields mean what is the registry's business (``models.architectures``).
 """
@@ -10,31 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
+from strata.pipeline.models.attention_kinds import GQA, AttentionKind, MLAConfig
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
+from strata.pipeline.models.expert_kinds import SWIGLU, ExpertKind
 from strata.pipeline.models.router_kinds import SOFTMAX_MIXTRAL, RouterKind
 
 TEXT_MODEL_TYPES = tuple(TEXT_FAMILIES)
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): K and V live as one compressed latent."""
-
-    q_lora_rank: int | None  # None: q is one projection of the hidden state
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @property
-    def latent_dim(self) -> int:
-        """Values cached per token per layer: the compressed KV and the shared RoPE key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -51,13 +33,13 @@ class MoEConfig:
     topk_group: int = 1
     n_shared_experts: int = 0
     shared_split: int = 1  # ranks the shared experts' columns are split over (tensor parallelism)
-    activation: str = "swiglu"  # "swiglu" | "clamped-swiglu" (gpt-oss: with biases, ``swiglu_alpha``/``_limit``)
-    swiglu_alpha: float = 1.702
+    expert_kind: ExpertKind = SWIGLU  # what an expert computes and how it is stored (``expert_kinds``)
+    swiglu_alpha: float = 1.702  # the clamped kind's constants
     swiglu_limit: float = 7.0
 
     @property
     def expert_bias(self) -> bool:
-        return self.activation == "clamped-swiglu"
+        return self.expert_kind.bias
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -86,6 +68,7 @@ class TextConfig:
     num_experts: int = 0  # > 0: sparse MoE layers (``moe`` says how they route)
     experts_per_tok: int = 0
     hidden_act: str = "silu"
+    attention: AttentionKind = GQA  # the kind that resolved the attention fields below (``attention_kinds``)
     qk_norm: bool = False
     qk_norm_over_heads: bool = False  # the q/k norm spans all heads' projection at once (MiniMax-M2)
     sinks: bool = False  # a learned logit per head in every softmax (gpt-oss; ``kernels.sinks``)
@@ -155,13 +138,6 @@ def _rope_parameters(tc: dict[str, Any], head_dim: int) -> dict[str, Any]:
     return params
 
 
-def _mla(tc: dict[str, Any]) -> MLAConfig:
-    q_rank = tc.get("q_lora_rank")
-    return MLAConfig(q_lora_rank=checked_size(q_rank, "q_lora_rank") if q_rank else None,
-                     kv_lora_rank=size(tc, "kv_lora_rank"), qk_nope_head_dim=size(tc, "qk_nope_head_dim"),
-                     qk_rope_head_dim=size(tc, "qk_rope_head_dim"), v_head_dim=size(tc, "v_head_dim"))
-
-
 def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
     key = next((k for k in family.experts_keys if tc.get(k)), None)
     if family.router is None or key is None:
@@ -171,7 +147,6 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
     if per_token > experts:
         raise ModelConfigError(f"config.json: num_experts_per_tok ({per_token}) exceeds {key} ({experts})")
     routing = family.router.routing(tc, experts)
-    clamped = family.experts == "clamped-swiglu"
     moe = MoEConfig(
         num_experts=experts,
         experts_per_tok=per_token,
@@ -182,18 +157,10 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
         n_group=routing.n_group,
         topk_group=routing.topk_group,
         n_shared_experts=int(tc.get("n_shared_experts") or 0) if family.shared_experts else 0,
-        activation=family.experts,
-        swiglu_alpha=_positive(tc, "swiglu_alpha", 1.702) if clamped else 1.702,
-        swiglu_limit=_positive(tc, "swiglu_limit", 7.0) if clamped else 7.0,
+        expert_kind=family.experts,
+        **family.experts.settings(tc),
     )
     return moe, family.sparse_layers(tc, layers)
-
-
-def _positive(tc: dict[str, Any], key: str, default: float) -> float:
-    value = tc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ModelConfigError(f"config.json: {key} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> TextConfig:
@@ -211,13 +178,11 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     layers = size(tc, "num_hidden_layers", maximum=MAX_LAYERS)
     kv_heads = size(tc, "num_key_value_heads", None) if tc.get("num_key_value_heads") is not None else heads
     divides(kv_heads, "num_key_value_heads", heads, "num_attention_heads")
-    qkv_bias = family.qkv_bias or bool(tc.get("attention_bias", False))
     act = tc.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"unsupported text hidden_act {act!r} (only silu)")
-    mla = _mla(tc) if family.attention == "mla" else None
-    if mla is not None and tc.get("attention_bias"):
-        raise ModelConfigError("MLA with attention_bias is not supported")
+    attention = family.attention.resolve(tc)
+    mla = attention.mla
     moe, moe_layers = _moe(tc, family, layers)
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
     factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
@@ -237,34 +202,22 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
         rope_parameters=rope_parameters,
         max_position_embeddings=size(tc, "max_position_embeddings", 4096),
-        attention_bias=qkv_bias,
-        o_bias=not family.qkv_bias and family.bias_on_o and bool(tc.get("attention_bias", False)),
+        attention_bias=attention.attention_bias,
+        o_bias=attention.o_bias,
         mlp_bias=bool(tc.get("mlp_bias", False)),
         layer_windows=family.windows(tc, layers),
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", False)),
         num_experts=moe.num_experts if moe else 0,
         experts_per_tok=moe.experts_per_tok if moe else 0,
         hidden_act=act,
-        qk_norm=family.uses_qk_norm(tc),
-        qk_norm_over_heads=family.qk_norm_over_heads and family.uses_qk_norm(tc),
-        sinks=family.sinks,
+        attention=family.attention,
+        qk_norm=attention.qk_norm,
+        qk_norm_over_heads=attention.qk_norm_over_heads,
+        sinks=attention.sinks,
         norm_scale_fp32=family.norm_scale_fp32,
         mla=mla,
         moe=moe,
         moe_layers=moe_layers,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
-        **_mrope(tc, family, mla.qk_rope_head_dim if mla else int(head_dim)),
+        **family.positions.resolve(tc, mla.qk_rope_head_dim if mla else int(head_dim)),
     )
-
-
-def _mrope(tc: dict[str, Any], family: TextFamily, rope_dim: int) -> dict[str, Any]:
-    """M-RoPE's frequency split from the config, checked against the head: {} for 1-D RoPE families."""
-    if family.positions == "rope":
-        return {}
-    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
-    section = tuple(int(s) for s in rope.get("mrope_section") or ())
-    if len(section) != 3 or sum(section) != rope_dim // 2:
-        raise ModelConfigError(f"mrope_section {list(section)} must be three counts summing to head_dim / 2 = "
-                               f"{rope_dim // 2}")
-    interleaved = family.positions == "mrope-interleaved" or bool(rope.get("mrope_interleaved", False))
-    return {"mrope_section": section, "mrope_interleaved": interleaved}

@@ -36,6 +36,7 @@ class DecoderShape(Protocol):
     qk_norm_over_heads: bool  # the q/k norm weights are as wide as q and k (split with their heads)
     sinks: bool  # a learned softmax logit per q head (gpt-oss)
     mla: Any  # MLAConfig | None: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    attention: Any  # AttentionKind: which heads each attention tensor follows (``split``) and its ``params``
     moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split,
     # expert_bias
     moe_layers: tuple[bool, ...]
@@ -134,14 +135,14 @@ class ShardPlan:
     def slice_for(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the checkpoint tensor ``name`` (our module's name) this rank reads;
         None when it reads the tensor whole (norms, router, row-parallel biases, MLA's latent projections)."""
-        c, d = self.cfg, self.cfg.head_dim
+        c = self.cfg
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return (0, *self.vocab)
         m = _STACKED_EXPERTS.match(name)
         if m:
             return (0, *self.experts)
-        if _SINKS.match(name):  # one logit per q head
-            return (0, *self.heads)
+        if _SINKS.match(name):
+            return self._attention_slice("sinks", "weight")
         m = _LAYER.match(name)
         if m is None:
             return None
@@ -151,29 +152,22 @@ class ShardPlan:
             if proj in ("gate_proj", "up_proj"):
                 return (0, *shared)
             return (1, *shared) if proj == "down_proj" and kind == "weight" else None
-        if c.mla is not None and block == "self_attn":
-            m_ = c.mla
-            per_head = {"q_proj": m_.qk_nope_head_dim + m_.qk_rope_head_dim, "q_b_proj": m_.qk_nope_head_dim +
-                        m_.qk_rope_head_dim, "kv_b_proj": m_.qk_nope_head_dim + m_.v_head_dim}
-            lo, hi = self.heads
-            if proj in per_head:
-                return (0, lo * per_head[proj], hi * per_head[proj])
-            if proj == "o_proj" and kind == "weight":
-                return (1, lo * m_.v_head_dim, hi * m_.v_head_dim)
-            return None  # q_a_proj, kv_a_proj_with_mqa and their norms: every rank computes the latent
-        rows = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
-        if c.qk_norm_over_heads:  # the norm's weight is as wide as the projection it normalises
-            rows.update(q_norm=self.heads, k_norm=self.kv_heads)
-        if proj in rows:
-            lo, hi = rows[proj]
-            return (0, lo * d, hi * d)
-        if proj == "o_proj":
-            return (1, self.heads[0] * d, self.heads[1] * d) if kind == "weight" else None
+        if block == "self_attn":
+            return self._attention_slice(proj, kind)
         if proj in ("gate_proj", "up_proj"):
             return (0, *self.intermediate)
         if proj == "down_proj":
             return (1, *self.intermediate) if kind == "weight" else None
         return None
+
+    def _attention_slice(self, proj: str, kind: str) -> tuple[int, int, int] | None:
+        """The attention kind says which heads a tensor follows and how wide each is (``AttentionKind.split``)."""
+        split = self.cfg.attention.split(self.cfg, proj, kind)
+        if split is None:
+            return None
+        dim, follows, per_head = split
+        lo, hi = self.heads if follows == "q" else self.kv_heads
+        return (dim, lo * per_head, hi * per_head)
 
     def expert_of(self, name: str) -> int | None:
         """The global expert a classic per-expert tensor (``…experts.N.w1.weight``) belongs to."""
@@ -205,7 +199,7 @@ class ShardPlan:
         dense_i = self.intermediate[1] - self.intermediate[0]
         roles = dict.fromkeys(("attention", "kv_b_proj", "dense_mlp", "experts", "shared_experts", "router", "embed",
                                "lm_head", "other"), 0)
-        attention, kv_b, attention_other = self._attention_params(heads)
+        attention, kv_b, attention_other = c.attention.params(c, heads, self.kv_heads[1] - self.kv_heads[0])
         roles["attention"], roles["kv_b_proj"] = c.num_layers * attention, c.num_layers * kv_b
         roles["other"] = c.num_layers * (attention_other + 2 * h) + h  # two norms a layer, the final norm
         roles["dense_mlp"] = dense_layers * 3 * h * dense_i
@@ -220,22 +214,6 @@ class ShardPlan:
         roles["embed"] = self.padded_vocab * h
         roles["lm_head"] = 0 if c.tie_word_embeddings else self.padded_vocab * h
         return roles
-
-    def _attention_params(self, heads: int) -> tuple[int, int, int]:
-        """(projection weights but kv_b_proj, kv_b_proj, norms and biases) of one layer's attention."""
-        c, h = self.cfg, self.cfg.hidden_size
-        if c.mla is not None:
-            m = c.mla
-            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-            q = h * m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
-            kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim)
-            kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-            return q + kv_a + heads * m.v_head_dim * h, kv_b, (m.q_lora_rank or 0) + m.kv_lora_rank
-        d = c.head_dim
-        q, kv = heads * d, (self.kv_heads[1] - self.kv_heads[0]) * d
-        norms = (q + kv if c.qk_norm_over_heads else 2 * d) * c.qk_norm
-        other = (q + 2 * kv) * c.attention_bias + h * c.o_bias + norms + heads * c.sinks
-        return 2 * h * q + 2 * h * kv, 0, other
 
 
 def largest_rank_params(cfg: DecoderShape, size: int) -> int:

