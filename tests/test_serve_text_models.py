@@ -79,3 +79,50 @@ def test_no_image_stages_are_deployed(deepseek_server) -> None:
     deployments = apps["strata"]["deployments"]
     assert set(deployments) == {"Ingress", "Prefill", "Decode"}
     assert all(d["status"] in ("HEALTHY", "UPSCALING", "DOWNSCALING") for d in deployments.values()), deployments
+
+
+# ---------------------------------------------------------------- MiniMax-M2 and its tool syntax
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"code": {"enum": ["123", "456"]}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}},
+    "required": ["code", "n"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def minimax_server(tmp_path_factory: pytest.TempPathFactory):
+    from serve_process import ServeProcess
+
+    from strata.checkpoints.tiny_text_models import build_tiny_text_model
+
+    workdir = tmp_path_factory.mktemp("serve-minimax")
+    model = build_tiny_text_model("minimax_m2", workdir / "model", tool_format="minimax_m2")
+    server = ServeProcess(model, workdir, {"engine": {"max_model_len": 1024}})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_minimax_m2_tool_calls_are_read_by_the_declared_types(minimax_server) -> None:
+    """MiniMax-M2 served with its own call syntax (found in its chat template): a required call's string
+    parameter stays a string though it reads as a number ("123"), the integer one is an integer, the
+    streamed deltas add up to the whole call, and both satisfy the schema."""
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=minimax_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Look up code 123."}], tools=[LOOKUP],
+               tool_choice="required", parallel_tool_calls=False, max_tokens=128, temperature=0)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, LOOKUP["function"]["parameters"])
+    assert isinstance(arguments["code"], str) and isinstance(arguments["n"], int)
+    parts = [tc for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices
+             for tc in chunk.choices[0].delta.tool_calls or []]
+    assert parts[0].function.name == "lookup"
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments

@@ -101,7 +101,8 @@ class ServeConfig(ConfigModel):
     api_key_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$", description="hex SHA-256 of the API key "
                                        "every route but /health, /ping, /version and /metrics requires as a Bearer "
                                        "token (strata serve --api-key fills it; the key itself is never stored)")
-    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2", "deepseek_v3"] = Field(
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2", "deepseek_v3",
+                              "minimax_m2"] = Field(
         "auto", description="how answers are read for tool calls: a family's syntax, auto (the one the chat template "
                             "writes) or none (requests with tools get a 400)")
     chat_template: str | None = Field(None, max_length=1_000_000, description="a Jinja chat template replacing the "

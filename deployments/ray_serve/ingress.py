@@ -311,7 +311,7 @@ class Ingress:
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        calls = self.tool_format if reads_calls else None  # the answer is read for tool calls
+        calls = self.tool_format.for_request(tools) if reads_calls else None  # the answer is read for tool calls
         roots = [prepared] if chat else prompts
         if req.n > 1 or len(roots) > 1:  # n answers of each prompt, its KV computed once (``parallel_sampling``)
             kids = [kid for root in roots for kid in children(root, req.n)]

@@ -3,7 +3,8 @@
 Each renders the tools into the prompt, the assistant's earlier calls in the family's own syntax and
 ``role: tool`` results, in the tiny models' ``role: content`` layout. Markers are added to the tokenizer
 as real checkpoints have them: Hermes' ``<tool_call>`` as plain added tokens (as Qwen2.5), Mistral's
-``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers as special tokens; Llama 3's JSON calls need none.
+``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers as special tokens, MiniMax-M2's
+``<minimax:tool_call>`` pair as plain added tokens; Llama 3's JSON calls need none.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ TOOL_TEMPLATES: dict[str, str] = {
         "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + tc['function']['name'] + '\\n```json\\n' + " + _ARGS
         + " + '\\n```<｜tool▁call▁end｜>' -}}",
         before="<｜tool▁calls▁begin｜>", after="<｜tool▁calls▁end｜>") + _TAIL,
+    "minimax_m2": _HEAD + _with_calls(
+        "{{- '<invoke name=\"' + tc['function']['name'] + '\">\\n' -}}"
+        "{%- for k, v in tc['function']['arguments'].items() -%}"
+        "{{- '<parameter name=\"' + k + '\">' + (v if v is string else v | tojson) + '</parameter>\\n' -}}"
+        "{%- endfor -%}{{- '</invoke>\\n' -}}",
+        before="<minimax:tool_call>\\n", after="</minimax:tool_call>") + _TAIL,
 }
 # the family's markers: (text, special)
 TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -60,6 +67,7 @@ TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
                                           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
     "deepseek_v3": tuple((m, True) for m in ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                                               "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
+    "minimax_m2": (("<minimax:tool_call>", False), ("</minimax:tool_call>", False)),
 }
 
 
