@@ -52,7 +52,7 @@ def _ingress(flow: FakeFlow) -> Any:
     ingress = object.__new__(_Ingress)
     config = ServeConfig()
     ingress.config, ingress.model_name, ingress.flow, ingress.service = config, MODEL, flow, None
-    ingress.retry_after_s, ingress.admission = 1.0, Admission(16)
+    ingress.retry_after_s, ingress.admission, ingress.reasoning_format = 1.0, Admission(16), None
     ingress.responder = Responder(MODEL, lambda ids: "x" * len(ids), 1.0, 30.0)
     ingress._loaded, ingress._load_error = threading.Event(), None
     ingress._loaded.set()

@@ -96,8 +96,13 @@ def minimax_server(tmp_path_factory: pytest.TempPathFactory):
     from strata.checkpoints.tiny_text_models import build_tiny_text_model
 
     workdir = tmp_path_factory.mktemp("serve-minimax")
+    from strata.checkpoints.tiny_tool_templates import TOOL_TEMPLATES
+
     model = build_tiny_text_model("minimax_m2", workdir / "model", tool_format="minimax_m2")
-    server = ServeProcess(model, workdir, {"engine": {"max_model_len": 1024}})
+    # its tools template, with a generation prompt that opens the thinking (as DeepSeek-R1's does)
+    thinking = TOOL_TEMPLATES["minimax_m2"].replace("'assistant:'", "'assistant:<think>\\n'")
+    assert thinking != TOOL_TEMPLATES["minimax_m2"]
+    server = ServeProcess(model, workdir, {"engine": {"max_model_len": 1024}, "chat_template": thinking})
     try:
         server.wait_ready()
         yield server
@@ -126,3 +131,18 @@ def test_minimax_m2_tool_calls_are_read_by_the_declared_types(minimax_server) ->
              for tc in chunk.choices[0].delta.tool_calls or []]
     assert parts[0].function.name == "lookup"
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+
+
+def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) -> None:
+    """The chat template opens the thinking, so the parser (auto) reads everything up to ``</think>`` as
+    reasoning: a random model that never closes it answers with reasoning only, under both names, and the
+    streamed reasoning deltas add up to the whole; a completion is the text as written."""
+    client = openai.OpenAI(base_url=minimax_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=12,
+               temperature=0, extra_body={"ignore_eos": True})
+    message = client.chat.completions.create(**ask).choices[0].message
+    thinking = message.model_extra["reasoning_content"]
+    assert thinking and message.model_extra["reasoning"] == thinking and message.content is None
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in streamed) == thinking
+    assert not "".join(d.content or "" for d in streamed)

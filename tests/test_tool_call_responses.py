@@ -19,10 +19,11 @@ from strata.deployments.openai.parallel_sampling import ManyChoices, children
 from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.frontend.answer import AnswerFormat
 from strata.pipeline.frontend.tools.formats import Hermes
 
 REQ = SimpleNamespace(requested_logprobs=lambda: None, include_usage=False)
-HERMES = Hermes(SimpleNamespace(added_tokens_decoder={}))  # markers as text
+HERMES = AnswerFormat(tools=Hermes(SimpleNamespace(added_tokens_decoder={})))  # markers as text
 CALL = ['Sure.\n<tool_call>\n{"name": "add", ', '"arguments": {"a": 1', ', "b": 2}}\n</tool_call>']
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_response_schemas.json").read_text())
 

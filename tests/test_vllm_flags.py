@@ -28,6 +28,7 @@ HONOURED = {
     "--chat-template FILE/TEMPLATE": (["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
                                       "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"),
     "--served-model-name NAME [ALIAS ...]": (["--served-model-name", "my-model", "alias"], "model_aliases", ["alias"]),
+    "--reasoning-parser NAME": (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),
     "--kv-cache-dtype auto/fp8/fp8_e4m3": (["--kv-cache-dtype", "fp8"], "engine.kv_cache_dtype", "fp8"),
     "--tensor-parallel-size N": (["--tensor-parallel-size", "2"], "engine.tp", 2),
     "--speculative-config JSON": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],

@@ -25,14 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from strata.deployments.openai import request_metrics as metrics
 from strata.deployments.openai.protocol import usage
 from strata.deployments.openai.responses import (chat_chunk, chat_completion, completion, completion_chunk,
-                                                 openai_finish_reason, sse, usage_chunk, with_tool_calls)
+                                                 openai_finish_reason, sse, usage_chunk)
 from strata.deployments.openai.responder import (GenerationFailed, Responder, StreamStatus, Timed, client_error,
                                           error_response)
 from strata.deployments.openai.request_end import at_request_end
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import SEED_MAX, SEED_MIN
-from strata.pipeline.frontend.tools.calls import ToolCallDeltas
-from strata.pipeline.frontend.tools.formats import ToolFormat
+from strata.pipeline.frontend.answer import AnswerDeltas, AnswerFormat
 
 log = logging.getLogger("strata.ingress")
 MAX_N = 16
@@ -121,7 +120,7 @@ class ManyChoices:
                 pass
 
     async def whole(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
-                    tools: ToolFormat | None = None) -> Response:
+                    tools: AnswerFormat | None = None) -> Response:
         endpoint = "chat" if chat else "completions"
         r = self.responder
         collected: list[list[TokenEvent]] = [[] for _ in kids]
@@ -146,7 +145,7 @@ class ManyChoices:
                 completion(rid, r.model_name, created, text, reason, use)
             choice = {**one["choices"][0], "index": i}
             if tools is not None:
-                with_tool_calls(choice, tools)
+                tools.read(choice)
             if req.requested_logprobs() is not None:
                 choice["logprobs"] = r.chat_logprobs(events) if chat else r.completion_logprobs(events, 0)
             choices.append(choice)
@@ -155,20 +154,20 @@ class ManyChoices:
         return JSONResponse(body)
 
     async def stream(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
-                     tools: ToolFormat | None = None) -> Response:
+                     tools: AnswerFormat | None = None) -> Response:
         status = StreamStatus("chat" if chat else "completions")
         at_request_end(status.count)
         return StreamingResponse(self._sse(req, kids, start, chat, t0, status, tools), media_type="text/event-stream")
 
     async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float, status: StreamStatus,
-                   tools: ToolFormat | None) -> AsyncIterator[str]:
+                   tools: AnswerFormat | None) -> AsyncIterator[str]:
         r = self.responder
         model, rid, created = r.model_name, kids[0].request_id, int(time.time())
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
 
-        deltas = [ToolCallDeltas(tools) for _ in kids] if tools is not None else None
+        deltas = [tools.deltas() for _ in kids] if tools is not None else None
         texts = [""] * len(kids)
 
         def chunk(i: int, text: str, reason: str | None, ev: TokenEvent | None = None, offset: int = 0,

@@ -31,14 +31,12 @@ from strata.deployments.openai.responses import (
     completion,
     completion_chunk,
     is_completed,
-    with_tool_calls,
     openai_finish_reason,
     sse,
     usage_chunk,
 )
 from strata.pipeline.contract.request import Request, TokenEvent
-from strata.pipeline.frontend.tools.calls import ToolCallDeltas
-from strata.pipeline.frontend.tools.formats import ToolFormat
+from strata.pipeline.frontend.answer import AnswerDeltas, AnswerFormat
 from strata.stages.pixel_budget import PixelBudgetTimeout
 
 log = logging.getLogger("strata.ingress")
@@ -186,7 +184,7 @@ class Responder:
 
     # ------------------------------------------------------------ whole responses
     async def whole(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                    t0: float, tools: ToolFormat | None = None) -> Response:
+                    t0: float, tools: AnswerFormat | None = None) -> Response:
         """``tools``: the answer is read for tool calls in that format (a chat request with tools)."""
         endpoint = "chat" if chat else "completions"
         timed = Timed(events, endpoint, t0, self.deadline_s)
@@ -213,7 +211,7 @@ class Responder:
         if chat:
             body = chat_completion(prepared.request_id, self.model_name, created, text, reason, use)
             if tools is not None:
-                with_tool_calls(body["choices"][0], tools)
+                tools.read(body["choices"][0])
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
             if _asks_prompt_logprobs(req):  # vLLM puts a chat's at the top (built off the shared loop)
@@ -250,7 +248,7 @@ class Responder:
 
     # ------------------------------------------------------------ streams
     async def stream(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                     t0: float, tools: ToolFormat | None = None) -> Response:
+                     t0: float, tools: AnswerFormat | None = None) -> Response:
         """The first batch is awaited before any byte is sent, so a request refused by a stage (busy,
         failed) still gets its status and JSON error; later failures are reported in-band."""
         endpoint = "chat" if chat else "completions"
@@ -264,14 +262,14 @@ class Responder:
             await timed.close()
             log.warning("request %s failed before its first token: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        deltas = ToolCallDeltas(tools) if tools is not None else None
+        deltas = tools.deltas() if tools is not None else None
         status = StreamStatus(endpoint)
         at_request_end(status.count)
         return StreamingResponse(self._sse(req, prepared, timed, first, chat, status, deltas),
                                  media_type="text/event-stream")
 
     async def _sse(self, req: Any, prepared: Request, timed: Timed, first: list[TokenEvent] | None,
-                   chat: bool, status: StreamStatus, tool_deltas: ToolCallDeltas | None = None) -> AsyncIterator[str]:
+                   chat: bool, status: StreamStatus, tool_deltas: AnswerDeltas | None = None) -> AsyncIterator[str]:
         model, rid, created = self.model_name, prepared.request_id, int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
@@ -343,7 +341,7 @@ class Responder:
         error = client_error(exc, self.retry_after_s)
         return str(error.status), sse(error.body()) + sse("[DONE]")
 
-    def _tool_chunk(self, rid: str, model: str, created: int, deltas: ToolCallDeltas, text: str, reason: str | None,
+    def _tool_chunk(self, rid: str, model: str, created: int, deltas: AnswerDeltas, text: str, reason: str | None,
                     batch: list[TokenEvent], want_logprobs: bool) -> list[str]:
         """The chunk of what ``text`` adds (content and/or tool-call deltas), with the batch's logprobs."""
         delta = deltas.update(text, final=reason is not None)

@@ -6,8 +6,6 @@ import json
 from typing import Any
 
 from strata.pipeline.core.sampler import FINISH_LENGTH, FINISH_STOP
-from strata.pipeline.frontend.tools.calls import tool_calls_message
-from strata.pipeline.frontend.tools.formats import ToolFormat
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -58,18 +56,6 @@ def chat_completion(rid: str, model: str, created: int, text: str, finish_reason
                      "finish_reason": finish_reason}],
         "usage": usage,
     }
-
-
-def with_tool_calls(choice: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
-    """A whole chat choice with its answer read for tool calls: ``tool_calls`` and the content outside
-    them, and ``finish_reason`` ``tool_calls`` when the answer ended after making some."""
-    content, calls = tool_calls_message(fmt, choice["message"]["content"])
-    if calls:
-        choice["message"]["content"] = content
-        choice["message"]["tool_calls"] = calls
-        if choice["finish_reason"] == "stop":
-            choice["finish_reason"] = "tool_calls"
-    return choice
 
 
 def completion(rid: str, model: str, created: int, text: str, finish_reason: str | None,

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from strata.deployments.ray_serve.loopback import LOOPBACK_ENV
 from strata.deployments.ray_serve.vllm_flags import add_vllm_arguments, vllm_dtype, vllm_engine_flags
 from strata.pipeline.contract.config import json_object_flag
+from strata.pipeline.frontend.reasoning import REASONING_FORMATS
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
 
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read the API key from FILE ('-': standard input), its first line; the safe way to give it")
     p.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_FORMATS),
                    help="how answers are read for tool calls (default auto: the syntax the chat template writes)")
+    p.add_argument("--reasoning-parser", choices=("auto", "none", *REASONING_FORMATS),
+                   help="how chat answers' thinking is read apart as reasoning_content (default auto: <think> tags "
+                        "where the chat template writes them)")
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template replacing the checkpoint's, as a file or inline (one that renders "
                         "tools enables them)")
@@ -122,6 +126,8 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.model_aliases = args.model_name[1:] or config.model_aliases
     if getattr(args, "tool_call_parser", None):
         config.tool_call_parser = args.tool_call_parser
+    if getattr(args, "reasoning_parser", None):
+        config.reasoning_parser = args.reasoning_parser
     if getattr(args, "chat_template", None) is not None:
         config.chat_template = _read_template(args.chat_template)
     key = _api_key(args)

@@ -47,7 +47,9 @@ from strata.deployments.openai.request_end import RequestEndMiddleware
 from strata.deployments.openai.responder import Responder, client_error, error_response
 from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize)
+from strata.pipeline.frontend.answer import AnswerFormat
 from strata.pipeline.frontend.intake import Intake
+from strata.pipeline.frontend.reasoning import reasoning_format_for
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.frontend.tools.calls import constrain
 from strata.pipeline.frontend.tools.formats import tool_format_for
@@ -87,6 +89,7 @@ class Ingress:
         self.model_name = self.config.model_name or model_dir.name
         self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir), self.config.chat_template)
         self.tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.tokenizer)
+        self.reasoning_format = reasoning_format_for(self.config.reasoning_parser, self.tokenizer.tokenizer)
         intake = Intake(self.tokenizer, self.config.engine)
         model_config = load_model_config(model_dir)
         # an image whose token count depends on it is counted here, from its header, before it is sent anywhere
@@ -311,7 +314,11 @@ class Ingress:
             if not isinstance(exc, APIError):
                 log.exception("request %s: intake failed", rid)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        calls = self.tool_format.for_request(tools) if reads_calls else None  # the answer is read for tool calls
+        # a chat answer is read for its reasoning (where the model writes some) and tool calls (where the request
+        # has tools); a completion is the text as written
+        reasoning = self.reasoning_format if chat else None
+        calls = self.tool_format.for_request(tools) if reads_calls else None
+        calls = AnswerFormat(reasoning, calls) if reasoning is not None or calls is not None else None
         roots = [prepared] if chat else prompts
         if req.n > 1 or len(roots) > 1:  # n answers of each prompt, its KV computed once (``parallel_sampling``)
             kids = [kid for root in roots for kid in children(root, req.n)]

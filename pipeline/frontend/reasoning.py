@@ -1,0 +1,78 @@
+"""Reasoning output: the thinking a model writes before its answer, read apart from the answer.
+
+DeepSeek-R1, Qwen3, GLM-4.5, Kimi-K2-Thinking and MiniMax-M2 write their thinking between ``<think>`` and
+``</think>``, then the answer. Where the template's generation prompt already opened the block (DeepSeek-R1's
+``<think>\\n``), the output starts inside it; otherwise it starts with the opening tag, or without one when
+the request turned thinking off (Qwen3's ``enable_thinking``: the template wrote an empty block itself), and
+then it is all answer. Names are vLLM's ``--reasoning-parser`` names.
+
+``split`` reads a possibly unfinished output, so one code serves whole answers and streams: the reasoning
+and the answer as far as they can no longer change (a tag cut at the end is held back), each a prefix of
+what the finished output gives, so a stream's deltas add up to the whole message. The answer is what
+tool-call parsing then reads: a call made right after the thinking is found there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """Thinking between two tags, then the answer."""
+
+    name: str
+    opened_by_prompt: bool = False  # the generation prompt ends inside the block (no opening tag is written)
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(reasoning, answer) of ``text`` as far as they are settled; reasoning None when there is none."""
+        body = text.lstrip()
+        if body.startswith(self.start):  # written, though the prompt may have opened the block already
+            body = body[len(self.start):]
+        elif not final and self.start.startswith(body):  # the opening tag may be on its way
+            return ("" if self.opened_by_prompt else None), ""
+        elif not self.opened_by_prompt:
+            return None, text
+        thinking, closed, answer = body.partition(self.end)
+        if not closed:
+            return (thinking if final else _held_back(thinking, self.end)), ""
+        return thinking, answer.lstrip()
+
+
+def _held_back(text: str, marker: str) -> str:
+    """``text`` without a trailing start of ``marker``, which the next token may complete."""
+    for j in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:j]):
+            return text[:-j]
+    return text
+
+
+REASONING_FORMATS: dict[str, ThinkTags] = {f.name: f for f in (
+    ThinkTags("deepseek_r1", opened_by_prompt=True), ThinkTags("qwen3"), ThinkTags("glm45"), ThinkTags("kimi_k2"),
+    ThinkTags("minimax_m2"))}
+
+
+def reasoning_format_for(parser: str, hf_tokenizer: Any) -> ThinkTags | None:
+    """The reasoning format a server reads: ``parser`` names one; ``auto`` reads it off the chat template
+    (one that writes ``<think>``; whether its generation prompt opens the block is found by rendering it);
+    ``none`` turns it off."""
+    if parser == "none":
+        return None
+    if parser != "auto":
+        if parser not in REASONING_FORMATS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; expected auto, none or one of "
+                             f"{', '.join(REASONING_FORMATS)}")
+        return REASONING_FORMATS[parser]
+    template = getattr(hf_tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "<think>" not in template:
+        return None
+    try:
+        prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                  add_generation_prompt=True)
+    except Exception:  # a template that needs more than one user turn to render: the tags decide alone
+        prompt = ""
+    opened = isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+    return ThinkTags("auto", opened_by_prompt=opened)

@@ -1,0 +1,130 @@
+"""Reasoning output: a model's thinking read apart from its answer, in-process. Each parser's split of a
+whole answer and of the same answer streamed, cut anywhere, agree (a tag cut at a chunk's end is held back);
+thinking off, or an answer cut inside the thinking, are what they are; a tool call right after the thinking
+is found; the parser is read off the chat template. Then the ingress's responses (``Responder`` over scripted
+token events): ``reasoning_content`` and ``reasoning`` apart from ``content``, whole and streamed, each chunk
+valid against OpenAI's published stream schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from test_tool_call_responses import REQ, _chunks, _kids, _responder, _start, _validator
+
+from strata.pipeline.frontend.answer import AnswerFormat
+from strata.pipeline.frontend.reasoning import REASONING_FORMATS, ThinkTags, reasoning_format_for
+from strata.pipeline.frontend.tools.formats import Hermes
+
+QWEN3 = REASONING_FORMATS["qwen3"]
+R1 = REASONING_FORMATS["deepseek_r1"]
+CASES = [  # (format, output, reasoning, content)
+    (QWEN3, "<think>\nParis is in France.\n</think>\n\nParis.", "\nParis is in France.\n", "Paris."),
+    (QWEN3, "Paris.", None, "Paris."),  # thinking off: the template wrote the empty block itself
+    (QWEN3, "<think>\nstill thinking", "\nstill thinking", None),  # cut by max_tokens inside the thinking
+    (QWEN3, "<b>bold</b> <thinking", None, "<b>bold</b> <thinking"),
+    (R1, "Paris is in France.</think>Paris.", "Paris is in France.", "Paris."),  # the prompt opened the block
+    (R1, "<think>x</think>y", "x", "y"),
+    (R1, "all thinking, no answer", "all thinking, no answer", None),
+]
+
+
+def _streamed(fmt: AnswerFormat, text: str, cuts: list[int]) -> dict[str, str]:
+    deltas, got = fmt.deltas(), {"reasoning_content": "", "reasoning": "", "content": ""}
+    for end in [*cuts, len(text)]:
+        for key, value in (deltas.update(text[:end], final=end == len(text)) or {}).items():
+            if key in got:
+                got[key] += value
+    return got
+
+
+@pytest.mark.parametrize("fmt, text, reasoning, content", CASES)
+def test_each_answer_splits_alike_whole_and_streamed(fmt: ThinkTags, text: str, reasoning, content) -> None:
+    choice = AnswerFormat(fmt).read({"message": {"content": text}, "finish_reason": "stop"})
+    assert choice["message"].get("reasoning_content") == reasoning and choice["message"]["content"] == content
+    assert choice["message"].get("reasoning") == reasoning
+    for cuts in (list(range(1, len(text))), [len(text) // 2], []):
+        got = _streamed(AnswerFormat(fmt), text, cuts)
+        assert got["reasoning_content"] == got["reasoning"] == (reasoning or "") and got["content"] == (content or "")
+
+
+def test_a_closing_tag_cut_at_a_chunks_end_is_held_back() -> None:
+    deltas = AnswerFormat(QWEN3).deltas()
+    assert deltas.update("<thi") is None  # may open the thinking: nothing is sent yet
+    assert deltas.update("<think>plan</th") == {"reasoning_content": "plan", "reasoning": "plan"}
+    assert deltas.update("<think>plan</think>\n\nGo") == {"content": "Go"}
+
+
+def test_a_tool_call_right_after_the_thinking_is_a_call() -> None:
+    fmt = AnswerFormat(QWEN3, Hermes(SimpleNamespace(added_tokens_decoder={})))
+    text = '<think>I need the sum.</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    choice = fmt.read({"message": {"content": text}, "finish_reason": "stop"})
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "I need the sum."
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    deltas, arguments, thinking = fmt.deltas(), "", ""
+    for end in range(1, len(text) + 1):
+        delta = deltas.update(text[:end], final=end == len(text)) or {}
+        thinking += delta.get("reasoning_content", "")
+        assert "content" not in delta
+        arguments += "".join(p["function"]["arguments"] for p in delta.get("tool_calls", []))
+    assert thinking == "I need the sum." and arguments == '{"a": 1}'
+
+
+def test_a_call_forced_from_the_first_token_is_the_answer_though_the_prompt_opened_the_thinking() -> None:
+    """``tool_choice`` required makes the model call at once: with a template that opened the thinking, the
+    call is still a call, whole and streamed (the marker's first characters are held back, not sent as thinking)."""
+    fmt = AnswerFormat(R1, Hermes(SimpleNamespace(added_tokens_decoder={})))
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    choice = fmt.read({"message": {"content": text}, "finish_reason": "stop"})
+    assert "reasoning_content" not in choice["message"] and choice["finish_reason"] == "tool_calls"
+    deltas, arguments = fmt.deltas(), ""
+    for end in range(1, len(text) + 1):
+        delta = deltas.update(text[:end], final=end == len(text)) or {}
+        assert "reasoning_content" not in delta and "content" not in delta
+        arguments += "".join(p["function"]["arguments"] for p in delta.get("tool_calls", []))
+    assert arguments == '{"a": 1}'
+    assert AnswerFormat(R1, fmt.tools).read({"message": {"content": "plan</think>ok"}, "finish_reason": "stop"}
+                                            )["message"]["reasoning_content"] == "plan"
+
+
+class _Template(SimpleNamespace):
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "user: hi\nassistant:" + self.opens
+
+
+def test_the_parser_is_read_off_the_chat_template() -> None:
+    think = "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    opened = reasoning_format_for("auto", _Template(chat_template=think + "<think>\n", opens=" <think>\n"))
+    assert opened is not None and opened.opened_by_prompt
+    written = reasoning_format_for("auto", _Template(chat_template=think, opens=""))
+    assert written is not None and not written.opened_by_prompt
+    assert reasoning_format_for("auto", _Template(chat_template="{{ messages }}", opens="")) is None
+    assert reasoning_format_for("none", _Template(chat_template=think, opens="")) is None
+    assert reasoning_format_for("deepseek_r1", None) is R1
+    with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
+        reasoning_format_for("o1", None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_responses_carry_reasoning_apart_from_content(stream: bool) -> None:
+    pieces = ["<think>", "Paris is ", "in France.</th", "ink>\n\nParis", "."]
+    responder, prepared, fmt = _responder(), _kids(1)[0], AnswerFormat(QWEN3)
+    if not stream:
+        body = json.loads(asyncio.run(responder.whole(REQ, prepared, _start(pieces)(prepared), True,
+                                                      time.perf_counter(), fmt)).body)
+        _validator("CreateChatCompletionResponse").validate(body)
+        message = body["choices"][0]["message"]
+        assert (message["reasoning_content"], message["reasoning"], message["content"]) == \
+            ("Paris is in France.", "Paris is in France.", "Paris.")
+        return
+    chunks = _chunks(lambda: responder.stream(REQ, prepared, _start(pieces)(prepared), True, time.perf_counter(), fmt))
+    got = {"reasoning_content": "", "reasoning": "", "content": ""}
+    for chunk in chunks:
+        _validator("CreateChatCompletionStreamResponse").validate(chunk)
+        for key in got:
+            got[key] += chunk["choices"][0]["delta"].get(key) or "" if chunk["choices"] else ""
+    assert got == {"reasoning_content": "Paris is in France.", "reasoning": "Paris is in France.", "content": "Paris."}
