@@ -48,18 +48,18 @@ class _Ingress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
         """Serve's ASGI wrapper shuts an app down here (a coroutine); this one never started one."""
 
 
-def _ingress(flow: FakeFlow) -> Any:
+def _ingress(flow: FakeFlow, reasoning: Any = None) -> Any:
     ingress = object.__new__(_Ingress)
     config = ServeConfig()
     ingress.config, ingress.model_name, ingress.flow, ingress.service = config, MODEL, flow, None
-    ingress.retry_after_s, ingress.admission, ingress.reasoning_format = 1.0, Admission(16), None
+    ingress.retry_after_s, ingress.admission, ingress.reasoning_format = 1.0, Admission(16), reasoning
     ingress.responder = Responder(MODEL, lambda ids: "x" * len(ids), 1.0, 30.0)
     ingress._loaded, ingress._load_error = threading.Event(), None
     ingress._loaded.set()
     return ingress
 
 
-def _post(body: dict[str, Any], chat: bool = True) -> tuple[int, dict[str, Any], FakeFlow]:
+def _post(body: dict[str, Any], chat: bool = True, reasoning: Any = None) -> tuple[int, dict[str, Any], FakeFlow]:
     """POST ``body`` to the chat (or completions) route: (status, JSON body, the flow)."""
     raw = json.dumps(body).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions" if chat else "/v1/completions",
@@ -70,7 +70,7 @@ def _post(body: dict[str, Any], chat: bool = True) -> tuple[int, dict[str, Any],
 
     async def go() -> tuple[int, dict[str, Any], FakeFlow]:
         flow = FakeFlow()
-        ingress = _ingress(flow)
+        ingress = _ingress(flow, reasoning)
         async with request_scope():  # what RequestEndMiddleware gives every HTTP request
             resp = await ingress._complete(HTTPRequest(scope, receive), chat=chat)
         assert ingress.admission.held == 0
@@ -126,3 +126,15 @@ def test_no_limit_leaves_the_rest_of_the_context() -> None:
     assert status == 200
     (params,) = flow.prepared
     assert params.max_tokens is None  # intake widens it to the room the prompt leaves
+
+
+def test_harmony_answers_keep_their_special_tokens_for_the_reader() -> None:
+    """gpt-oss's channels are special tokens: a chat request with the harmony reader detokenizes with them kept
+    (else nothing could be read apart); a completion is the text as written, special tokens skipped as asked."""
+    from strata.pipeline.frontend.reasoning import REASONING_FORMATS
+
+    harmony = REASONING_FORMATS["openai_gptoss"]
+    status, body, flow = _post(_chat(max_tokens=4), reasoning=harmony)
+    assert status == 200 and flow.prepared[0].skip_special_tokens is False and body["choices"][0]["message"]["content"]
+    status, _, flow = _post({"model": MODEL, "prompt": "hi", "max_tokens": 4}, chat=False, reasoning=harmony)
+    assert status == 200 and flow.prepared[0].skip_special_tokens is True

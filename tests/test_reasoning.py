@@ -21,6 +21,8 @@ from strata.pipeline.frontend.tools.formats import Hermes
 
 QWEN3 = REASONING_FORMATS["qwen3"]
 R1 = REASONING_FORMATS["deepseek_r1"]
+HARMONY = REASONING_FORMATS["openai_gptoss"]
+ANALYSIS = "<|channel|>analysis<|message|>User asks a capital.<|end|>"
 CASES = [  # (format, output, reasoning, content)
     (QWEN3, "<think>\nParis is in France.\n</think>\n\nParis.", "\nParis is in France.\n", "Paris."),
     (QWEN3, "Paris.", None, "Paris."),  # thinking off: the template wrote the empty block itself
@@ -29,6 +31,14 @@ CASES = [  # (format, output, reasoning, content)
     (R1, "Paris is in France.</think>Paris.", "Paris is in France.", "Paris."),  # the prompt opened the block
     (R1, "<think>x</think>y", "x", "y"),
     (R1, "all thinking, no answer", "all thinking, no answer", None),
+    # gpt-oss: the analysis channel, then the final one (its <|return|> ends the answer and is no text)
+    (HARMONY, ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Paris.", "User asks a capital.", "Paris."),
+    (HARMONY, "<|channel|>final<|message|>Paris.", None, "Paris."),
+    (HARMONY, ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>"
+              '{"q": 1}', "User asks a capital.", None),  # a tool's message is neither
+    (HARMONY, ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>",
+     "User asks a capital.", "Looking it up."),  # a preamble to no one is the answer
+    (HARMONY, "plain text, no harmony", None, "plain text, no harmony"),
 ]
 
 
@@ -104,6 +114,7 @@ def test_the_parser_is_read_off_the_chat_template() -> None:
     assert written is not None and not written.opened_by_prompt
     assert reasoning_format_for("auto", _Template(chat_template="{{ messages }}", opens="")) is None
     assert reasoning_format_for("none", _Template(chat_template=think, opens="")) is None
+    assert reasoning_format_for("auto", _Template(chat_template="<|start|>{{ m }}<|channel|>final", opens="")) is HARMONY
     assert reasoning_format_for("deepseek_r1", None) is R1
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         reasoning_format_for("o1", None)

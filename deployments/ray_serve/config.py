@@ -105,9 +105,11 @@ class ServeConfig(ConfigModel):
                               "minimax_m2"] = Field(
         "auto", description="how answers are read for tool calls: a family's syntax, auto (the one the chat template "
                             "writes) or none (requests with tools get a 400)")
-    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "kimi_k2", "minimax_m2"] = Field(
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "kimi_k2", "minimax_m2",
+                              "openai_gptoss"] = Field(
         "auto", description="how chat answers' thinking is read apart (message.reasoning_content): a family's "
-                            "parser, auto (<think> tags where the chat template writes them) or none")
+                            "parser, auto (<think> tags or harmony channels where the chat template writes them) "
+                            "or none")
     chat_template: str | None = Field(None, max_length=1_000_000, description="a Jinja chat template replacing the "
                                       "checkpoint's (strata serve --chat-template reads it from a file)")
     engine_process: bool = Field(True, description="aggregated with tp 1: the step loop runs in a child process "

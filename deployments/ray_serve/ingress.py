@@ -295,6 +295,9 @@ class Ingress:
             params = req.sampling_params()
             tools = req.tool_request() if chat else None
             reads_calls = tools is not None and tools.parses_calls
+            reasoning = self.reasoning_format if chat else None  # a chat answer's thinking is read apart
+            if getattr(reasoning, "needs_special_tokens", False):  # harmony's markers are special tokens
+                params.skip_special_tokens = False
             if reads_calls:
                 try:
                     constrain(params, tools, self.tool_format)
@@ -316,7 +319,6 @@ class Ingress:
             return error_response(client_error(exc, self.retry_after_s), endpoint)
         # a chat answer is read for its reasoning (where the model writes some) and tool calls (where the request
         # has tools); a completion is the text as written
-        reasoning = self.reasoning_format if chat else None
         calls = self.tool_format.for_request(tools) if reads_calls else None
         calls = AnswerFormat(reasoning, calls) if reasoning is not None or calls is not None else None
         roots = [prepared] if chat else prompts

@@ -19,8 +19,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--limit-mm-per-prompt": ("honoured", "image=N or {\"image\": N}: images per request "
                                           "(engine.max_images_per_request)"),
     "--chat-template FILE/TEMPLATE": ("honoured", "a file, or the Jinja template itself given inline"),
-    "--reasoning-parser NAME": ("honoured", "deepseek_r1, qwen3, glm45, kimi_k2 or minimax_m2 (<think> tags): the "
-                                            "thinking comes back as reasoning_content, apart from content"),
+    "--reasoning-parser NAME": ("honoured", "deepseek_r1, qwen3, glm45, kimi_k2, minimax_m2 (<think> tags) or "
+                                            "openai_gptoss (harmony channels): the thinking comes back as "
+                                            "reasoning_content, apart from content"),
     "--served-model-name NAME [ALIAS ...]": (
         "honoured", "the model id clients send, then aliases it also answers to; by default a model given by "
                     "Hugging Face id is served as that id"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strata.pipeline.frontend.reasoning import ThinkTags
+from strata.pipeline.frontend.reasoning import ReasoningFormat
 from strata.pipeline.frontend.tools.calls import ToolCallDeltas, tool_calls_message
 from strata.pipeline.frontend.tools.formats import ToolFormat
 
@@ -19,7 +19,7 @@ from strata.pipeline.frontend.tools.formats import ToolFormat
 class AnswerFormat:
     """How one request's answer is read: a reasoning format, a tool-call format (bound to its tools), or both."""
 
-    reasoning: ThinkTags | None = None
+    reasoning: ReasoningFormat | None = None
     tools: ToolFormat | None = None
 
     def thinks(self, text: str, final: bool) -> bool | None:

@@ -1,7 +1,8 @@
 """Reasoning output: the thinking a model writes before its answer, read apart from the answer.
 
 DeepSeek-R1, Qwen3, GLM-4.5, Kimi-K2-Thinking and MiniMax-M2 write their thinking between ``<think>`` and
-``</think>``, then the answer. Where the template's generation prompt already opened the block (DeepSeek-R1's
+``</think>``, then the answer (``ThinkTags``); gpt-oss writes harmony messages on channels (``Harmony``). Where
+the template's generation prompt already opened the block (DeepSeek-R1's
 ``<think>\\n``), the output starts inside it; otherwise it starts with the opening tag, or without one when
 the request turned thinking off (Qwen3's ``enable_thinking``: the template wrote an empty block itself), and
 then it is all answer. Names are vLLM's ``--reasoning-parser`` names.
@@ -42,6 +43,52 @@ class ThinkTags:
         return thinking, answer.lstrip()
 
 
+@dataclass(frozen=True)
+class Harmony:
+    """gpt-oss's harmony messages: ``<|channel|>analysis<|message|>THINKING<|end|><|start|>assistant<|channel|>
+    final<|message|>ANSWER``. The analysis channel is the reasoning; the final channel, and commentary addressed
+    to no one (a preamble), is the answer; a message addressed to a tool (``to=functions.NAME``) is neither.
+    Its markers are special tokens, so the answer is detokenized with them kept (``needs_special_tokens``);
+    a message whose header is still being written adds nothing yet."""
+
+    name: str = "openai_gptoss"
+    opened_by_prompt: bool = False
+    needs_special_tokens: bool = True
+    message: str = "<|message|>"
+    channel: str = "<|channel|>"
+    ends: tuple[str, ...] = ("<|end|>", "<|return|>", "<|call|>")
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        if self.message not in text:  # not harmony at all, or a first header on its way
+            return None, text if final else ""
+        thinking: list[str] | None = None
+        answer: list[str] = []
+        at = 0
+        while (head_end := text.find(self.message, at)) >= 0:
+            header, start = text[at:head_end], head_end + len(self.message)
+            end, close = min(((i, m) for m in self.ends if (i := text.find(m, start)) >= 0), default=(-1, ""))
+            body = text[start:end] if end >= 0 else text[start:] if final else _open_marker_held_back(text[start:])
+            channel = header.partition(self.channel)[2].split(" ", 1)[0].split("<|", 1)[0]
+            if "to=" in header:
+                pass  # a tool's message: not reasoning, not the answer
+            elif channel == "analysis":
+                thinking = (thinking or []) + [body]
+            else:
+                answer.append(body)
+            if end < 0:
+                break
+            at = end + len(close)
+        return ("".join(thinking) if thinking is not None else None), "".join(answer)
+
+
+def _open_marker_held_back(text: str) -> str:
+    """``text`` without a trailing ``<|...`` that is not closed yet: the next characters may make it a marker."""
+    at = text.rfind("<|")
+    if at >= 0 and "|>" not in text[at:]:
+        return text[:at]
+    return text[:-1] if text.endswith("<") else text
+
+
 def _held_back(text: str, marker: str) -> str:
     """``text`` without a trailing start of ``marker``, which the next token may complete."""
     for j in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -50,14 +97,16 @@ def _held_back(text: str, marker: str) -> str:
     return text
 
 
-REASONING_FORMATS: dict[str, ThinkTags] = {f.name: f for f in (
+ReasoningFormat = ThinkTags | Harmony
+REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
     ThinkTags("deepseek_r1", opened_by_prompt=True), ThinkTags("qwen3"), ThinkTags("glm45"), ThinkTags("kimi_k2"),
-    ThinkTags("minimax_m2"))}
+    ThinkTags("minimax_m2"), Harmony())}
 
 
-def reasoning_format_for(parser: str, hf_tokenizer: Any) -> ThinkTags | None:
+def reasoning_format_for(parser: str, hf_tokenizer: Any) -> ReasoningFormat | None:
     """The reasoning format a server reads: ``parser`` names one; ``auto`` reads it off the chat template
-    (one that writes ``<think>``; whether its generation prompt opens the block is found by rendering it);
+    (harmony's ``<|channel|>``, or ``<think>``: whether its generation prompt opens the block is found by
+    rendering it);
     ``none`` turns it off."""
     if parser == "none":
         return None
@@ -67,6 +116,8 @@ def reasoning_format_for(parser: str, hf_tokenizer: Any) -> ThinkTags | None:
                              f"{', '.join(REASONING_FORMATS)}")
         return REASONING_FORMATS[parser]
     template = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(template, str) and "<|channel|>" in template:
+        return REASONING_FORMATS["openai_gptoss"]
     if not isinstance(template, str) or "<think>" not in template:
         return None
     try:
