@@ -62,3 +62,25 @@ def test_a_normal_render_is_transformers_own_text(model: Path) -> None:
     expected = tok.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert tok.render_chat(CHAT) == expected
     tok.check_template()  # and it passes the start-up probe
+
+
+def test_a_requests_template_variables_reach_the_template_and_cannot_set_its_own_parameters(model: Path) -> None:
+    """vLLM's ``chat_template_kwargs``: Qwen3's ``enable_thinking`` switched off renders the empty thinking
+    block the template writes for it; a variable named after one of ``apply_chat_template``'s own parameters,
+    or not a name, is refused before rendering."""
+    from strata.pipeline.frontend.intake import Intake
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.contract.sampling_params import SamplingParams
+
+    thinking = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+                "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    tok = PromptTokenizer(model, load_model_config(model), thinking)
+    assert tok.render_chat(CHAT).endswith("assistant:")
+    assert tok.render_chat(CHAT, template_kwargs={"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    for bad, words in (({"add_generation_prompt": False}, "set by the request itself"), ({"a-b": 1}, "not a template")):
+        with pytest.raises(ValueError, match=words):
+            tok.render_chat(CHAT, template_kwargs=bad)
+    intake = Intake(tok, EngineConfig())
+    on = intake.make_request("a", SamplingParams(max_tokens=4), messages=CHAT)[0]
+    off = intake.make_request("b", SamplingParams(max_tokens=4), messages=CHAT, template_kwargs={"enable_thinking": False})[0]
+    assert len(off.prompt_token_ids) > len(on.prompt_token_ids)

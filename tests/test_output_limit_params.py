@@ -34,9 +34,11 @@ class FakeFlow:
 
     def __init__(self) -> None:
         self.prepared: list[SamplingParams] = []
+        self.prompts: list[dict[str, Any]] = []
 
     async def prepare(self, request_id: str, params: SamplingParams, images: list[bytes], **prompt: Any) -> Request:
         self.prepared.append(params)
+        self.prompts.append(prompt)
         return Request(request_id, [1, 2, 3], params)
 
     async def events(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
@@ -138,3 +140,11 @@ def test_harmony_answers_keep_their_special_tokens_for_the_reader() -> None:
     assert status == 200 and flow.prepared[0].skip_special_tokens is False and body["choices"][0]["message"]["content"]
     status, _, flow = _post({"model": MODEL, "prompt": "hi", "max_tokens": 4}, chat=False, reasoning=harmony)
     assert status == 200 and flow.prepared[0].skip_special_tokens is True
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_a_400() -> None:
+    status, _, flow = _post(_chat(max_tokens=4, chat_template_kwargs={"enable_thinking": False}))
+    assert status == 200 and flow.prompts[0]["template_kwargs"] == {"enable_thinking": False}
+    for bad in ({"tokenize": True}, {"not a name": 1}, [1]):
+        status, body, flow = _post(_chat(max_tokens=4, chat_template_kwargs=bad))
+        assert status == 400 and body["error"]["param"] == "chat_template_kwargs" and not flow.prepared

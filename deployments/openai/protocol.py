@@ -31,6 +31,7 @@ from pydantic import (
 from strata.pipeline.contract.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
 from strata.pipeline.frontend.intake import PromptTooLongError, check_prompt_chars
 from strata.pipeline.frontend.structured import spec_from_openai
+from strata.pipeline.frontend.tokenizer import check_template_kwargs
 from strata.pipeline.frontend.tools.request import ToolRequest, tool_request
 
 # OpenAI parameters this server does not implement: a request that sets one gets a 400 naming it
@@ -218,6 +219,8 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM extension: the image processor's per-request settings (Qwen-VL: min_pixels, max_pixels); the
     # Preprocess stage checks them against the model's processor
     mm_processor_kwargs: dict[StrictStr, Any] | None = None
+    # vLLM extension: the chat template's own variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking)
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
     # tool calling; their contents are checked by tool_request (a 400 naming what is wrong)
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[StrictStr, Any] | None = None
@@ -229,6 +232,14 @@ class ChatCompletionRequest(_SamplingFields):
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") \
                 from None
+
+    @model_validator(mode="after")
+    def _template_variables(self) -> "ChatCompletionRequest":
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="chat_template_kwargs") from None
+        return self
 
     @model_validator(mode="after")
     def _no_echo(self) -> "ChatCompletionRequest":

@@ -308,6 +308,7 @@ class Ingress:
                 messages, images = await off_loop(request, split_chat, req.messages, self.config.max_image_bytes)
                 prepared = await self.flow.prepare(rid, params, images, messages=messages,
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
+                                                   template_kwargs=req.chat_template_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
             else:  # several prompts: one request each, ``<id>``, ``<id>-p1``, ...
                 prompts = [await self.flow.prepare(rid if i == 0 else f"{rid}-p{i}", params, [], **one)

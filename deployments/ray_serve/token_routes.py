@@ -28,6 +28,7 @@ class TokenizeRequest(LenientModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # the template's variables, as a chat request's
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
@@ -54,7 +55,7 @@ def tokenize(req: TokenizeRequest, tokenizer: PromptTokenizer, max_model_len: in
             tools = tool_request(req.tools, None, None)
             text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                          tools=tools.template_tools() if tools is not None else None,
-                                         max_chars=4 * limit)
+                                         max_chars=4 * limit, template_kwargs=req.chat_template_kwargs)
             check_prompt_chars(max_model_len, text)
             ids = tokenizer.encode(text, 0).token_ids  # exactly the ids a completion of these messages would see
         else:

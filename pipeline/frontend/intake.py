@@ -49,10 +49,12 @@ class Intake:
         raw_prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[Request, list[int]]:
         """Validate and tokenize exactly one of prompt / messages / raw_prompt / prompt_token_ids.
 
-        ``tools`` (OpenAI function tools) are rendered by the chat template with ``messages``.
+        ``tools`` (OpenAI function tools) are rendered by the chat template with ``messages``, and
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) are its variables.
         Returns the request (images not attached yet) and each image's placeholder offset. A request
         whose ``max_tokens`` is None may generate whatever room the context leaves (the OpenAI default
         when ``max_tokens`` is absent): it is set here, where the prompt's length is known.
@@ -60,7 +62,8 @@ class Intake:
         params.validate()
         self.check_grammar(params)
         stall_point("tokenize")
-        encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools)
+        encoded = self._encode(params, num_images, image_tokens, prompt, messages, raw_prompt, prompt_token_ids, tools,
+                               template_kwargs)
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
         if params.max_tokens is None:
@@ -107,7 +110,8 @@ class Intake:
 
     def _encode(self, params: SamplingParams, num_images: int, image_tokens: Seq[int] | None, prompt: str | None,
                 messages: list[dict[str, Any]] | None, raw_prompt: str | None,
-                prompt_token_ids: list[int] | None, tools: list[dict[str, Any]] | None = None) -> EncodedPrompt:
+                prompt_token_ids: list[int] | None, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> EncodedPrompt:
         if sum(x is not None for x in (prompt, messages, raw_prompt, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, raw_prompt or prompt_token_ids")
         if num_images and not self.tokenizer.takes_images:
@@ -127,7 +131,7 @@ class Intake:
                     raise ValueError("prompt is empty")
                 text = tok.render_user_prompt(prompt, num_images, **bounds)
             elif messages is not None:
-                text = tok.render_chat(messages, tools=tools, **bounds)
+                text = tok.render_chat(messages, tools=tools, template_kwargs=template_kwargs, **bounds)
         except TemplateBoundError as exc:
             if exc.bound == "output":  # what it wrote is already longer than any prompt may be
                 raise PromptTooLongError(f"the rendered prompt is longer than {limit} characters ({MAX_CHARS_PER_TOKEN} "

@@ -69,19 +69,22 @@ class PromptTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, *, timeout_s: float = RENDER_TIMEOUT_S,
-                    max_chars: int = RENDER_MAX_CHARS) -> str:
-        """Apply the checkpoint's chat template (with ``tools``, OpenAI function tools, for it to render);
-        image parts are placed where the template puts them. The render is bounded (``template_bounds``):
+                    max_chars: int = RENDER_MAX_CHARS, template_kwargs: dict[str, Any] | None = None) -> str:
+        """Apply the checkpoint's chat template (with ``tools``, OpenAI function tools, for it to render, and
+        ``template_kwargs``, the request's own variables such as Qwen3's ``enable_thinking``: checked by
+        ``check_template_kwargs``); image parts are placed where the template puts them. The render is
+        bounded (``template_bounds``):
         past ``timeout_s`` or ``max_chars``, or if the template raises, recurses or runs out of memory, a
         ValueError (a 400 for this request alone)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a raw prompt instead")
         if not self.takes_images:
             messages = [_flatten_text(m) for m in messages]
+        variables = check_template_kwargs(template_kwargs)
         try:
             return render_bounded(lambda: self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt),
-                timeout_s, max_chars)
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **variables), timeout_s, max_chars)
         except TemplateBoundError:
             raise
         except Exception as exc:  # raise_exception, a sandbox refusal, a type it cannot render: these messages'
@@ -151,3 +154,25 @@ def _flatten_text(message: dict[str, Any]) -> dict[str, Any]:
         return message
     texts = [p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text"]
     return {**message, "content": "\n".join(texts)}
+
+
+# apply_chat_template's own parameters: a request's template variables never set them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` (vLLM's extension), as the template's variables: names only, none of
+    ``apply_chat_template``'s own parameters; a ValueError (a 400) names the first bad one."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be an object")
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs: {key!r} is set by the request itself, not as a template variable")
+    return kwargs
