@@ -187,7 +187,7 @@ def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str,
 
 
 def test_a_long_max_model_len_is_allowed_when_asked_for(llama_dir: Path, monkeypatch) -> None:
-    from strata.deployments.ray_serve.cli import check_model_len
+    from strata.deployments.ray_serve.serve_flags import check_model_len
 
     monkeypatch.setenv("STRATA_ALLOW_LONG_MAX_MODEL_LEN", "1")
     check_model_len(100_000, str(llama_dir))  # no error: the operator opted in
@@ -199,7 +199,7 @@ def test_a_long_max_model_len_is_allowed_when_asked_for(llama_dir: Path, monkeyp
 def test_serve_flags_override_the_json_config(llama_dir: Path, tmp_path: Path) -> None:
     import argparse
 
-    from strata.deployments.ray_serve.cli import add_arguments, load_config
+    from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 
     path = tmp_path / "serve.json"
     path.write_text('{"engine": {"max_model_len": 1024, "dtype": "bfloat16"}, "model_name": "from-json"}')
@@ -221,7 +221,7 @@ def test_chat_template_and_tool_call_parser_flags(llama_dir: Path, tmp_path: Pat
     --tool-call-parser names the format answers are read in."""
     import argparse
 
-    from strata.deployments.ray_serve.cli import add_arguments, load_config
+    from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 
     template = tmp_path / "tools.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -246,7 +246,7 @@ def test_the_api_key_reaches_the_replicas_only_as_its_digest(llama_dir: Path, mo
     import json
 
     from strata.deployments.openai.api_key import authorized
-    from strata.deployments.ray_serve.cli import add_arguments, load_config
+    from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -275,7 +275,7 @@ def test_the_raw_key_leaves_the_environment_and_the_command_line_as_it_is_read(l
     import os
     import sys
 
-    from strata.deployments.ray_serve.cli import add_arguments, load_config
+    from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -303,7 +303,8 @@ def test_a_second_server_gets_the_next_free_direct_port_and_a_busy_one_asked_for
     import argparse
     import socket
 
-    from strata.deployments.ray_serve.cli import DIRECT_PORT, add_arguments, check_ports
+    from strata.deployments.ray_serve.cli import DIRECT_PORT, check_ports
+    from strata.deployments.ray_serve.serve_flags import add_arguments
     from strata.local_server import free_port
 
     parser = argparse.ArgumentParser()
@@ -406,7 +407,7 @@ def test_a_hugging_face_id_resolves_through_the_local_cache_and_nothing_is_downl
     import argparse
     import shutil
 
-    from strata.deployments.ray_serve.cli import add_arguments, load_config
+    from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny-llava"

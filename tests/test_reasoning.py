@@ -101,6 +101,42 @@ def test_a_call_forced_from_the_first_token_is_the_answer_though_the_prompt_open
                                             )["message"]["reasoning_content"] == "plan"
 
 
+def test_gpt_oss_thinks_then_calls_and_both_are_read_whole_and_streamed() -> None:
+    """Harmony: the analysis is the reasoning and a message addressed to a function is a call (read out of the
+    whole output, which the reasoning split leaves out of the answer); cut anywhere, the stream adds up."""
+    from strata.pipeline.frontend.tools.calls import constrain
+    from strata.pipeline.frontend.tools.formats import HarmonyCalls
+    from strata.pipeline.frontend.tools.request import tool_request
+    from strata.pipeline.contract.sampling_params import SamplingParams
+
+    from tokenizers import AddedToken
+
+    markers = {200_000 + i: AddedToken(m, special=True) for i, m in enumerate(HarmonyCalls.markers)}
+    calls = HarmonyCalls(SimpleNamespace(added_tokens_decoder=markers))  # special tokens, as gpt-oss's are
+    fmt = AnswerFormat(HARMONY, calls)
+    text = (ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
+            '{"a": 1, "b": 2}<|call|>')
+    choice = fmt.read({"message": {"content": text}, "finish_reason": "stop"})
+    message = choice["message"]
+    assert message["reasoning_content"] == "User asks a capital." and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert choice["finish_reason"] == "tool_calls"
+    deltas, thinking, arguments = fmt.deltas(), "", ""
+    for end in range(1, len(text) + 1):
+        delta = deltas.update(text[:end], final=end == len(text)) or {}
+        assert "content" not in delta
+        thinking += delta.get("reasoning_content", "")
+        arguments += "".join(p["function"]["arguments"] for p in delta.get("tool_calls", []))
+    assert thinking == "User asks a capital." and arguments == '{"a": 1, "b": 2}'
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    auto = SamplingParams(max_tokens=8)
+    constrain(auto, tool_request(tools, "auto", None), calls)  # read as written: no grammar, markers kept
+    assert auto.structured is None and auto.skip_special_tokens is False
+    required = SamplingParams(max_tokens=8)
+    constrain(required, tool_request(tools, "required", None), calls)
+    assert required.structured[0] == "lark" and '"commentary to=functions.add "' in required.structured[1]
+
+
 class _Template(SimpleNamespace):
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         return "user: hi\nassistant:" + self.opens

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from strata.cli import main
-from strata.deployments.ray_serve.cli import add_arguments, load_config
+from strata.deployments.ray_serve.serve_flags import add_arguments, load_config
 from strata.deployments.ray_serve.vllm_flags import FLAGS
 
 README = (Path(__file__).parents[1] / "README.md").read_text()

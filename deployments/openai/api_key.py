@@ -3,7 +3,7 @@
 Every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` (what load balancers, Serve's own
 probes and Prometheus scrapers call, open as in vLLM) needs ``Authorization: Bearer <key>``; anything else
 is a 401 with an OpenAI-style body. The key itself never
-leaves the CLI process: ``ray_serve.cli`` takes it out of the environment and ``sys.argv`` as it reads it
+leaves the CLI process: ``ray_serve.serve_flags`` takes it out of the environment and ``sys.argv`` as it reads it
 (before Ray starts: Ray's processes inherit the one, and Ray records the other), the serve config carries
 its SHA-256, replicas compare the SHA-256 of what a client sends against it with ``hmac.compare_digest``
 (constant time), and error bodies never echo it.

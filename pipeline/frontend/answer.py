@@ -39,14 +39,14 @@ class AnswerFormat:
         """A whole chat choice with its answer read: ``reasoning_content`` / ``reasoning``, the content left,
         ``tool_calls`` and ``finish_reason`` ``tool_calls`` when the answer ended after making some."""
         message = choice["message"]
-        text = message["content"]
+        text = whole = message["content"]
         if self.thinks(text, final=True):
             thinking, text = self.reasoning.split(text, final=True)  # type: ignore[union-attr]
             if thinking is not None:
                 message["reasoning_content"] = message["reasoning"] = thinking
             message["content"] = (text or None) if thinking is not None else text
         if self.tools is not None:
-            content, calls = tool_calls_message(self.tools, text)
+            content, calls = tool_calls_message(self.tools, whole if self.tools.reads_whole_output else text)
             if calls:
                 message["content"] = content
                 message["tool_calls"] = calls
@@ -75,6 +75,7 @@ class AnswerDeltas:
         """One delta (``reasoning_content`` and ``reasoning``, ``content``, ``tool_calls``) with what ``text``
         adds; None when nothing."""
         delta: dict[str, Any] = {}
+        whole = text
         thinks = self.fmt.thinks(text, final)
         if thinks is None:  # a call's marker may be on its way
             return None
@@ -84,7 +85,7 @@ class AnswerDeltas:
                 delta["reasoning_content"] = delta["reasoning"] = thinking[self.reasoning_sent:]
                 self.reasoning_sent = len(thinking)
         if self.tools is not None:
-            delta.update(self.tools.update(text, final) or {})
+            delta.update(self.tools.update(whole if self.tools.fmt.reads_whole_output else text, final) or {})
         elif len(text) > self.content_sent:
             delta["content"] = text[self.content_sent:]
             self.content_sent = len(text)

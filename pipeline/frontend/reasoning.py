@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from strata.pipeline.frontend.harmony import MESSAGE, harmony_messages
+
 
 @dataclass(frozen=True)
 class ThinkTags:
@@ -45,48 +47,30 @@ class ThinkTags:
 
 @dataclass(frozen=True)
 class Harmony:
-    """gpt-oss's harmony messages: ``<|channel|>analysis<|message|>THINKING<|end|><|start|>assistant<|channel|>
-    final<|message|>ANSWER``. The analysis channel is the reasoning; the final channel, and commentary addressed
-    to no one (a preamble), is the answer; a message addressed to a tool (``to=functions.NAME``) is neither.
-    Its markers are special tokens, so the answer is detokenized with them kept (``needs_special_tokens``);
-    a message whose header is still being written adds nothing yet."""
+    """gpt-oss's harmony messages (``harmony``): ``<|channel|>analysis<|message|>THINKING<|end|><|start|>assistant
+    <|channel|>final<|message|>ANSWER``. The analysis channel is the reasoning; the final channel, and commentary
+    addressed to no one (a preamble), is the answer; a message addressed to a tool (``to=functions.NAME``) is
+    neither (``tools.formats.HarmonyCalls`` reads it). Its markers are special tokens, so the answer is
+    detokenized with them kept (``needs_special_tokens``); a message whose header is still being written adds
+    nothing yet."""
 
     name: str = "openai_gptoss"
     opened_by_prompt: bool = False
     needs_special_tokens: bool = True
-    message: str = "<|message|>"
-    channel: str = "<|channel|>"
-    ends: tuple[str, ...] = ("<|end|>", "<|return|>", "<|call|>")
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
-        if self.message not in text:  # not harmony at all, or a first header on its way
+        if MESSAGE not in text:  # not harmony at all, or a first header on its way
             return None, text if final else ""
         thinking: list[str] | None = None
         answer: list[str] = []
-        at = 0
-        while (head_end := text.find(self.message, at)) >= 0:
-            header, start = text[at:head_end], head_end + len(self.message)
-            end, close = min(((i, m) for m in self.ends if (i := text.find(m, start)) >= 0), default=(-1, ""))
-            body = text[start:end] if end >= 0 else text[start:] if final else _open_marker_held_back(text[start:])
-            channel = header.partition(self.channel)[2].split(" ", 1)[0].split("<|", 1)[0]
-            if "to=" in header:
-                pass  # a tool's message: not reasoning, not the answer
-            elif channel == "analysis":
-                thinking = (thinking or []) + [body]
+        for message in harmony_messages(text, final):
+            if message.recipient is not None:
+                continue
+            if message.channel == "analysis":
+                thinking = (thinking or []) + [message.body]
             else:
-                answer.append(body)
-            if end < 0:
-                break
-            at = end + len(close)
+                answer.append(message.body)
         return ("".join(thinking) if thinking is not None else None), "".join(answer)
-
-
-def _open_marker_held_back(text: str) -> str:
-    """``text`` without a trailing ``<|...`` that is not closed yet: the next characters may make it a marker."""
-    at = text.rfind("<|")
-    if at >= 0 and "|>" not in text[at:]:
-        return text[:at]
-    return text[:-1] if text.endswith("<") else text
 
 
 def _held_back(text: str, marker: str) -> str:

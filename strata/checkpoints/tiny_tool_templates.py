@@ -4,7 +4,8 @@ Each renders the tools into the prompt, the assistant's earlier calls in the fam
 ``role: tool`` results, in the tiny models' ``role: content`` layout. Markers are added to the tokenizer
 as real checkpoints have them: Hermes' ``<tool_call>`` as plain added tokens (as Qwen2.5), Mistral's
 ``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers as special tokens, MiniMax-M2's
-``<minimax:tool_call>`` pair as plain added tokens; Llama 3's JSON calls need none.
+``<minimax:tool_call>`` pair as plain added tokens, gpt-oss's harmony markers as special tokens; Llama 3's JSON
+calls need none.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ TOOL_TEMPLATES: dict[str, str] = {
         "{{- '<parameter name=\"' + k + '\">' + (v if v is string else v | tojson) + '</parameter>\\n' -}}"
         "{%- endfor -%}{{- '</invoke>\\n' -}}",
         before="<minimax:tool_call>\\n", after="</minimax:tool_call>") + _TAIL,
+    "openai": _HEAD + _with_calls(
+        "{{- '<|start|>assistant<|channel|>commentary to=functions.' + tc['function']['name'] + ' <|constrain|>json"
+        "<|message|>' + " + _ARGS + " + '<|call|>' -}}") + _TAIL,
 }
 # the family's markers: (text, special)
 TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -68,6 +72,8 @@ TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
     "deepseek_v3": tuple((m, True) for m in ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                                               "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
     "minimax_m2": (("<minimax:tool_call>", False), ("</minimax:tool_call>", False)),
+    "openai": tuple((m, True) for m in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                                         "<|return|>", "<|call|>")),
 }
 
 

@@ -9,7 +9,7 @@ from strata.commands import CLIError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from strata.deployments.ray_serve.cli import add_arguments as serve_arguments
+    from strata.deployments.ray_serve.serve_flags import add_arguments as serve_arguments
 
     serve_arguments(p)
 

@@ -32,6 +32,8 @@ def constrain(params: SamplingParams, req: ToolRequest, fmt: ToolFormat | None) 
         if req.choice in ("required", "function"):
             raise ValueError("tool_choice required or a named function cannot be combined with response_format "
                              "or guided_* (both decide what the answer is)")
+    elif req.choice == "auto" and not fmt.enforces_auto:
+        pass  # calls are read as the model writes them (``HarmonyCalls``: no marker tells a call apart)
     elif req.choice == "auto" and fmt.start in fmt.token_ids:  # the calls' grammar, from the marker token on
         params.structured = ("lark", fmt.grammar(req, calls_only=True))
         params.structured_trigger = fmt.token_ids[fmt.start]

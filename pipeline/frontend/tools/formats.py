@@ -13,7 +13,8 @@ One class per family, named as vLLM's ``--tool-call-parser`` names them:
 - ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and the arguments
   in a fenced json block, ``<｜tool▁call▁end｜>``, ..., ``<｜tool▁calls▁end｜>``;
 - ``minimax_m2``: ``<minimax:tool_call>`` then per call ``<invoke name="NAME">`` with one
-  ``<parameter name="KEY">VALUE</parameter>`` per argument (bare text for strings, JSON otherwise).
+  ``<parameter name="KEY">VALUE</parameter>`` per argument (bare text for strings, JSON otherwise);
+- ``openai`` (gpt-oss): a harmony message addressed ``to=functions.NAME`` whose body is the arguments.
 
 ``parse`` reads a possibly unfinished output, so the same code serves whole answers and streams: the
 content that can no longer change, and each call's name and its arguments as far as written (the
@@ -31,10 +32,12 @@ marker would vanish from the text.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from strata.pipeline.frontend.harmony import CONSTRAIN, ENDS, FUNCTIONS, MESSAGE, harmony_messages
 from strata.pipeline.frontend.structured import JSON_LAYOUT
 from strata.pipeline.frontend.tools.json_scan import object_members, skip_ws, value_end
 from strata.pipeline.frontend.tools.request import ToolFunction, ToolRequest
@@ -62,6 +65,8 @@ class ToolFormat:
     start: ClassVar[str]  # the marker that opens the calls
     markers: ClassVar[tuple[str, ...]]  # every marker the calls use (special tokens in some checkpoints)
     signature: ClassVar[str]  # text in a chat template that says it writes calls this way
+    enforces_auto: ClassVar[bool] = True  # ``auto`` holds a begun call to the schemas by a grammar
+    reads_whole_output: ClassVar[bool] = False  # reads the calls out of the whole output, reasoning included
 
     def __init__(self, hf_tokenizer: Any) -> None:
         added = {str(tok): (int(i), bool(getattr(tok, "special", False)))
@@ -326,13 +331,14 @@ class MiniMaxM2(ToolFormat):
     markers = (start, end)
     signature = "<minimax:tool_call>"
 
-    def __init__(self, hf_tokenizer: Any, schemas: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any) -> None:
         super().__init__(hf_tokenizer)
-        self.hf_tokenizer = hf_tokenizer
-        self.schemas = schemas or {}  # function name -> its parameters schema
+        self.schemas: dict[str, dict[str, Any]] = {}  # function name -> its parameters schema (bound per request)
 
     def for_request(self, req: ToolRequest) -> "MiniMaxM2":
-        return MiniMaxM2(self.hf_tokenizer, {f.name: f.parameters for f in req.functions})
+        bound = copy.copy(self)  # the tokenizer's markers are shared; only the schemas are the request's
+        bound.schemas = {f.name: f.parameters for f in req.functions}
+        return bound
 
     def _calls(self, rest: str) -> list[ParsedCall]:
         calls = []
@@ -406,15 +412,49 @@ def _is_text(schema: dict[str, Any]) -> bool:
     return schema.get("type") == "string"
 
 
+class HarmonyCalls(ToolFormat):
+    """gpt-oss's calls: harmony messages addressed to a function (``frontend.harmony``), ``<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>``; the content is the final channel's text
+    (and a preamble addressed to no one), never the analysis. The calls' markers open every harmony message,
+    so no trigger can tell a call from the analysis: ``auto`` reads calls as the model writes them, unenforced
+    (``enforces_auto``), while ``required`` and a named function start the answer at a call."""
+
+    name = "openai"
+    start = "<|channel|>"
+    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+    signature = FUNCTIONS
+    enforces_auto = False
+    reads_whole_output = True
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        if MESSAGE not in text:  # no harmony message (yet)
+            return ParsedOutput(text if final else "")
+        content, calls = [], []
+        for message in harmony_messages(text, final):
+            recipient = message.recipient
+            if recipient is not None and recipient.startswith("functions."):
+                calls.append(ParsedCall(recipient[len("functions."):], message.body))
+            elif recipient is None and message.channel != "analysis":
+                content.append(message.body)
+        return ParsedOutput("".join(content), calls)
+
+    def _after_start(self, functions: tuple[ToolFunction, ...], parallel: bool) -> list[str]:
+        lines = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}"]
+        for i, f in enumerate(functions):  # one call: <|call|> ends the model's turn
+            lines.append(f"call_{i}: {json.dumps('commentary ' + FUNCTIONS + f.name + ' ')} {self.lit(CONSTRAIN)} "
+                         f'"json" {self.lit(MESSAGE)} {_json_schema(f.parameters)} {self.lit(ENDS[2])}')
+        return ["call", *lines]
+
+
 TOOL_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, KimiK2, DeepSeekV3,
-                                                                   MiniMaxM2)}
+                                                                   MiniMaxM2, HarmonyCalls)}
 
 
 def detect_tool_format(chat_template: str | None) -> str | None:
     """The family a chat template writes tool calls in (None: it renders no tools, or none we know)."""
     if not chat_template or "tools" not in chat_template:
         return None
-    for fmt in (KimiK2, DeepSeekV3, MiniMaxM2, Mistral, Hermes, Llama3Json):  # most specific marker first
+    for fmt in (HarmonyCalls, KimiK2, DeepSeekV3, MiniMaxM2, Mistral, Hermes, Llama3Json):  # most specific first
         if fmt.signature in chat_template:
             return fmt.name
     return None
