@@ -45,6 +45,18 @@ def test_no_component_is_compared_by_name_outside_its_kind() -> None:
     assert name_comparisons(_sources()) == []
 
 
+def test_kinds_never_import_the_registry_nor_torch() -> None:
+    """A kind is read by bring-up, the shard plan and the planner without building a model or a registry."""
+    kinds = sorted((REPO / "pipeline" / "models").glob("*_kinds.py"))
+    assert {p.stem for p in kinds} >= {"attention_kinds", "expert_kinds", "position_kinds", "router_kinds",
+                                       "vision_kinds"}
+    for path in kinds:
+        imported = {alias.name if isinstance(node, ast.Import) else node.module or ""
+                    for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        assert not any(name.startswith("torch") or name.endswith("architectures") for name in imported), path.name
+
+
 def test_the_name_check_finds_a_comparison(tmp_path: Path) -> None:
     room = tmp_path / "room"
     room.mkdir()

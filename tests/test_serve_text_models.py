@@ -2,7 +2,8 @@
 weights with block scales, written by compressed-tensors) served disaggregated, its decode a
 tensor-parallel group of two reading its slices of the FP8 codes and scales; the official openai client
 gets the in-process engine's answers, streamed or not, and an image is a 400 that says the model takes
-none. No Preprocess or Encode deployment is started for it."""
+none. No Preprocess or Encode deployment is started for it. Then a MiniMax-M2 with its own tool syntax and a
+template that opens the thinking: calls read by the declared parameter types, reasoning apart from content."""
 
 from __future__ import annotations
 

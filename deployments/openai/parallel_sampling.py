@@ -120,7 +120,7 @@ class ManyChoices:
                 pass
 
     async def whole(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
-                    tools: AnswerFormat | None = None) -> Response:
+                    answer: AnswerFormat | None = None) -> Response:
         endpoint = "chat" if chat else "completions"
         r = self.responder
         collected: list[list[TokenEvent]] = [[] for _ in kids]
@@ -144,8 +144,8 @@ class ManyChoices:
             one = chat_completion(rid, r.model_name, created, text, reason, use) if chat else \
                 completion(rid, r.model_name, created, text, reason, use)
             choice = {**one["choices"][0], "index": i}
-            if tools is not None:
-                tools.read(choice)
+            if answer is not None:
+                answer.read(choice)
             if req.requested_logprobs() is not None:
                 choice["logprobs"] = r.chat_logprobs(events) if chat else r.completion_logprobs(events, 0)
             choices.append(choice)
@@ -154,20 +154,20 @@ class ManyChoices:
         return JSONResponse(body)
 
     async def stream(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float,
-                     tools: AnswerFormat | None = None) -> Response:
+                     answer: AnswerFormat | None = None) -> Response:
         status = StreamStatus("chat" if chat else "completions")
         at_request_end(status.count)
-        return StreamingResponse(self._sse(req, kids, start, chat, t0, status, tools), media_type="text/event-stream")
+        return StreamingResponse(self._sse(req, kids, start, chat, t0, status, answer), media_type="text/event-stream")
 
     async def _sse(self, req: Any, kids: list[Request], start: Start, chat: bool, t0: float, status: StreamStatus,
-                   tools: AnswerFormat | None) -> AsyncIterator[str]:
+                   answer: AnswerFormat | None) -> AsyncIterator[str]:
         r = self.responder
         model, rid, created = r.model_name, kids[0].request_id, int(time.time())
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
 
-        deltas = [tools.deltas() for _ in kids] if tools is not None else None
+        deltas = [answer.deltas() for _ in kids] if answer is not None else None
         texts = [""] * len(kids)
 
         def chunk(i: int, text: str, reason: str | None, ev: TokenEvent | None = None, offset: int = 0,
@@ -194,7 +194,7 @@ class ManyChoices:
                 for ev in batch:
                     total += 1
                     cached[i] = max(cached[i], ev.num_cached_tokens)
-                    if deltas is not None:  # read for tool calls: the delta of what the text adds
+                    if deltas is not None:  # a chat answer read apart: the delta of what the text adds
                         texts[i] += ev.text_delta
                         delta = deltas[i].update(texts[i], final=ev.finished)
                         if delta is not None or (want_logprobs and ev.logprob is not None):

@@ -184,8 +184,8 @@ class Responder:
 
     # ------------------------------------------------------------ whole responses
     async def whole(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                    t0: float, tools: AnswerFormat | None = None) -> Response:
-        """``tools``: the answer is read for tool calls in that format (a chat request with tools)."""
+                    t0: float, answer: AnswerFormat | None = None) -> Response:
+        """``answer``: how a chat answer is read (its reasoning apart, its tool calls)."""
         endpoint = "chat" if chat else "completions"
         timed = Timed(events, endpoint, t0, self.deadline_s)
         at_request_end(timed.close)  # a client gone mid-answer stops its generation in every stage
@@ -210,8 +210,8 @@ class Responder:
         created = int(time.time())
         if chat:
             body = chat_completion(prepared.request_id, self.model_name, created, text, reason, use)
-            if tools is not None:
-                tools.read(body["choices"][0])
+            if answer is not None:
+                answer.read(body["choices"][0])
             if req.requested_logprobs() is not None:
                 body["choices"][0]["logprobs"] = self.chat_logprobs(collected)
             if _asks_prompt_logprobs(req):  # vLLM puts a chat's at the top (built off the shared loop)
@@ -248,7 +248,7 @@ class Responder:
 
     # ------------------------------------------------------------ streams
     async def stream(self, req: Any, prepared: Request, events: AsyncIterator[list[TokenEvent]], chat: bool,
-                     t0: float, tools: AnswerFormat | None = None) -> Response:
+                     t0: float, answer: AnswerFormat | None = None) -> Response:
         """The first batch is awaited before any byte is sent, so a request refused by a stage (busy,
         failed) still gets its status and JSON error; later failures are reported in-band."""
         endpoint = "chat" if chat else "completions"
@@ -262,14 +262,14 @@ class Responder:
             await timed.close()
             log.warning("request %s failed before its first token: %r", prepared.request_id, exc)
             return error_response(client_error(exc, self.retry_after_s), endpoint)
-        deltas = tools.deltas() if tools is not None else None
+        deltas = answer.deltas() if answer is not None else None
         status = StreamStatus(endpoint)
         at_request_end(status.count)
         return StreamingResponse(self._sse(req, prepared, timed, first, chat, status, deltas),
                                  media_type="text/event-stream")
 
     async def _sse(self, req: Any, prepared: Request, timed: Timed, first: list[TokenEvent] | None,
-                   chat: bool, status: StreamStatus, tool_deltas: AnswerDeltas | None = None) -> AsyncIterator[str]:
+                   chat: bool, status: StreamStatus, answer_deltas: AnswerDeltas | None = None) -> AsyncIterator[str]:
         model, rid, created = self.model_name, prepared.request_id, int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_logprobs = req.requested_logprobs() is not None
@@ -303,16 +303,17 @@ class Responder:
                     if not shows:
                         continue
                     n += 1
-                    if tool_deltas is not None:
+                    if answer_deltas is not None:
                         text += ev.text_delta
                     elif want_logprobs:
                         out.append(sse(self._logprob_chunk(rid, model, created, chat, ev, offset)))
                     elif ev.text_delta:
                         out.append(content(ev.text_delta))
                     offset += len(ev.text_delta)
-                if tool_deltas is not None:  # a chat with tools: one chunk per batch, read for calls
-                    out.extend(self._tool_chunk(rid, model, created, tool_deltas, text, reason, batch, want_logprobs))
-                    if reason == "stop" and tool_deltas.has_calls:
+                if answer_deltas is not None:  # a chat answer read apart: one chunk per batch
+                    out.extend(self._answer_chunk(rid, model, created, answer_deltas, text, reason, batch,
+                                                  want_logprobs))
+                    if reason == "stop" and answer_deltas.has_calls:
                         reason = "tool_calls"
                 if reason is not None:
                     out.append(sse(chat_chunk(rid, model, created, {}, reason) if chat
@@ -341,9 +342,9 @@ class Responder:
         error = client_error(exc, self.retry_after_s)
         return str(error.status), sse(error.body()) + sse("[DONE]")
 
-    def _tool_chunk(self, rid: str, model: str, created: int, deltas: AnswerDeltas, text: str, reason: str | None,
-                    batch: list[TokenEvent], want_logprobs: bool) -> list[str]:
-        """The chunk of what ``text`` adds (content and/or tool-call deltas), with the batch's logprobs."""
+    def _answer_chunk(self, rid: str, model: str, created: int, deltas: AnswerDeltas, text: str, reason: str | None,
+                      batch: list[TokenEvent], want_logprobs: bool) -> list[str]:
+        """The chunk of what ``text`` adds (reasoning, content and/or tool-call deltas), with the batch's logprobs."""
         delta = deltas.update(text, final=reason is not None)
         if delta is None and not want_logprobs:
             return []

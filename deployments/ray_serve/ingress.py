@@ -321,18 +321,18 @@ class Ingress:
         # a chat answer is read for its reasoning (where the model writes some) and tool calls (where the request
         # has tools); a completion is the text as written
         calls = self.tool_format.for_request(tools) if reads_calls else None
-        calls = AnswerFormat(reasoning, calls) if reasoning is not None or calls is not None else None
+        answer = AnswerFormat(reasoning, calls) if reasoning is not None or calls is not None else None
         roots = [prepared] if chat else prompts
         if req.n > 1 or len(roots) > 1:  # n answers of each prompt, its KV computed once (``parallel_sampling``)
             kids = [kid for root in roots for kid in children(root, req.n)]
             many = ManyChoices(self.responder)
             if req.stream:
-                return await many.stream(req, kids, self.flow.events, chat, t0, calls)
-            return await many.whole(req, kids, self.flow.events, chat, t0, calls)
+                return await many.stream(req, kids, self.flow.events, chat, t0, answer)
+            return await many.whole(req, kids, self.flow.events, chat, t0, answer)
         events = self.flow.events(prepared)
         if req.stream:
-            return await self.responder.stream(req, prepared, events, chat, t0, calls)
-        return await self.responder.whole(req, prepared, events, chat, t0, calls)
+            return await self.responder.stream(req, prepared, events, chat, t0, answer)
+        return await self.responder.whole(req, prepared, events, chat, t0, answer)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.config.model_aliases:
