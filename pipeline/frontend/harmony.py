@@ -1,13 +1,15 @@
 """gpt-oss's harmony format, read: an answer is a run of messages, each a header and a body,
 ``[<|start|>assistant][ to=RECIPIENT]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>BODY`` ended by
 ``<|end|>``, ``<|return|>`` or ``<|call|>`` (the first message's ``<|start|>assistant`` is the prompt's). The
-reasoning reader (``reasoning.Harmony``) and the tool-call reader (``tools.formats.HarmonyCalls``) both walk it
+reasoning reader (``reasoning.Harmony``) and the tool-call reader (``tools.harmony_format.HarmonyCalls``) both walk it
 here, so they agree on where a message begins and ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from strata.pipeline.frontend.stream_text import open_marker_held_back
 
 MESSAGE, CHANNEL, CONSTRAIN = "<|message|>", "<|channel|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -38,17 +40,9 @@ def harmony_messages(text: str, final: bool) -> list[HarmonyMessage]:
     while (head_end := text.find(MESSAGE, at)) >= 0:
         start = head_end + len(MESSAGE)
         end, close = min(((i, m) for m in ENDS if (i := text.find(m, start)) >= 0), default=(-1, ""))
-        body = text[start:end] if end >= 0 else text[start:] if final else _open_marker_held_back(text[start:])
+        body = text[start:end] if end >= 0 else text[start:] if final else open_marker_held_back(text[start:])
         out.append(HarmonyMessage(text[at:head_end], body, end >= 0))
         if end < 0:
             break
         at = end + len(close)
     return out
-
-
-def _open_marker_held_back(text: str) -> str:
-    """``text`` without a trailing ``<|...`` that is not closed yet: the next characters may make it a marker."""
-    at = text.rfind("<|")
-    if at >= 0 and "|>" not in text[at:]:
-        return text[:at]
-    return text[:-1] if text.endswith("<") else text

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.frontend.harmony import MESSAGE, harmony_messages
+from strata.pipeline.frontend.stream_text import held_back
+from strata.pipeline.frontend.template_bounds import render_bounded
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class ThinkTags:
             return None, text
         thinking, closed, answer = body.partition(self.end)
         if not closed:
-            return (thinking if final else _held_back(thinking, self.end)), ""
+            return (thinking if final else held_back(thinking, self.end)), ""
         return thinking, answer.lstrip()
 
 
@@ -50,7 +52,7 @@ class Harmony:
     """gpt-oss's harmony messages (``harmony``): ``<|channel|>analysis<|message|>THINKING<|end|><|start|>assistant
     <|channel|>final<|message|>ANSWER``. The analysis channel is the reasoning; the final channel, and commentary
     addressed to no one (a preamble), is the answer; a message addressed to a tool (``to=functions.NAME``) is
-    neither (``tools.formats.HarmonyCalls`` reads it). Its markers are special tokens, so the answer is
+    neither (``tools.harmony_format.HarmonyCalls`` reads it). Its markers are special tokens, so the answer is
     detokenized with them kept (``needs_special_tokens``); a message whose header is still being written adds
     nothing yet."""
 
@@ -71,14 +73,6 @@ class Harmony:
             else:
                 answer.append(message.body)
         return ("".join(thinking) if thinking is not None else None), "".join(answer)
-
-
-def _held_back(text: str, marker: str) -> str:
-    """``text`` without a trailing start of ``marker``, which the next token may complete."""
-    for j in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:j]):
-            return text[:-j]
-    return text
 
 
 ReasoningFormat = ThinkTags | Harmony
@@ -104,10 +98,10 @@ def reasoning_format_for(parser: str, hf_tokenizer: Any) -> ReasoningFormat | No
         return REASONING_FORMATS["openai_gptoss"]
     if not isinstance(template, str) or "<think>" not in template:
         return None
-    try:
-        prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                  add_generation_prompt=True)
-    except Exception:  # a template that needs more than one user turn to render: the tags decide alone
+    try:  # bounded as any render is: a template that runs away never holds a server's start
+        prompt = render_bounded(lambda: hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True), 5.0, 1_000_000)
+    except Exception:  # one that needs more than a user turn to render, or runs away: the tags decide alone
         prompt = ""
     opened = isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
     return ThinkTags("auto", opened_by_prompt=opened)
