@@ -3,6 +3,7 @@
 from .block_file import BlockFileError
 from .block_pool import BlockPool, NoFreeBlocksError
 from .device_blocks import DeviceBlocks
+from .device_kv import DeviceKV
 from .file_store import FileBlockStore
 from .lower_tiers import LowerTiers
 from .spilled_reads import KVBlockLostError, SpilledBlocks
@@ -18,12 +19,14 @@ from .hashing import (
     model_fingerprint,
 )
 from .handle import HANDLE_VERSION, HandleError, KVHandle
-from .layout import KVLayout, dtype_from_name, dtype_name
+from .layout import CacheGroup, KVLayout, dtype_from_name, dtype_name
 
 __all__ = [
     "BlockFileError",
     "BlockPool",
+    "CacheGroup",
     "DeviceBlocks",
+    "DeviceKV",
     "FileBlockStore",
     "KVBlockLostError",
     "LowerTiers",

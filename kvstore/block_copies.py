@@ -26,7 +26,7 @@ class BlockCopies:
         self.pool = pool
         self.lower = lower
         self.blocks = blocks
-        self._host_block = torch.empty(layout.block_shape(), dtype=layout.dtype)  # promotion scratch
+        self._host_block = torch.empty(layout.bytes_per_block(), dtype=torch.uint8)  # promotion scratch
 
     def block_bytes(self, block_id: int) -> memoryview:
         """A device block as the tiers store it (every layer; every rank's heads under tp)."""

@@ -1,8 +1,8 @@
 """On-disk format of one KV block, shared by the host (tmpfs) and disk tiers.
 
-A file is a fixed header followed by the block payload in the device layout
-``[num_layers, kv_parts, block_size, kv_heads, head_dim]``, so one layer's K and V (or MLA latent) are one
-contiguous byte range: attention over tiers reads a single layer with one ``pread``.
+A file is a fixed header followed by the block payload: its cache groups in order, each
+``[group layers, kv_parts, block_size, kv_heads, head_dim]`` (``KVLayout.slot_offsets``), so one layer's K and
+V (or MLA latent) are one contiguous byte range: attention over tiers reads a single layer with one ``pread``.
 
 Header (little endian), then msgpack metadata, then payload::
 
@@ -38,26 +38,25 @@ class BlockFileError(ValueError):
 
 @dataclass(frozen=True)
 class BlockFileInfo:
-    """What a reader learns from a header: enough to locate and verify any layer."""
+    """What a reader learns from a header: enough to locate and verify any slot (a layer of a group)."""
 
     block_hash: bytes
     payload_offset: int
-    layer_bytes: int
+    slot_offsets: tuple[int, ...]  # byte offset of each slot in the payload, then the payload's size
     layer_crcs: tuple[int, ...]
 
-
-def layer_nbytes(layout: KVLayout) -> int:
-    """Bytes of one layer's K and V (or latent) in one block."""
-    return layout.kv_parts * layout.block_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
+    def span(self, first: int, count: int) -> tuple[int, int]:
+        """(payload offset, bytes) of ``count`` slots from ``first``."""
+        return self.slot_offsets[first], self.slot_offsets[first + count] - self.slot_offsets[first]
 
 
 def encode_block(block_hash: bytes, fingerprint: bytes, layout: KVLayout, payload: memoryview | bytes) -> bytes:
-    """Header + payload for ``payload`` (the raw bytes of one block in device layout)."""
-    per_layer = layer_nbytes(layout)
+    """Header + payload for ``payload`` (the raw bytes of one block, its groups in order)."""
+    offsets = layout.slot_offsets
     view = memoryview(payload).cast("B")
-    if len(view) != per_layer * layout.num_layers:
-        raise ValueError(f"payload is {len(view)} bytes, layout needs {per_layer * layout.num_layers}")
-    crcs = [zlib.crc32(view[i * per_layer : (i + 1) * per_layer]) for i in range(layout.num_layers)]
+    if len(view) != offsets[-1]:
+        raise ValueError(f"payload is {len(view)} bytes, layout needs {offsets[-1]}")
+    crcs = [zlib.crc32(view[a:b]) for a, b in zip(offsets, offsets[1:])]
     meta = msgpack.packb(
         {"hash": block_hash, "fingerprint": fingerprint, "layout": layout.to_dict(), "nbytes": len(view), "crc": crcs},
         use_bin_type=True,
@@ -75,8 +74,8 @@ def verify_blob(blob: bytes, block_hash: bytes, fingerprint: bytes, layout: KVLa
     block the reader asked for, and every layer's checksum holds. Raises BlockFileError if not."""
     info = _parse_header(lambda n, offset: blob[offset : offset + n], len(blob), block_hash, fingerprint, layout)
     view = memoryview(blob)[info.payload_offset :]
-    for i, crc in enumerate(info.layer_crcs):
-        if zlib.crc32(view[i * info.layer_bytes : (i + 1) * info.layer_bytes]) != crc:
+    for i, (crc, a, b) in enumerate(zip(info.layer_crcs, info.slot_offsets, info.slot_offsets[1:])):
+        if zlib.crc32(view[a:b]) != crc:
             raise BlockFileError(f"checksum mismatch in layer {i}")
 
 
@@ -106,25 +105,26 @@ def _parse_header(read_at, size: int, block_hash: bytes, fingerprint: bytes, lay
         raise BlockFileError("file was written for another model")
     if file_layout != layout.to_dict():
         raise BlockFileError(f"foreign layout {file_layout}")
-    per_layer = layer_nbytes(layout)
-    if nbytes != per_layer * layout.num_layers or len(crcs) != layout.num_layers:
+    offsets = layout.slot_offsets
+    if nbytes != offsets[-1] or len(crcs) != layout.num_layers:
         raise BlockFileError("payload size disagrees with layout")
     offset = _PREFIX.size + meta_len
     if size != offset + nbytes:
         raise BlockFileError("truncated payload")
-    return BlockFileInfo(stored_hash, offset, per_layer, tuple(int(c) for c in crcs))
+    return BlockFileInfo(stored_hash, offset, offsets, tuple(int(c) for c in crcs))
 
 
-def read_layers_into(fd: int, info: BlockFileInfo, out: np.ndarray, first_layer: int, num_layers: int) -> None:
-    """Read ``num_layers`` layers starting at ``first_layer`` into the uint8 array ``out`` and verify them."""
-    nbytes = info.layer_bytes * num_layers
+def read_layers_into(fd: int, info: BlockFileInfo, out: np.ndarray, first_slot: int, num_slots: int) -> None:
+    """Read ``num_slots`` slots (layers, in block order) from ``first_slot`` into the uint8 array ``out`` and
+    verify them."""
+    start, nbytes = info.span(first_slot, num_slots)
     view = memoryview(out).cast("B")
     if len(view) != nbytes:
         raise ValueError(f"destination holds {len(view)} bytes, need {nbytes}")
-    got = os.preadv(fd, [view], info.payload_offset + first_layer * info.layer_bytes)
+    got = os.preadv(fd, [view], info.payload_offset + start)
     if got != nbytes:
         raise BlockFileError("short read")
-    for i in range(num_layers):
-        chunk = view[i * info.layer_bytes : (i + 1) * info.layer_bytes]
-        if zlib.crc32(chunk) != info.layer_crcs[first_layer + i]:
-            raise BlockFileError(f"checksum mismatch in layer {first_layer + i}")
+    for i in range(first_slot, first_slot + num_slots):
+        a, b = info.slot_offsets[i] - start, info.slot_offsets[i + 1] - start
+        if zlib.crc32(view[a:b]) != info.layer_crcs[i]:
+            raise BlockFileError(f"checksum mismatch in layer {i}")

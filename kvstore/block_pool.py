@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from .device_kv import DeviceKV
 from .layout import KVLayout
 
 
@@ -23,7 +24,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Owns the device KV tensor and the bookkeeping of its blocks."""
+    """Owns the device KV tensors (one per cache group, ``DeviceKV``) and the bookkeeping of their blocks."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
         if num_blocks <= 0:
@@ -31,9 +32,7 @@ class BlockPool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.pool_id = uuid.uuid4().hex  # names this pool in KV handles: block ids only mean something here
-        self.kv: torch.Tensor = torch.zeros(
-            num_blocks, *layout.block_shape(), dtype=layout.dtype, device=device
-        )
+        self.kv = DeviceKV(layout, num_blocks, device)
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
@@ -46,11 +45,11 @@ class BlockPool:
     # ------------------------------------------------------------ views
     def k_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_heads, head_dim] view of layer's keys."""
-        return self.kv[:, layer, 0]
+        return self.kv.layers[layer][:, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_heads, head_dim] view of layer's values."""
-        return self.kv[:, layer, -1]
+        return self.kv.layers[layer][:, -1]
 
     # ------------------------------------------------------------ allocation
     def num_free(self) -> int:

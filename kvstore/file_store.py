@@ -206,7 +206,7 @@ class FileBlockStore:
             return None
         try:
             info = read_header(fd, block_hash, self.fingerprint, self.layout)
-            buf = np.empty(info.layer_bytes * self.layout.num_layers, dtype=np.uint8)
+            buf = np.empty(info.slot_offsets[-1], dtype=np.uint8)
             read_layers_into(fd, info, buf, 0, self.layout.num_layers)
             return os.pread(fd, info.payload_offset, 0) + buf.tobytes()
         except BlockFileError:
@@ -220,7 +220,8 @@ class FileBlockStore:
         return os.path.exists(self.files.path(block_hash))
 
     def read_layers(self, block_hash: bytes, out: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
-        """Fill ``out`` (uint8, exact size) with layers of a block; False on a miss (bad files are removed)."""
+        """Fill ``out`` (uint8, exact size) with slots of a block (layers in block order, ``KVLayout.slot_of``);
+        False on a miss (bad files are removed)."""
         n = self.layout.num_layers - first_layer if num_layers is None else num_layers
         path = self.files.path(block_hash)
         try:

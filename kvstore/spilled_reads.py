@@ -39,12 +39,18 @@ class SpilledReader:
     def __init__(self, pool: BlockPool, lower: LowerTiers | None, layout: KVLayout, staging_blocks: int) -> None:
         if staging_blocks < 1:
             raise ValueError("staging_blocks must be >= 1")
-        self.pool, self.lower, self.staging_blocks = pool, lower, staging_blocks
-        shape = (staging_blocks, layout.kv_parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self._stage = StagingBuffers(shape, layout.dtype, pool.kv.device)
+        self.pool, self.lower, self.layout, self.staging_blocks = pool, lower, layout, staging_blocks
+        # one staging buffer per layer geometry: groups shaped alike (full and sliding layers) share one
+        self._stages: dict[tuple, StagingBuffers] = {}
+        for g in layout.groups:
+            key = (g.layer_shape(layout.block_size), g.dtype)
+            if key not in self._stages:
+                self._stages[key] = StagingBuffers((staging_blocks, *key[0]), g.dtype, pool.kv.device)
+        self._stage_of = [self._stages[(g.layer_shape(layout.block_size), g.dtype)]
+                          for g in (layout.groups[layout.group_of(i)[0]] for i in range(layout.num_layers))]
 
     def nbytes(self) -> int:
-        return self._stage.nbytes()
+        return sum(s.nbytes() for s in self._stages.values())
 
     def load(self, hashes: Sequence[bytes], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for up to ``staging_blocks`` spilled blocks, as [n, bs, H, D] views of a
@@ -62,9 +68,9 @@ class SpilledReader:
 
         def patch(dev: torch.Tensor) -> None:
             for i, block_id in on_device.items():
-                dev[i].copy_(self.pool.kv[block_id, layer])
+                dev[i].copy_(self.pool.kv.layers[layer][block_id])
 
-        stage = self._stage.get((tuple(hashes), layer), n, read, patch)
+        stage = self._stage_of[layer].get((tuple(hashes), layer), n, read, patch)
         return stage[:, 0], stage[:, -1]
 
     def prefetch(self, hashes: Sequence[bytes], layer: int) -> None:
@@ -73,10 +79,11 @@ class SpilledReader:
             for i, h in enumerate(hashes):
                 self._read_layer(h, host[i], layer)
 
-        self._stage.prefetch((tuple(hashes), layer), len(hashes), read_all)
+        self._stage_of[layer].prefetch((tuple(hashes), layer), len(hashes), read_all)
 
     def _read_layer(self, block_hash: bytes, out: torch.Tensor, layer: int) -> None:
-        if self.lower is None or not self.lower.read_layers(block_hash, bytes_view(out), layer, 1):
+        slot = self.layout.slot_of(layer)
+        if self.lower is None or not self.lower.read_layers(block_hash, bytes_view(out), slot, 1):
             raise KVBlockLostError(block_hash)
 
 

@@ -69,9 +69,10 @@ class TieredKVCache:
         return self.lower is not None
 
     @property
-    def device_kv(self) -> torch.Tensor:
-        """The block-major device tensor attention reads: [blocks, layers, 2, block_size, heads, dim]."""
-        return self.pool.kv
+    def device_kv(self) -> list[torch.Tensor]:
+        """What attention reads: per model layer, a block-major view of its group's device tensor,
+        [blocks, kv_parts, block_size, heads, dim]."""
+        return self.pool.kv.layers
 
     def staging_nbytes(self) -> int:
         return self.reader.nbytes()
@@ -169,7 +170,7 @@ class TieredKVCache:
         return table
 
     def export_tail(self, table: BlockTable) -> bytes:
-        """The partial last block of a table (every layer, device layout) as bytes, or b"" when the
+        """The partial last block of a table (every group, as the tiers store a block) as bytes, or b"" when the
         table ends on a block boundary: what a hand-off to another pool ships so the receiver does not
         recompute it (a partial block is never published, so no tier holds it)."""
         if table.num_tokens % table.block_size == 0:
@@ -184,8 +185,7 @@ class TieredKVCache:
             raise ValueError("the tail does not continue this table")
         if not self.reserve(table, num_tokens):
             return False
-        block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype).view(self.layout.block_shape())
-        self.blocks.write(table.block_ids[-1], block)
+        self.blocks.write(table.block_ids[-1], torch.frombuffer(bytearray(data), dtype=torch.uint8))
         table.num_tokens = num_tokens
         return True
 
@@ -214,9 +214,10 @@ class TieredKVCache:
 
     def stats(self) -> dict[str, object]:
         bs, device = self.layout.block_size, self.pool.stats()
-        pool_block = self.pool.kv[0].nbytes  # this rank's heads of a block under tp
+        pool_block = self.pool.kv.block_nbytes()  # this rank's heads of a block under tp
         return {
             "dtype": dtype_name(self.layout.dtype),
+            "cache_groups": [{"layers": len(g.layers), "window": g.window} for g in self.layout.groups],
             "block_bytes": self.layout.bytes_per_block(),  # a whole block as the tiers store it (every rank's heads)
             "device_bytes": device["total"] * pool_block,  # this process's pool
             "device_bytes_in_use": device["in_use"] * pool_block,

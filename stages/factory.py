@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,10 +54,9 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, g
     if group is None or group.size == 1:
         pool = BlockPool(layout, config.num_kv_blocks, config.device)
         return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
-    local = replace(layout, num_kv_heads=max(1, layout.num_kv_heads // group.size))  # rank 0's KV heads
-    pool = BlockPool(local, config.num_kv_blocks, config.device)
+    pool = BlockPool(layout.per_rank(group.size), config.num_kv_blocks, config.device)  # rank 0's KV heads
     return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint, layout,
-                         ShardedDeviceBlocks(pool, group, kv_replicas))
+                         ShardedDeviceBlocks(pool, group, layout, kv_replicas))
 
 
 class LanguageStage:

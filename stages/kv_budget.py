@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from strata.kvstore.layout import KVLayout
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sizes import parse_budget
+from strata.pipeline.models.cache_groups import kv_layout
 from strata.pipeline.models.model_loader import resolve_kv_dtype
 from strata.pipeline.models.text_config import TextConfig
 
@@ -33,11 +32,6 @@ def kv_dtype(config: EngineConfig) -> torch.dtype:
     return resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
 
 
-def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """The block geometry the model caches: K and V per KV head, or MLA's one latent per token."""
-    return KVLayout(text.num_layers, text.kv_cache_heads, text.kv_cache_dim, block_size, dtype, text.kv_parts)
-
-
 def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> EngineConfig:
     """``config`` with ``num_kv_blocks`` from ``kv_cache_memory``, which is then spent (None): a config that
     crosses to other processes carries the count, not a budget each would measure anew. Unchanged
@@ -45,7 +39,7 @@ def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> E
     if config.kv_cache_memory is None:
         return config
     layout = kv_layout(text, config.block_size, kv_dtype(config))
-    rank_layout = replace(layout, num_kv_heads=max(1, layout.num_kv_heads // config.tp))  # this rank's KV heads
+    rank_layout = layout.per_rank(config.tp)  # this rank's KV heads
     size, share = parse_budget(config.kv_cache_memory)
     if size is None:
         weights = checkpoint_elements(model_dir) * _ITEMSIZE[config.dtype] // config.tp

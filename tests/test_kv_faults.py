@@ -20,7 +20,7 @@ import torch
 from strata.kvstore import FileBlockStore, KVLayout
 from helpers import build, greedy
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+LAYOUT = KVLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 FP = b"F" * 16
 
 

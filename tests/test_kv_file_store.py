@@ -10,18 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kvstore import FileBlockStore, KVLayout, LowerTiers
-from strata.kvstore.block_file import layer_nbytes
+from strata.kvstore import CacheGroup, FileBlockStore, KVLayout, LowerTiers
 
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+LAYOUT = KVLayout.uniform(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 FP = b"F" * 16
 
 
 def block(i: int, layout: KVLayout = LAYOUT) -> np.ndarray:
     """Deterministic distinct payload for block ``i`` (uint8, device layout)."""
     g = torch.Generator().manual_seed(i)
-    t = torch.randn(layout.block_shape(), generator=g).to(layout.dtype)
-    return t.reshape(-1).view(torch.uint8).numpy().copy()
+    t = torch.randn(layout.bytes_per_block() // layout.dtype.itemsize, generator=g).to(layout.dtype)
+    return t.view(torch.uint8).numpy().copy()
 
 
 def h(i: int) -> bytes:
@@ -42,7 +41,7 @@ def test_round_trip_whole_block_and_single_layers(tmp_path: Path) -> None:
     s = store(tmp_path)
     assert s.put(h(1), block(1))
     np.testing.assert_array_equal(read(s, 1), block(1))
-    per = layer_nbytes(LAYOUT)
+    per = LAYOUT.bytes_per_block() // LAYOUT.num_layers
     for layer in range(LAYOUT.num_layers):
         out = np.empty(per, dtype=np.uint8)
         assert s.read_layers(h(1), out, layer, 1)
@@ -50,8 +49,24 @@ def test_round_trip_whole_block_and_single_layers(tmp_path: Path) -> None:
     assert read(s, 2) is None and s.counters["misses"] == 1
 
 
+def test_a_block_of_two_cache_groups_reads_back_one_layer_at_a_time(tmp_path: Path) -> None:
+    """Groups differ in heads, width and dtype; a layer is read by its slot, checksummed alone."""
+    lay = KVLayout((CacheGroup((0, 2), 2, 4), CacheGroup((1,), 1, 6, torch.bfloat16, kv_parts=1, window=8)), 4)
+    s = FileBlockStore(tmp_path / "groups", 4, lay, FP)
+    payload = np.random.default_rng(3).integers(0, 255, lay.bytes_per_block(), dtype=np.uint8)
+    assert s.put(h(3), payload)
+    for layer in range(3):
+        slot = lay.slot_of(layer)
+        a, b = lay.slot_offsets[slot], lay.slot_offsets[slot + 1]
+        out = np.empty(b - a, dtype=np.uint8)
+        assert s.read_layers(h(3), out, slot, 1)
+        np.testing.assert_array_equal(out, payload[a:b])
+    whole = np.empty(lay.bytes_per_block(), dtype=np.uint8)
+    assert s.read_layers(h(3), whole) and np.array_equal(whole, payload)
+
+
 def test_bfloat16_blocks_round_trip(tmp_path: Path) -> None:
-    lay = KVLayout(2, 1, 8, 4, torch.bfloat16)
+    lay = KVLayout.uniform(2, 1, 8, 4, torch.bfloat16)
     s = FileBlockStore(tmp_path / "bf16", 4, lay, FP)
     payload = block(7, lay)
     s.put(h(7), payload)
@@ -132,7 +147,7 @@ def _corruptions(path: Path, tmp_path: Path) -> dict[str, callable]:
         path.write_bytes(path.read_bytes()[:-10])
 
     def foreign_layout() -> None:
-        other = KVLayout(3, 2, 4, 4, torch.float16)
+        other = KVLayout.uniform(3, 2, 4, 4, torch.float16)
         FileBlockStore(tmp_path / "foreign", 2, other, FP).put(h(0), block(0, other))
         path.write_bytes(Path(FileBlockStore(tmp_path / "foreign", 2, other, FP).files.path(h(0))).read_bytes())
 

@@ -39,7 +39,7 @@ def test_scales_are_powers_of_two_with_headroom_and_part_of_the_identity(llama_d
         s = scale_for(amax)
         assert s == 2.0 ** round(math.log2(s)) and amax * HEADROOM / s <= 448 < 2 * amax * HEADROOM / s
     assert scale_for(0.0) == scale_for(float("nan")) == 1.0
-    layout = KVLayout(2, 2, 16, 16, FP8)
+    layout = KVLayout.uniform(2, 2, 16, 16, FP8)
     prints = {kv_fingerprint(llama_dir, "llama", "float32", layout, scales)
               for scales in (None, [(1.0, 1.0), (1.0, 1.0)], [(1.0, 0.5), (1.0, 1.0)])}
     assert len(prints) == 3  # a block is read only with the scales it was written with
@@ -145,7 +145,7 @@ def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind
     model = _models(text_models, llama_dir)[kind]
     req = [{"prompt": PROMPT, "params": greedy(10)}]
     on_device = build(model, kv_cache_dtype="fp8", max_model_len=2048)
-    assert on_device.kv.device_kv.dtype == FP8
+    assert all(t.dtype == FP8 for t in on_device.kv.device_kv)
     expected = on_device.generate(req)[0]
     assert build(model, kv_cache_dtype="fp8", max_model_len=2048, attention_backend="torch").generate(req)[0] \
         .output_token_ids == expected.output_token_ids  # the reference reads the same cache alike
@@ -181,7 +181,7 @@ def test_stats_and_layout_count_one_byte_a_value(llama_dir: Path) -> None:
     stats = fp8.kv.stats()
     assert stats["dtype"] == "float8_e4m3fn" and bf16.kv.stats()["dtype"] == "bfloat16"
     assert stats["block_bytes"] * 2 == bf16.kv.stats()["block_bytes"] == bf16.kv.layout.bytes_per_block()
-    assert stats["device_bytes"] == fp8.kv.pool.kv.nbytes == bf16.kv.pool.kv.nbytes // 2  # what was allocated
+    assert stats["device_bytes"] == fp8.kv.pool.kv.nbytes() == bf16.kv.pool.kv.nbytes() // 2  # what was allocated
     running = fp8.add_request("The tide comes in and goes out", params=greedy(64, ignore_eos=True))
     fp8.step()
     held = fp8.kv.stats()

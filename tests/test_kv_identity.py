@@ -23,7 +23,7 @@ from strata.pipeline.models import file_digest
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.checkpoints.tiny_model import TinyModelSpec, build_tiny_model
 
-LAYOUT = KVLayout(2, 2, 16, 16, torch.float32)
+LAYOUT = KVLayout.uniform(2, 2, 16, 16, torch.float32)
 WORDS = ("harbour storm lantern keel gull tide rope sail anchor compass chart mast").split()
 PROMPT = " ".join(WORDS[i % len(WORDS)] for i in range(160))
 
@@ -76,9 +76,9 @@ def test_every_input_of_a_block_changes_the_fingerprint(llama_dir: Path, seed1_d
     _set_image_mean(mean, [0.5, 0.5, 0.5])
     for variant in (weights, rope, mean):
         seen.add(_fp(variant))
-    seen.add(_fp(base, dtype="bfloat16", layout=KVLayout(2, 2, 16, 16, torch.bfloat16)))
-    seen.add(_fp(base, layout=KVLayout(2, 2, 16, 32, torch.float32)))
-    seen.add(_fp(base, layout=KVLayout(2, 1, 32, 16, torch.float32)))
+    seen.add(_fp(base, dtype="bfloat16", layout=KVLayout.uniform(2, 2, 16, 16, torch.bfloat16)))
+    seen.add(_fp(base, layout=KVLayout.uniform(2, 2, 16, 32, torch.float32)))
+    seen.add(_fp(base, layout=KVLayout.uniform(2, 1, 32, 16, torch.float32)))
     assert len(seen) == 7, "weights, rope_theta, image_mean, dtype, block size and head layout each change it"
 
 

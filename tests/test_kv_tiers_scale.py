@@ -24,7 +24,7 @@ _WRITER = textwrap.dedent(
     import sys, numpy as np, torch
     from strata.kvstore import FileBlockStore, KVLayout
     root, cap, first, count, action = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    lay = KVLayout(2, 1, 4, 4, torch.float32)
+    lay = KVLayout.uniform(2, 1, 4, 4, torch.float32)
     s = FileBlockStore(root, cap, lay, b"F" * 16)
     def payload(i):
         return np.full(lay.bytes_per_block(), i % 251, dtype=np.uint8)
@@ -49,7 +49,7 @@ def test_two_processes_share_blocks_and_the_capacity_holds(tmp_path: Path) -> No
     # Two writers race on one tier, each with more blocks than it holds.
     writers = [_run(root, cap, 0, 100, "write"), _run(root, cap, 1000, 100, "write")]
     assert all(p.wait(timeout=120) == 0 for p in writers)
-    lay = KVLayout(2, 1, 4, 4, torch.float32)
+    lay = KVLayout.uniform(2, 1, 4, 4, torch.float32)
     s = FileBlockStore(root, cap, lay, FP)
     files = list((root / "blocks").rglob("*.kv"))
     assert len(s) == len(files) == cap
@@ -73,7 +73,7 @@ def _payload(i: int, nbytes: int) -> np.ndarray:
 def test_a_million_tokens_of_kv_through_host_and_disk_with_bounded_memory(tmp_path: Path) -> None:
     """Write 1M tokens of KV (tiny layout: 64 B/token), look every block up and stream it back
     layer by layer, comparing bytes; Python-side memory stays far below the 64 MB written."""
-    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=256, dtype=torch.float16)
+    lay = KVLayout.uniform(num_layers=2, num_kv_heads=1, head_dim=8, block_size=256, dtype=torch.float16)
     tokens = 1_000_000
     nblocks = -(-tokens // lay.block_size)
     tiers = LowerTiers.open(lay, FP, tmp_path / "host", 1000, tmp_path / "disk", nblocks)

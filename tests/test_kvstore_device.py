@@ -12,6 +12,8 @@ import torch
 from strata.kvstore import (
     BlockPool,
     BlockTable,
+    CacheGroup,
+    DeviceBlocks,
     ImageSpan,
     KVLayout,
     NoFreeBlocksError,
@@ -24,7 +26,7 @@ from strata.kvstore import (
 
 BS = 4
 FP = model_fingerprint("llava", "sha256:abc", "float32", BS)
-SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS)
+SMALL = KVLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS)
 
 
 def h(i: int) -> bytes:
@@ -33,17 +35,55 @@ def h(i: int) -> bytes:
 
 # ---------------------------------------------------------------- layout
 def test_layout_llama3_8b_bytes_per_token() -> None:
-    lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    lay = KVLayout.uniform(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     assert lay.bytes_per_token() == 131072
     assert lay.bytes_per_block() == 131072 * 16
-    assert lay.block_shape() == (32, 2, 16, 8, 128)
+    assert lay.groups[0].layer_shape(lay.block_size) == (2, 16, 8, 128) and lay.slot_offsets[1] == 2 * 16 * 8 * 128 * 2
 
 
 def test_layout_roundtrip_msgpack() -> None:
-    lay = KVLayout(4, 2, 64, block_size=32, dtype=torch.float16)
+    lay = KVLayout.uniform(4, 2, 64, block_size=32, dtype=torch.float16)
     d = msgpack.unpackb(msgpack.packb(lay.to_dict()))
-    assert d["dtype"] == "float16"
+    assert d["groups"][0]["dtype"] == "float16"
     assert KVLayout.from_dict(d) == lay
+    mixed = KVLayout((CacheGroup((1, 3), 2, 8), CacheGroup((0, 2), 2, 8, window=128)), 4)
+    assert KVLayout.from_dict(msgpack.unpackb(msgpack.packb(mixed.to_dict()))) == mixed
+
+
+def test_cache_groups_cover_every_layer_once_and_place_each_in_the_block_bytes() -> None:
+    """A block's bytes are its groups in order: a layer's slot follows its group, not its index."""
+    full = CacheGroup((1, 3), num_kv_heads=2, head_dim=8)
+    latent = CacheGroup((0, 2), num_kv_heads=1, head_dim=12, kv_parts=1, dtype=torch.bfloat16)
+    lay = KVLayout((full, latent), block_size=4)
+    per_full, per_latent = 2 * 4 * 2 * 8 * 4, 1 * 4 * 1 * 12 * 2
+    assert [lay.slot_of(i) for i in range(4)] == [2, 0, 3, 1]
+    assert lay.group_of(2) == (1, 1)
+    assert lay.slot_offsets == (0, per_full, 2 * per_full, 2 * per_full + per_latent, 2 * (per_full + per_latent))
+    assert lay.bytes_per_token() * 4 == lay.bytes_per_block()
+    with pytest.raises(ValueError, match="differ in dtype"):
+        lay.dtype
+    assert lay.per_rank(2).groups == (full.with_heads(1), latent)  # one latent head stays whole on each rank
+    with pytest.raises(ValueError, match="cover layers"):
+        KVLayout((full,), 4)  # layers 0 and 2 belong to no group
+    with pytest.raises(ValueError, match="cover layers"):
+        KVLayout((full, CacheGroup((0, 1, 2), 2, 8)), 4)  # layer 1 in two groups
+    with pytest.raises(ValueError, match="window"):
+        CacheGroup((0,), 2, 8, window=0)
+
+
+def test_a_pool_holds_a_tensor_per_group_and_a_block_crosses_as_its_bytes() -> None:
+    lay = KVLayout((CacheGroup((1,), 2, 4), CacheGroup((0, 2), 1, 6, window=8)), block_size=BS)
+    pool = BlockPool(lay, 3)
+    assert [tuple(t.shape) for t in pool.kv.groups] == [(3, 1, 2, BS, 2, 4), (3, 2, 2, BS, 1, 6)]
+    assert pool.kv.layers[2].data_ptr() == pool.kv.groups[1][:, 1].data_ptr()  # layer 2: group 1's second layer
+    pool.kv.layers[0][1].fill_(5.0)
+    pool.kv.layers[1][1].fill_(7.0)
+    blocks = DeviceBlocks(pool)
+    data = blocks.read(1)
+    assert data.dtype == torch.uint8 and data.numel() == lay.bytes_per_block()
+    blocks.write(2, data)
+    assert pool.kv.layers[0][2].eq(5.0).all() and pool.kv.layers[1][2].eq(7.0).all() and pool.kv.layers[2][2].eq(0).all()
+    assert pool.kv.nbytes() == 3 * lay.bytes_per_block()
 
 
 # ---------------------------------------------------------------- hashing
@@ -124,10 +164,10 @@ def test_start_hashes_incremental_equals_full() -> None:
 # ---------------------------------------------------------------- pool
 def test_kv_tensor_and_views() -> None:
     pool = BlockPool(SMALL, 5)
-    assert pool.kv.shape == (5, 2, 2, BS, 2, 4)
+    assert len(pool.kv.groups) == 1 and pool.kv.groups[0].shape == (5, 2, 2, BS, 2, 4)
     assert pool.k_cache(1).shape == (5, BS, 2, 4)
     pool.k_cache(1)[3].fill_(2.0)
-    assert pool.kv[3, 1, 0].eq(2.0).all() and pool.kv[3, 1, 1].eq(0).all()
+    assert pool.kv.groups[0][3, 1, 0].eq(2.0).all() and pool.kv.groups[0][3, 1, 1].eq(0).all()
 
 
 def test_allocate_until_exhausted_then_free() -> None:
@@ -150,7 +190,7 @@ def test_published_block_reused_with_contents() -> None:
     hashes = hash_chain(FP, list(range(8)), BS)
     blocks = [pool.allocate() for _ in hashes]
     for i, (b, hh) in enumerate(zip(blocks, hashes)):
-        pool.kv[b].fill_(float(i + 1))
+        pool.kv.groups[0][b].fill_(float(i + 1))
         assert pool.publish(b, hh) == b
         assert pool.block_hash(b) == hh
     for b in blocks:
@@ -167,7 +207,7 @@ def test_published_block_reused_with_contents() -> None:
     assert got == blocks and match.num_blocks == 2 and match.by_tier == {"device": 2}
     assert [pool.ref_count(b) for b in got] == [1, 1]
     for i, b in enumerate(got):
-        assert pool.kv[b].eq(float(i + 1)).all()
+        assert pool.kv.groups[0][b].eq(float(i + 1)).all()
     s = kv.stats()
     assert s["prefix_queried_tokens"] == 3 * BS and s["prefix_hit_tokens"] == {"device": 2 * BS}
     assert s["device"]["cached"] == 0 and s["device"]["in_use"] == 2

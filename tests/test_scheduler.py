@@ -17,7 +17,7 @@ def _sched(num_blocks: int = 64, **cfg) -> Scheduler:
     # a small step budget comes with as few sequences (each running one must be able to decode per step)
     cfg.setdefault("max_num_seqs", min(64, cfg.get("max_num_batched_tokens", 64)))
     config = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **cfg)
-    return Scheduler(config, TieredKVCache(BlockPool(KVLayout(1, 1, 2, 4, torch.float32), num_blocks), fingerprint=FP))
+    return Scheduler(config, TieredKVCache(BlockPool(KVLayout.uniform(1, 1, 2, 4, torch.float32), num_blocks), fingerprint=FP))
 
 
 def _seq(i: int, n: int) -> Sequence:

@@ -121,8 +121,19 @@ def test_an_image_sent_to_a_text_model_is_refused(text_models, demo_images, caps
 def test_mla_caches_one_latent_per_token(text_models) -> None:
     engine = build(text_models["deepseek_v3"])
     layout = engine.kv.layout
-    assert (layout.kv_parts, layout.num_kv_heads, layout.head_dim) == (1, 1, 32 + 8)  # kv_lora_rank + rope
+    (group,) = layout.groups
+    assert (group.kv_parts, group.num_kv_heads, group.head_dim) == (1, 1, 32 + 8)  # kv_lora_rank + rope
     assert layout.bytes_per_token() == 3 * 40 * 4  # 3 layers, fp32: K and V are one vector
+
+
+def test_gpt_oss_caches_its_full_and_its_sliding_layers_as_two_groups(text_models) -> None:
+    """The sliding-window layers are a cache group of their own (window 12 on layers 0 and 2 of the tiny
+    gpt-oss): their blocks sit in their own device tensor and their own slots of a block file."""
+    engine = build(text_models["gpt_oss"])
+    full, sliding = engine.kv.layout.groups
+    assert (full.layers, full.window) == ((1,), None) and (sliding.layers, sliding.window) == ((0, 2), 12)
+    assert [t.shape[1] for t in engine.kv.pool.kv.groups] == [1, 2]
+    assert engine.kv.stats()["cache_groups"] == [{"layers": 1, "window": None}, {"layers": 2, "window": 12}]
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "gpt_oss", "minimax_m2"])
@@ -217,7 +228,7 @@ def test_tp2_equals_tp1(arch: str, text_models) -> None:
     two = build(model_dir, tp=2)
     try:
         assert [o.output_token_ids for o in two.generate(reqs)] == expected
-        assert two.kv.layout.num_kv_heads == (1 if arch.startswith("deepseek") else 2)
+        assert {g.num_kv_heads for g in two.kv.layout.groups} == {1 if arch.startswith("deepseek") else 2}
     finally:
         two.close()
 

@@ -15,7 +15,7 @@ from helpers import build, greedy
 from strata.kvstore import BlockPool, FileBlockStore, KVLayout, LowerTiers, TieredKVCache
 from strata.kvstore.tier_writer import TierWriter
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+LAYOUT = KVLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 FP = b"W" * 16
 
 

@@ -10,7 +10,7 @@ import torch
 
 from strata.kvstore import BlockPool, BlockTable, HandleError, KVBlockLostError, KVLayout, LowerTiers, TieredKVCache
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
+LAYOUT = KVLayout.uniform(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
 FP = b"F" * 16
 
 
@@ -28,7 +28,7 @@ def fill(c: TieredKVCache, n: int, first: int = 0) -> BlockTable:
     table = c.new_table()
     assert c.reserve(table, n * LAYOUT.block_size)
     for i, block_id in enumerate(table.block_ids):
-        c.pool.kv[block_id] = float(first + i + 1)
+        c.pool.kv.groups[0][block_id] = float(first + i + 1)
     c.commit(table, n * LAYOUT.block_size, [h(first + i) for i in range(n)])
     return table
 
@@ -123,7 +123,7 @@ def test_prefix_match_references_promotes_and_leaves_the_oldest_spilled(tmp_path
     assert match.num_tokens == 6 * LAYOUT.block_size
     assert table.num_spilled == 2 and len(table.block_ids) == 4  # 8 free - 4 kept free = 4 promoted
     assert table.num_tokens == 24 and table.hashes == [h(i) for i in range(6)]
-    assert torch.equal(fresh.pool.kv[table.block_ids[0]], torch.full(LAYOUT.block_shape(), 3.0))
+    assert fresh.pool.kv.groups[0][table.block_ids[0]].eq(3.0).all()
     assert fresh.stats()["prefix_hit_tokens"]["host"] == 6 * 4
     with pytest.raises(ValueError, match="empty"):
         fresh.match_prefix(table, [h(0)], keep_free=0)

@@ -42,7 +42,7 @@ class StepExecutor:
     """Runs :class:`StepInputs` through a model over one KV tensor; returns the sampled rows' logits
     (None on a tensor-parallel worker, whose logits are gathered to the driver)."""
 
-    def __init__(self, model: LanguageModel, device_kv: torch.Tensor, backend: AttentionBackend, block_size: int,
+    def __init__(self, model: LanguageModel, device_kv: list[torch.Tensor], backend: AttentionBackend, block_size: int,
                  device: str = "cpu") -> None:
         self.model = model
         self.device_kv = device_kv

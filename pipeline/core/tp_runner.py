@@ -28,7 +28,8 @@ import logging
 import torch
 
 from strata.kernels import AttentionBackend, SpilledKV
-from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError, TieredKVCache
+from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError, KVLayout, TieredKVCache
+from strata.kvstore.device_kv import DeviceKV, join_block, split_block
 from strata.pipeline.core.model_runner import ModelRunner, StepExecutor
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
@@ -38,64 +39,75 @@ from strata.pipeline.parallel.shm_channel import ChannelDesyncError, PeerDiedErr
 from strata.pipeline.parallel.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
-HEADS = -2  # the KV-head dimension of a block (layers, kv_parts, block_size, heads, head_dim)
+HEADS = -2  # the KV-head dimension of a block's group tensor (layers, kv_parts, block_size, heads, head_dim)
 
 
 class ShardedDeviceBlocks(DeviceBlocks):
     """Whole-block reads and writes of a pool whose heads are spread over the group (driver side).
     ``kv_replicas`` ranks in a row hold the same KV heads when tp exceeds them; a read takes one."""
 
-    def __init__(self, pool: BlockPool, group: TPGroup, kv_replicas: int = 1) -> None:
+    def __init__(self, pool: BlockPool, group: TPGroup, layout: KVLayout, kv_replicas: int = 1) -> None:
         super().__init__(pool)
         self.group = group
+        self.layout = layout  # the whole block's (every rank's heads)
         self.kv_replicas = kv_replicas
 
     def read(self, block_id: int) -> torch.Tensor:
         self.group.broadcast_object(("read", block_id))
-        parts = self.group.gather_to_driver(self.pool.kv[block_id])
-        assert parts is not None
-        return torch.cat(parts[:: self.kv_replicas], dim=HEADS).cpu().contiguous()
+        whole = []
+        for part in self.pool.kv.block(block_id):  # every group, in order
+            heads = self.group.gather_to_driver(part)
+            assert heads is not None
+            whole.append(torch.cat(heads[:: self.kv_replicas], dim=HEADS))
+        return join_block(whole)
 
     def write(self, block_id: int, block: torch.Tensor) -> None:
         self.group.broadcast_object(("write", block_id))
         full = self.group.broadcast(block.to(self.pool.kv.device).contiguous())
-        self.pool.kv[block_id].copy_(_my_heads(full, 0, self.pool.kv.shape[HEADS]))
+        _write_my_heads(self.pool.kv, self.layout, block_id, full, 0)
 
 
 def _my_heads(block: torch.Tensor, first_head: int, local_heads: int) -> torch.Tensor:
     return block.narrow(HEADS, first_head, local_heads)
 
 
+def _write_my_heads(kv: DeviceKV, layout: KVLayout, block_id: int, full: torch.Tensor, first_head: int) -> None:
+    """Take this rank's heads of every group of a whole block's bytes (``full``, uint8, any device)."""
+    parts = split_block(layout, full)
+    kv.write(block_id, [_my_heads(p, first_head, t.shape[HEADS]) for p, t in zip(parts, kv.groups)])
+
+
 class _ShardedSpilled:
     """A sequence's spilled blocks as one rank's attention reads them: its heads of each segment."""
 
-    def __init__(self, group: TPGroup, local_kv: torch.Tensor, full_heads: int, first_head: int, num_blocks: int,
+    def __init__(self, group: TPGroup, local_kv: DeviceKV, full_heads: int, first_head: int, num_blocks: int,
                  segment_blocks: int) -> None:
         self.group = group
         self.first_head = first_head  # this rank's first KV head
-        self.local_kv = local_kv  # [blocks, layers, kv_parts, block_size, local heads, head_dim]
+        self.local_kv = local_kv  # this rank's heads of every group
         self.full_heads = full_heads
         self.num_blocks = num_blocks
         self.segment_blocks = segment_blocks
 
-    def _segment_shape(self, count: int) -> tuple[int, ...]:
-        _, _, parts, bs, _, d = self.local_kv.shape
+    def _segment_shape(self, layer: int, count: int) -> tuple[int, ...]:
+        _, parts, bs, _, d = self.local_kv.layers[layer].shape
         return (count, parts, bs, self.full_heads, d)
 
     def _assemble(self, layer: int, n: int, on_device: dict[int, int], from_tier: torch.Tensor):
-        heads = self.local_kv.shape[HEADS]
-        out = torch.empty(n, *self.local_kv.shape[2:], dtype=self.local_kv.dtype, device=self.local_kv.device)
+        local = self.local_kv.layers[layer]  # [blocks, kv_parts, block_size, local heads, head_dim]
+        heads = local.shape[HEADS]
+        out = torch.empty(n, *local.shape[1:], dtype=local.dtype, device=local.device)
         tier_rows = [i for i in range(n) if i not in on_device]
         for j, i in enumerate(tier_rows):
             out[i] = _my_heads(from_tier[j], self.first_head, heads)
         for i, block_id in on_device.items():
-            out[i] = self.local_kv[block_id, layer]
+            out[i] = local[block_id]
         return out[:, 0], out[:, -1]
 
 
 class DriverSpilled(_ShardedSpilled):
     def __init__(self, cache: TieredKVCache, table: BlockTable, group: TPGroup, segment_blocks: int) -> None:
-        super().__init__(group, cache.pool.kv, cache.layout.num_kv_heads, 0, table.num_spilled, segment_blocks)
+        super().__init__(group, cache.pool.kv, _full_heads(cache.layout), 0, table.num_spilled, segment_blocks)
         self.cache = cache
         self.hashes = list(table.hashes[: table.num_spilled])
 
@@ -104,7 +116,7 @@ class DriverSpilled(_ShardedSpilled):
         found = {i: self.cache.pool.lookup(h) for i, h in enumerate(hashes)}
         on_device = {i: b for i, b in found.items() if b is not None}
         tier = [h for i, h in enumerate(hashes) if i not in on_device]
-        from_tier = torch.empty(self._segment_shape(len(tier)), dtype=self.local_kv.dtype)
+        from_tier = torch.empty(self._segment_shape(layer, len(tier)), dtype=self.local_kv.layers[layer].dtype)
         lost = next((h for j, h in enumerate(tier) if not self._read(h, from_tier[j], layer)), None)
         self.group.broadcast_object((lost is not None, on_device, len(tier)))
         if lost is not None:
@@ -115,7 +127,16 @@ class DriverSpilled(_ShardedSpilled):
 
     def _read(self, block_hash: bytes, out: torch.Tensor, layer: int) -> bool:
         lower = self.cache.lower
-        return lower is not None and lower.read_layers(block_hash, out.reshape(-1).view(torch.uint8).numpy(), layer, 1)
+        slot = self.cache.layout.slot_of(layer)
+        return lower is not None and lower.read_layers(block_hash, out.reshape(-1).view(torch.uint8).numpy(), slot, 1)
+
+
+def _full_heads(layout: KVLayout) -> int:
+    """The KV heads every group of a tensor-parallel layout has (the shard plan splits one head count)."""
+    heads = {g.num_kv_heads for g in layout.groups}
+    if len(heads) != 1:
+        raise ValueError(f"tensor parallelism needs one KV head count in every cache group, got {sorted(heads)}")
+    return heads.pop()
 
 
 class WorkerSpilled(_ShardedSpilled):
@@ -123,7 +144,7 @@ class WorkerSpilled(_ShardedSpilled):
         lost, on_device, count = self.group.broadcast_object(None)
         if lost:
             raise KVBlockLostError(b"")
-        from_tier = torch.empty(self._segment_shape(count), dtype=self.local_kv.dtype)
+        from_tier = torch.empty(self._segment_shape(layer, count), dtype=self.local_kv.layers[layer].dtype)
         if count:
             self.group.broadcast(from_tier)
         return self._assemble(layer, num_blocks, on_device, from_tier.to(self.local_kv.device))
@@ -181,7 +202,7 @@ class TPModelRunner(ModelRunner):
             log.warning("tensor-parallel group did not close cleanly")
 
 
-def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, first_head: int,
+def serve_commands(group: TPGroup, executor: StepExecutor, kv: DeviceKV, layout: KVLayout, first_head: int,
                    segment_blocks: int) -> None:
     """A worker's life after loading: run the driver's commands until it says stop.
 
@@ -190,8 +211,7 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
     else (a dead or out-of-step peer, a broken command) leaves the loop; the caller then marks this
     rank gone, so the driver's next collective fails at once instead of waiting for its timeout.
     """
-    kv = executor.device_kv
-    block_shape = (*kv.shape[1:-2], full_heads, kv.shape[-1])
+    full_heads = _full_heads(layout)  # ``layout``: the whole block's; ``kv``: this rank's heads of it
     while True:
         try:
             command, arg = group.broadcast_object(None, idle=True)
@@ -221,10 +241,11 @@ def serve_commands(group: TPGroup, executor: StepExecutor, full_heads: int, firs
         elif command == "kv_scales":
             set_kv_scales(executor.model, arg)
         elif command == "read":
-            group.gather_to_driver(kv[arg])
+            for part in kv.block(arg):
+                group.gather_to_driver(part)
         elif command == "write":
-            full = group.broadcast(torch.empty(block_shape, dtype=kv.dtype, device=kv.device))
-            kv[arg].copy_(_my_heads(full, first_head, kv.shape[HEADS]))
+            full = group.broadcast(torch.empty(layout.bytes_per_block(), dtype=torch.uint8, device=kv.device))
+            _write_my_heads(kv, layout, arg, full, first_head)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command!r}")
 

@@ -15,13 +15,15 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
-import torch
 
 from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
+from strata.kvstore import KVLayout
+from strata.kvstore.device_kv import DeviceKV
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
+from strata.pipeline.models.cache_groups import kv_layout
 from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype, resolve_kv_dtype
 from strata.pipeline.parallel.fault_points import set_fault_rank
@@ -70,13 +72,14 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         dtype = resolve_dtype(config.dtype)
         model, stats = load_parallel_language_model(spec.model_dir, group, dtype, config.device, cfg)
         group.gather_object(stats)
-        t, (first_head, stop_head) = cfg.text, model.plan.kv_heads
+        first_head, stop_head = model.plan.kv_heads
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-        kv = torch.zeros(config.num_kv_blocks, t.num_layers, t.kv_parts, config.block_size, stop_head - first_head,
-                         t.kv_cache_dim, dtype=kv_dtype, device=config.device)
+        layout = kv_layout(cfg.text, config.block_size, kv_dtype)
+        local = KVLayout(tuple(g.with_heads(stop_head - first_head) for g in layout.groups), layout.block_size)
+        kv = DeviceKV(local, config.num_kv_blocks, config.device)
         backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
-        executor = StepExecutor(model, kv, backend, config.block_size, config.device)
-        serve_commands(group, executor, t.kv_cache_heads, first_head, config.kv_staging_blocks)
+        executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device)
+        serve_commands(group, executor, kv, layout, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
         group.leave_on_error()  # the driver fails at once, even though this process (an actor) lives on

@@ -95,12 +95,12 @@ class MLAAttention(nn.Module):
         q_pe = self._rotate(q[..., self.nope :], cos, sin_signed)
         return q[..., : self.nope], q_pe, torch.cat([c[:, None], k_pe], dim=-1)
 
-    def run(self, x: torch.Tensor, ln: nn.Module, cos: torch.Tensor, sin_signed: torch.Tensor, kv: torch.Tensor,
+    def run(self, x: torch.Tensor, ln: nn.Module, cos: torch.Tensor, sin_signed: torch.Tensor, kv: list[torch.Tensor],
             meta: AttentionMetadata, backend: AttentionBackend, steps: object = None) -> torch.Tensor:
         """Input norm, projections, latent write, absorbed attention: [T, H, v_head_dim] before o_proj.
         (``steps``: the GQA component's compiled dense parts; MLA's dense parts run eagerly.)"""
         q_nope, q_pe, latent = self.project(rms_norm(x, ln.weight, ln.eps), cos, sin_signed)
-        cache = kv[:, self.layer_idx, 0]  # [blocks, block_size, 1, rank + rope]
+        cache = kv[self.layer_idx][:, 0]  # [blocks, block_size, 1, rank + rope]
         s = self.kv_scales[0] if self.kv_scales is not None else None  # FP8: the latent stored over its scale
         write_cache(cache, latent if s is None else latent / s, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
         w_uk, w_uv = self.absorbed()

@@ -168,7 +168,7 @@ class Attention(nn.Module):
             self.norm_span = NormSpan(full.num_heads * full.head_dim, full.num_kv_heads * full.head_dim, all_reduce,
                                       kv_replicas)
 
-    def run(self, x: torch.Tensor, ln: RMSNorm, cos: torch.Tensor, sin_signed: torch.Tensor, kv: torch.Tensor,
+    def run(self, x: torch.Tensor, ln: RMSNorm, cos: torch.Tensor, sin_signed: torch.Tensor, kv: list[torch.Tensor],
             meta: AttentionMetadata, backend: AttentionBackend, steps: DenseSteps) -> torch.Tensor:
         """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
         if self.qkv_weight is None:
@@ -186,7 +186,7 @@ class Attention(nn.Module):
                                      self.num_heads, self.num_kv_heads, self.head_dim)
         return self.attend(q, k, v, kv, meta, backend)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata,
                backend: AttentionBackend) -> torch.Tensor:
         """Write this step's k/v into the pool, attend over it (and over spilled blocks): [T, Hq, D]."""
         return paged_attend(q, k, v, kv, self.layer_idx, meta, backend, self.scale, self.sliding_window, self.sinks,
@@ -265,7 +265,7 @@ class LanguageModel(nn.Module):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        kv: torch.Tensor,
+        kv: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -39,7 +39,7 @@ ATTN_IMPLEMENTATION = "strata_paged"  # the name the modules look the function u
 class _Step:
     """What one forward's attention calls write into and read from."""
 
-    kv: torch.Tensor
+    kv: list[torch.Tensor]  # each layer's view of its cache group (``kvstore.DeviceKV.layers``)
     meta: AttentionMetadata
     backend: AttentionBackend
 
@@ -109,7 +109,7 @@ class TransformersLanguageModel(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.get_input_embeddings()(token_ids)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata,
                 backend: AttentionBackend, deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Every layer over the step's flattened tokens [T, hidden] as one batch of one: the final-normed
         hidden [T, hidden]. Each attention call pages through ``kv`` with ``meta``."""

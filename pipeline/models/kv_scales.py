@@ -76,7 +76,8 @@ def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: i
     meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size, device)
     set_kv_scales(model, None)
     ids = torch.tensor(token_ids, device=device)
-    model.forward(model.embed(ids), torch.arange(t, device=device), kv, meta, backend)
+    model.forward(model.embed(ids), torch.arange(t, device=device), [kv[:, i] for i in range(cfg.num_layers)], meta,
+                  backend)
     return kv.abs().amax(dim=(0, 3, 4, 5)).float().cpu()
 
 

@@ -13,13 +13,14 @@ from strata.kernels import AttentionBackend, AttentionMetadata, attend_spilled, 
 from strata.kernels.sinks import apply_sinks
 
 
-def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer_idx: int,
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: list[torch.Tensor], layer_idx: int,
                  meta: AttentionMetadata, backend: AttentionBackend, scale: float, sliding_window: int | None = None,
                  sinks: torch.Tensor | None = None, kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
-    """Write this step's k/v ([T, Hkv, D]) into layer ``layer_idx`` of the pool, attend q ([T, Hq, D]) over
-    it and over spilled blocks: [T, Hq, D]. ``kv_scales`` (FP8): store k / s_k and v / s_v, attend with
+    """Write this step's k/v ([T, Hkv, D]) into layer ``layer_idx`` of the pool (``kv``: each layer's
+    [blocks, 2, block_size, Hkv, D] view of its cache group), attend q ([T, Hq, D]) over it and over spilled
+    blocks: [T, Hq, D]. ``kv_scales`` (FP8): store k / s_k and v / s_v, attend with
     q * s_k, scale the output by s_v."""
-    k_cache, v_cache = kv[:, layer_idx, 0], kv[:, layer_idx, 1]
+    k_cache, v_cache = kv[layer_idx][:, 0], kv[layer_idx][:, 1]
     if kv_scales is not None:
         s_k, s_v = kv_scales
         k, v, q = k / s_k, v / s_v, q * s_k

@@ -220,7 +220,7 @@ def _bandwidth(args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             contexts.append(seq.num_tokens)
     lay = engine.kv.layout
-    kv_bytes = statistics.median(contexts) * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * 4
+    kv_bytes = statistics.median(contexts) * lay.bytes_per_token()
     step = statistics.median(times)
     bw = copy_bandwidth(args.device)
     out = {"step_s": step, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,

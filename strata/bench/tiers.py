@@ -109,7 +109,7 @@ def _decode_bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     )
     engine = build_engine(model, config)
     kv = engine.core.runner.kv
-    device_bytes = kv.pool.kv.numel() * kv.pool.kv.element_size() + kv.staging_nbytes()
+    device_bytes = kv.pool.kv.nbytes() + kv.staging_nbytes()
     rows = []
     for ctx in sorted(args.contexts):
         prompt = random_prompts(1, ctx, VOCAB, seed=ctx)[0]

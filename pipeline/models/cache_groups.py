@@ -1,0 +1,28 @@
+"""Which cache groups a language model declares: its layers split by the window they attend over.
+
+Every group caches the attention kind's geometry (K and V per KV head, or MLA's one latent). Full-attention
+layers form the first group and each sliding window its own, so a model whose layers all attend alike
+(every model before gpt-oss) has one group, and gpt-oss has two: its full layers and its 128-token windows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kvstore.layout import CacheGroup, KVLayout
+from strata.pipeline.models.text_config import TextConfig
+
+
+def cache_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]:
+    """Full-attention layers first, then one group per distinct window (smallest first)."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(text.layer_windows):
+        by_window.setdefault(window, []).append(layer)
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return tuple(CacheGroup(tuple(by_window[w]), text.kv_cache_heads, text.kv_cache_dim, dtype, text.kv_parts, w)
+                 for w in order)
+
+
+def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """The block geometry the model caches, group by group."""
+    return KVLayout(cache_groups(text, dtype), block_size)
