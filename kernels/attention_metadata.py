@@ -50,6 +50,12 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor | None = None  # int64 [num_tokens]: slot_mapping // block_size
     slot_offsets: torch.Tensor | None = None  # int64 [num_tokens]: slot_mapping % block_size
     prepared: dict[Any, Any] = field(default_factory=dict)
+    # per model layer, the metadata it attends with when cache groups differ (a sliding-window group reads
+    # its own slots from its window's start: ``kvstore.window_claims``); None: every layer uses this one
+    by_layer: tuple[AttentionMetadata, ...] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self if self.by_layer is None else self.by_layer[layer]
 
     def kv_offset(self, i: int) -> int:
         return self.kv_offsets[i] if self.kv_offsets else 0

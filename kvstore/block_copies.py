@@ -42,6 +42,8 @@ class BlockCopies:
             canonical = self.pool.publish(ids[j], hashes[i])
             if canonical != ids[j]:  # same content already cached: share it, drop our copy
                 self.pool.incref(canonical)
+                for w in self.pool.windows.values():  # our claim (and, if the copy has none, our part) moves over
+                    w.transfer(ids[j], canonical)
                 self.pool.free(ids[j])
                 ids[j] = canonical
             elif self.lower is not None and not self.lower.top.contains(hashes[i]):
@@ -57,7 +59,9 @@ class BlockCopies:
         if self.lower.ensure(block_hash):  # below already, or its queued write-through landed just now
             return True
         block_id = self.pool.lookup(block_hash)
-        return block_id is not None and self.lower.store([(block_hash, self.block_bytes(block_id))])[0]
+        if block_id is None or not self.pool.complete(block_id):  # a windowed part is gone: no whole block here
+            return False
+        return self.lower.store([(block_hash, self.block_bytes(block_id))])[0]
 
     def promote(self, block_hash: bytes) -> int | None:
         """Copy a lower-tier block into a fresh, published device block; None if no room or no good copy."""
@@ -67,6 +71,8 @@ class BlockCopies:
             block_id = self.pool.allocate()
         except NoFreeBlocksError:
             return None
+        for w in self.pool.windows.values():  # an idle slot for each windowed part, where one is free
+            w.lend(block_id)
         if not self.lower.read_block(block_hash, bytes_view(self._host_block)):
             self.pool.free(block_id)
             return None

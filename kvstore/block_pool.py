@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict, deque
+from typing import Mapping
 
 import torch
 
 from .device_kv import DeviceKV
 from .layout import KVLayout
+from .window_slots import WindowSlots
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -26,13 +28,22 @@ class NoFreeBlocksError(RuntimeError):
 class BlockPool:
     """Owns the device KV tensors (one per cache group, ``DeviceKV``) and the bookkeeping of their blocks."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 window_slots: Mapping[int, int] | None = None) -> None:
+        """``window_slots``: device slots of each sliding-window group (by group index; default
+        ``num_blocks``). Such a group lends its part of a block a slot only while some table reads the
+        block inside its window, or while it stays cached (``window_slots.WindowSlots``)."""
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.layout = layout
         self.num_blocks = num_blocks
         self.pool_id = uuid.uuid4().hex  # names this pool in KV handles: block ids only mean something here
-        self.kv = DeviceKV(layout, num_blocks, device)
+        slots = dict(window_slots or {})
+        self.windows: dict[int, WindowSlots] = {
+            gi: WindowSlots(slots.get(gi, num_blocks), num_blocks, g.window)
+            for gi, g in enumerate(layout.groups) if g.window is not None}
+        self.kv = DeviceKV(layout, [self.windows[gi].num_slots if gi in self.windows else num_blocks
+                                    for gi in range(len(layout.groups))], device)
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
@@ -68,6 +79,8 @@ class BlockPool:
             del self._by_hash[self._hash[block_id]]  # type: ignore[index]
             self._hash[block_id] = None
             self.num_evictions += 1
+            for w in self.windows.values():  # the evicted block's windowed parts leave with it
+                w.drop(block_id)
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
         self._ref[block_id] = 1
@@ -94,6 +107,18 @@ class BlockPool:
                 self._evictable[block_id] = None  # most recently released
             else:
                 self._free.append(block_id)
+                for w in self.windows.values():
+                    w.drop(block_id)
+
+    def storage_ids(self, block_id: int) -> list[int]:
+        """Where each group keeps its part of ``block_id``: the id itself, or a windowed group's slot
+        (-1: that part is not on the device)."""
+        return [self.windows[gi].slot[block_id] if gi in self.windows else block_id
+                for gi in range(len(self.layout.groups))]
+
+    def complete(self, block_id: int) -> bool:
+        """Whether every group's part of ``block_id`` is on the device (only then may its bytes be read)."""
+        return all(w.has(block_id) for w in self.windows.values())
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
@@ -145,6 +170,10 @@ class BlockPool:
             "peak_in_use": self.peak_in_use,
         }
 
+    def window_stats(self) -> list[dict[str, int]]:
+        """Each sliding-window group's slots (``WindowSlots.stats``), in group order."""
+        return [w.stats() for _, w in sorted(self.windows.items())]
+
     def check_invariants(self) -> None:
         """O(num_blocks) consistency check, for tests and debugging."""
         free = set(self._free)
@@ -163,6 +192,11 @@ class BlockPool:
             if h is not None:
                 assert self._by_hash.get(h) == b, f"hash map disagrees for block {b}"
         assert len(self._by_hash) == sum(h is not None for h in self._hash)
+        for w in self.windows.values():
+            w.check_invariants()
+            for b in range(self.num_blocks):
+                assert w.claims[b] <= self._ref[b], f"block {b} claimed in a window by more tables than hold it"
+                assert not (w.has(b) and b in free), f"free block {b} keeps a windowed part"
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

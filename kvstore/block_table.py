@@ -41,6 +41,9 @@ class BlockTable:
     num_tokens: int = 0
     num_spilled: int = 0
     hashes: list[bytes] = field(default_factory=list)
+    # per sliding-window group (by group index): the first logical block the table still reads there. It
+    # holds that group's claim (``WindowSlots``) on each resident block from there on; never below num_spilled
+    window_starts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -85,6 +88,10 @@ class BlockTable:
             raise IndexError(f"range [{start}, {end}) outside resident blocks [{self.first_resident_token}, {self.capacity()})")
         bs, skip = self.block_size, self.num_spilled
         return [self.block_ids[p // bs - skip] * bs + p % bs for p in range(start, end)]
+
+    def window_floor(self) -> int:
+        """Blocks before this one are read by no windowed group (all of them when there is none)."""
+        return min(self.window_starts.values(), default=self.num_blocks)
 
     def is_empty(self) -> bool:
         return not self.block_ids and self.num_spilled == 0

@@ -22,9 +22,11 @@ class DeviceBlocks:
         self.pool = pool
 
     def read(self, block_id: int) -> torch.Tensor:
-        """Block ``block_id`` as the tiers store it: contiguous uint8 CPU bytes, every group in order."""
-        return join_block(self.pool.kv.block(block_id))
+        """Block ``block_id`` as the tiers store it: contiguous uint8 CPU bytes, every group in order
+        (every part must be on the device: ``BlockPool.complete``)."""
+        return join_block(self.pool.kv.block(self.pool.storage_ids(block_id)))
 
     def write(self, block_id: int, block: torch.Tensor) -> None:
-        """Overwrite block ``block_id`` with ``block`` (its uint8 bytes, as :meth:`read` returns them)."""
-        self.pool.kv.write(block_id, split_block(self.pool.layout, block))
+        """Overwrite block ``block_id`` with ``block`` (its uint8 bytes, as :meth:`read` returns them); a
+        windowed part with no slot on the device is left out."""
+        self.pool.kv.write(self.pool.storage_ids(block_id), split_block(self.pool.layout, block))

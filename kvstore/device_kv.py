@@ -18,10 +18,13 @@ from strata.kvstore.layout import KVLayout
 class DeviceKV:
     """Per-group pool tensors and per-layer views of them."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int | Sequence[int], device: str | torch.device = "cpu") -> None:
+        """``num_blocks``: rows of every group's tensor, or of each (a sliding-window group keeps fewer:
+        ``window_slots``)."""
+        rows = [num_blocks] * len(layout.groups) if isinstance(num_blocks, int) else list(num_blocks)
         self.layout = layout
-        self.groups = [torch.zeros(num_blocks, g.num_layers, *g.layer_shape(layout.block_size), dtype=g.dtype,
-                                   device=device) for g in layout.groups]
+        self.groups = [torch.zeros(n, g.num_layers, *g.layer_shape(layout.block_size), dtype=g.dtype, device=device)
+                       for n, g in zip(rows, layout.groups, strict=True)]
         # layers[i]: [num_blocks, kv_parts, block_size, heads, head_dim], a view of model layer i's group tensor
         self.layers = [self.groups[gi][:, j] for gi, j in map(layout.group_of, range(layout.num_layers))]
 
@@ -36,13 +39,17 @@ class DeviceKV:
         """This process's bytes of one block (one rank's heads under tensor parallelism)."""
         return sum(t[0].numel() * t.element_size() for t in self.groups)
 
-    def block(self, block_id: int) -> list[torch.Tensor]:
-        """Block ``block_id`` of every group (views)."""
-        return [t[block_id] for t in self.groups]
+    def block(self, rows: Sequence[int]) -> list[torch.Tensor]:
+        """One block of every group (views), at each group's row (``BlockPool.storage_ids``)."""
+        if min(rows) < 0:
+            raise ValueError("a part of this block is not on the device")
+        return [t[r] for t, r in zip(self.groups, rows, strict=True)]
 
-    def write(self, block_id: int, parts: Sequence[torch.Tensor]) -> None:
-        for t, part in zip(self.groups, parts, strict=True):
-            t[block_id].copy_(part)
+    def write(self, rows: Sequence[int], parts: Sequence[torch.Tensor]) -> None:
+        """Write one block's parts; a group whose row is -1 (no slot on the device) is skipped."""
+        for t, r, part in zip(self.groups, rows, parts, strict=True):
+            if r >= 0:
+                t[r].copy_(part)
 
 
 def split_block(layout: KVLayout, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -145,6 +145,18 @@ class KVLayout:
         return self._slots[self.slot_of(layer)]
 
     @functools.cached_property
+    def window_groups(self) -> tuple[int, ...]:
+        """Indices of the sliding-window groups (each keeps its own device slots: ``window_slots``)."""
+        return tuple(gi for gi, g in enumerate(self.groups) if g.window is not None)
+
+    @functools.cached_property
+    def layer_meta(self) -> tuple[int, ...]:
+        """Per model layer, which step metadata it reads: 0 for a full-attention group, ``1 + k`` for the
+        k-th sliding-window group (``AttentionMetadata.by_layer``)."""
+        order = {gi: 1 + k for k, gi in enumerate(self.window_groups)}
+        return tuple(order.get(self.group_of(i)[0], 0) for i in range(self.num_layers))
+
+    @functools.cached_property
     def slot_offsets(self) -> tuple[int, ...]:
         """Byte offset of each slot in a block, plus the block's size at the end."""
         sizes = [self.groups[gi].layer_nbytes(self.block_size) for gi, _ in self._slots]

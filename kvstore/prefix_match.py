@@ -11,6 +11,7 @@ from strata.kvstore.block_copies import BlockCopies
 from strata.kvstore.block_pool import BlockPool
 from strata.kvstore.block_table import BlockTable
 from strata.kvstore.spill_ledger import SpillLedger
+from strata.kvstore.window_claims import WindowClaims
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class PrefixMatch:
 class PrefixMatcher:
     """Looks hashes up device first, then down the tier chain, and adopts what it found."""
 
-    def __init__(self, pool: BlockPool, copies: BlockCopies, spills: SpillLedger) -> None:
+    def __init__(self, pool: BlockPool, copies: BlockCopies, spills: SpillLedger, claims: WindowClaims) -> None:
         self.pool = pool
+        self.claims = claims
         self.copies = copies
         self.lower = copies.lower
         self.spills = spills
@@ -43,16 +45,20 @@ class PrefixMatcher:
         where = self.locate(hashes)
         room = max(0, self.pool.num_free() - keep_free)
         want_spilled = max(0, len(where) - room) if self.lower is not None else 0
+        if self.pool.windows:  # a windowed layer reads only the device: its window's blocks are adopted there
+            want_spilled = min(want_spilled, self.claims.floor_at(len(where), table.block_size))
         spilled = self._adopt_spilled(table, hashes, want_spilled)
         end = len(where) if spilled == want_spilled else spilled  # a block that cannot stay below ends it
         matched = self._adopt_resident(table, hashes, spilled, end)
+        if self.pool.windows:
+            matched = self._fit_windows(table, matched)
         self.queried_blocks += len(hashes)
         by_tier: dict[str, int] = {}
         for name in where[:matched]:
             self.hit_blocks[name] += 1
             by_tier[name] = by_tier.get(name, 0) + 1
         table.num_tokens = matched * table.block_size
-        return PrefixMatch(matched, spilled, by_tier, matched * table.block_size)
+        return PrefixMatch(matched, table.num_spilled, by_tier, matched * table.block_size)
 
     def prefetch(self, hashes: Sequence[bytes]) -> None:
         """Read ahead the lower-tier blocks among the leading cached ``hashes`` of a prompt about to be
@@ -95,6 +101,24 @@ class PrefixMatcher:
         table.hashes.extend(hashes[:done])
         self.spills.count(done)
         return done
+
+    def _fit_windows(self, table: BlockTable, matched: int) -> int:
+        """Shorten the match to where every window at its end is whole on the device, and claim it. When no
+        length keeps the spilled blocks outside every window (a promotion failed in the window), nothing
+        is adopted."""
+        fit = self.claims.fit_match(table, matched)
+        keep = max(fit, table.num_spilled) - table.num_spilled  # resident blocks that stay
+        for block_id in reversed(table.block_ids[keep:]):
+            self.pool.free(block_id)
+        del table.block_ids[keep:], table.hashes[table.num_spilled + keep :]
+        if fit < 0:
+            self.spills.unpin(table.hashes)
+            self.spills.count(-table.num_spilled)
+            table.hashes.clear()
+            table.num_spilled = 0
+            return 0
+        self.claims.claim_match(table, fit)
+        return fit
 
     def _adopt_resident(self, table: BlockTable, hashes: Sequence[bytes], first: int, end: int) -> int:
         """Reference (device hit) or promote (lower hit) blocks [first, end); returns the match length."""

@@ -38,7 +38,7 @@ class Spiller:
         """(blocks to spill, device blocks that frees): the shortest leading run of resident
         published blocks that frees ``want`` blocks, or all of them."""
         count = freed = 0
-        for block_id in table.block_ids[: table.num_published - table.num_spilled]:
+        for block_id in table.block_ids[: self._spillable(table) - table.num_spilled]:
             count += 1
             freed += self.pool.ref_count(block_id) == 1
             if freed >= want:
@@ -48,7 +48,7 @@ class Spiller:
     def spill(self, table: BlockTable, n: int) -> int:
         """Drop the ``n`` oldest resident published blocks from the device; returns how many left."""
         done = 0
-        while done < n and table.num_spilled < table.num_published and table.block_ids:
+        while done < n and table.num_spilled < self._spillable(table) and table.block_ids:
             h = table.hashes[table.num_spilled]
             if not self.copies.ensure_below(h):
                 break
@@ -58,3 +58,9 @@ class Spiller:
             done += 1
         self.spills.count(done)
         return done
+
+    @staticmethod
+    def _spillable(table: BlockTable) -> int:
+        """Blocks that may leave: published ones every sliding window has passed (a windowed layer
+        reads only from the device, ``window_claims``)."""
+        return min(table.num_published, table.window_floor())

@@ -40,6 +40,7 @@ from strata.kvstore.prefix_match import PrefixMatch, PrefixMatcher
 from strata.kvstore.spill_ledger import SpillLedger
 from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader
 from strata.kvstore.spiller import Spiller
+from strata.kvstore.window_claims import WindowClaims
 
 
 class TieredKVCache:
@@ -60,7 +61,8 @@ class TieredKVCache:
         self.spills = SpillLedger(lower)
         self.copies = BlockCopies(pool, lower, self.blocks, self.layout)
         self.spiller = Spiller(pool, self.copies, self.spills)
-        self.matcher = PrefixMatcher(pool, self.copies, self.spills)
+        self.claims = WindowClaims(pool)
+        self.matcher = PrefixMatcher(pool, self.copies, self.spills, self.claims)
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
 
     @property
@@ -89,11 +91,14 @@ class TieredKVCache:
         prefix is not streamed for no gain). False, with nothing allocated, if that is not enough.
         """
         needed = table.blocks_needed(num_tokens)
+        if not self.claims.room(needed):  # a windowed group's slots are all read by running windows
+            return False
         candidates = [*self._live.values(), *([table] if id(table) not in self._live else [])]
         if not self.spiller.make_room(needed + keep_free, candidates):
             return False
         for _ in range(needed):
             table.block_ids.append(self.pool.allocate())
+            self.claims.claim_new(table, table.block_ids[-1])
         self._live[id(table)] = table
         return True
 
@@ -107,6 +112,7 @@ class TieredKVCache:
         end = min(len(hashes), table.num_full_blocks())
         if end > table.num_published:
             self.copies.publish(table, hashes, end)
+        self.claims.slide(table)  # after publishing: a block the windows pass now stays cached for reuse
 
     # ------------------------------------------------------------ prefix match over tiers
     def matchable_blocks(self, num_tokens: int) -> int:
@@ -166,6 +172,7 @@ class TieredKVCache:
         if handle.tail_block is not None:
             table.block_ids.append(handle.tail_block)
         table.num_tokens = handle.num_tokens
+        self.claims.adopt(table)
         self._live[id(table)] = table
         return table
 
@@ -193,6 +200,7 @@ class TieredKVCache:
     def free(self, table: BlockTable) -> None:
         """Drop every reference the table holds: device refs and lower-tier pins. Idempotent."""
         self._live.pop(id(table), None)
+        self.claims.release_all(table)
         for block_id in reversed(table.block_ids):
             self.pool.free(block_id)
         if table.num_spilled and self.lower is not None:
@@ -218,6 +226,7 @@ class TieredKVCache:
         return {
             "dtype": dtype_name(self.layout.dtype),
             "cache_groups": [{"layers": len(g.layers), "window": g.window} for g in self.layout.groups],
+            "window_slots": self.pool.window_stats(),  # each sliding-window group's device slots
             "block_bytes": self.layout.bytes_per_block(),  # a whole block as the tiers store it (every rank's heads)
             "device_bytes": device["total"] * pool_block,  # this process's pool
             "device_bytes_in_use": device["in_use"] * pool_block,

@@ -10,6 +10,7 @@ import torch
 from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
+from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.compiled import compile_model
 from strata.pipeline.core.engine import Engine
@@ -51,10 +52,11 @@ def build_kv_cache(config: EngineConfig, layout: KVLayout, fingerprint: bytes, g
         write_queue_blocks=config.kv_write_queue_blocks,
         prefetch_blocks=config.kv_prefetch_blocks,
     )
+    slots = window_slot_counts(layout, config.num_kv_blocks, config.max_num_seqs, config.max_num_batched_tokens)
     if group is None or group.size == 1:
-        pool = BlockPool(layout, config.num_kv_blocks, config.device)
+        pool = BlockPool(layout, config.num_kv_blocks, config.device, slots)
         return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint)
-    pool = BlockPool(layout.per_rank(group.size), config.num_kv_blocks, config.device)  # rank 0's KV heads
+    pool = BlockPool(layout.per_rank(group.size), config.num_kv_blocks, config.device, slots)  # rank 0's KV heads
     return TieredKVCache(pool, lower, config.kv_staging_blocks, fingerprint, layout,
                          ShardedDeviceBlocks(pool, group, layout, kv_replicas))
 

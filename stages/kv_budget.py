@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from strata.kvstore.layout import KVLayout
+from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sizes import parse_budget
 from strata.pipeline.models.cache_groups import kv_layout
@@ -44,14 +46,27 @@ def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> E
     if size is None:
         weights = checkpoint_elements(model_dir) * _ITEMSIZE[config.dtype] // config.tp
         size = int(max(0, free_memory(config.device) - weights) * share)
-    per_block = rank_layout.bytes_per_block()
-    blocks = size // per_block
+    per_block, windowed = _block_bytes(rank_layout, config)
+    blocks = (size - windowed) // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no KV block: a block of "
-                         f"{rank_layout.block_size} tokens takes {per_block} bytes here")
+                         f"{rank_layout.block_size} tokens takes {per_block} bytes here"
+                         + (f", after {windowed} bytes of sliding-window slots" if windowed else ""))
     log.info("KV pool: %d blocks (%d tokens, %.1f MiB) from kv_cache_memory %s", blocks,
              blocks * rank_layout.block_size, blocks * per_block / 2**20, config.kv_cache_memory)
     return config.model_copy(update={"num_kv_blocks": blocks, "kv_cache_memory": None})
+
+
+def _block_bytes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:
+    """(bytes a pool block costs, bytes the sliding-window groups' slots cost whatever the pool's size).
+    A windowed group keeps a fixed number of slots (``window_slot_counts``), so only the full-attention
+    groups grow with the pool; a model whose every layer slides is sized as if its groups were full."""
+    group_bytes = [g.num_layers * g.layer_nbytes(layout.block_size) for g in layout.groups]
+    if len(layout.window_groups) == len(layout.groups):
+        return sum(group_bytes), 0
+    slots = window_slot_counts(layout, 1 << 40, config.max_num_seqs, config.max_num_batched_tokens)
+    windowed = sum(slots[gi] * group_bytes[gi] for gi in slots)
+    return sum(b for gi, b in enumerate(group_bytes) if gi not in slots), windowed
 
 
 def free_memory(device: str) -> int:

@@ -72,18 +72,34 @@ def test_cache_groups_cover_every_layer_once_and_place_each_in_the_block_bytes()
 
 
 def test_a_pool_holds_a_tensor_per_group_and_a_block_crosses_as_its_bytes() -> None:
+    """A windowed group keeps its part of a block in a slot of its own, smaller tensor; a block's bytes
+    gather every group's part, and a block whose windowed part is gone has no bytes to give."""
     lay = KVLayout((CacheGroup((1,), 2, 4), CacheGroup((0, 2), 1, 6, window=8)), block_size=BS)
-    pool = BlockPool(lay, 3)
-    assert [tuple(t.shape) for t in pool.kv.groups] == [(3, 1, 2, BS, 2, 4), (3, 2, 2, BS, 1, 6)]
+    pool = BlockPool(lay, 3, window_slots={1: 2})
+    assert [tuple(t.shape) for t in pool.kv.groups] == [(3, 1, 2, BS, 2, 4), (2, 2, 2, BS, 1, 6)]
     assert pool.kv.layers[2].data_ptr() == pool.kv.groups[1][:, 1].data_ptr()  # layer 2: group 1's second layer
-    pool.kv.layers[0][1].fill_(5.0)
-    pool.kv.layers[1][1].fill_(7.0)
+    window = pool.windows[1]
+    a, b = pool.allocate(), pool.allocate()
+    window.claim_new(a)
+    window.claim_new(b)
+    assert pool.storage_ids(a) == [a, window.slot[a]] and pool.complete(a)
+    pool.kv.layers[0][window.slot[a]].fill_(5.0)
+    pool.kv.layers[1][a].fill_(7.0)
     blocks = DeviceBlocks(pool)
-    data = blocks.read(1)
+    data = blocks.read(a)
     assert data.dtype == torch.uint8 and data.numel() == lay.bytes_per_block()
-    blocks.write(2, data)
-    assert pool.kv.layers[0][2].eq(5.0).all() and pool.kv.layers[1][2].eq(7.0).all() and pool.kv.layers[2][2].eq(0).all()
-    assert pool.kv.nbytes() == 3 * lay.bytes_per_block()
+    blocks.write(b, data)
+    assert pool.kv.layers[0][window.slot[b]].eq(5.0).all() and pool.kv.layers[1][b].eq(7.0).all()
+    window.release(b, keep=False)  # the window moved past b (unpublished): its part is gone
+    assert not pool.complete(b) and pool.storage_ids(b)[1] == -1
+    with pytest.raises(ValueError, match="not on the device"):
+        blocks.read(b)
+    blocks.write(b, data)  # a write skips the part with no slot
+    window.release(a, keep=False)
+    pool.free(a)
+    pool.free(b)
+    pool.check_invariants()
+    assert pool.kv.nbytes() == 3 * lay.slot_offsets[1] + 2 * (lay.bytes_per_block() - lay.slot_offsets[1])
 
 
 # ---------------------------------------------------------------- hashing

@@ -21,6 +21,16 @@ from strata.pipeline.models.mrope import MRopeLayout
 
 
 @dataclass
+class WindowInputs:
+    """One sliding-window group's view of the step: each sequence's blocks from its window's start, as
+    that group's slots (``kvstore.window_claims``), and the slots this step's tokens write."""
+
+    tables: list[list[int]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+@dataclass
 class StepInputs:
     """One step's batch as plain lists: everything a rank needs besides its model and KV tensor."""
 
@@ -36,6 +46,7 @@ class StepInputs:
     images: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, embeddings) overlays
     deepstack: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, [levels, n, hidden]) additions
     mrope_positions: np.ndarray | None = None  # int64 [3, T] under M-RoPE (then ``positions`` is unused)
+    windows: list[WindowInputs] = field(default_factory=list)  # per sliding-window group (``KVLayout.window_groups``)
 
 
 class StepExecutor:
@@ -43,17 +54,29 @@ class StepExecutor:
     (None on a tensor-parallel worker, whose logits are gathered to the driver)."""
 
     def __init__(self, model: LanguageModel, device_kv: list[torch.Tensor], backend: AttentionBackend, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", layer_meta: tuple[int, ...] = ()) -> None:
+        """``layer_meta``: which metadata each layer reads (``KVLayout.layer_meta``; empty: one for all)."""
         self.model = model
+        self.layer_meta = layer_meta
         self.device_kv = device_kv
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
 
-    @torch.inference_mode()
-    def run(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> torch.Tensor | None:
+    def metadata(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> AttentionMetadata:
+        """The step's attention metadata, with each sliding-window group's own for its layers."""
         meta = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, inputs.tables, inputs.slots,
                                        self.block_size, self.device, inputs.offsets, spilled)
+        if inputs.windows:
+            metas = [meta, *(AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, w.tables, w.slots,
+                                                     self.block_size, self.device, w.offsets)
+                             for w in inputs.windows)]
+            meta.by_layer = tuple(metas[i] for i in self.layer_meta)
+        return meta
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> torch.Tensor | None:
+        meta = self.metadata(inputs, spilled)
         ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
         embeds = self.model.embed(ids)
         for row, image in inputs.images:
@@ -79,7 +102,8 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
-        self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device)
+        self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device, kv.layout.layer_meta)
+        self.windows = [(gi, kv.pool.windows[gi]) for gi in kv.layout.window_groups]
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
         self.mrope = model.cfg.uses_mrope
 
@@ -130,9 +154,24 @@ class ModelRunner:
             s.tables.append(table.block_ids)
             s.offsets.append(table.first_resident_token)
             s.num_spilled.append(table.num_spilled)
+        if self.windows:
+            s.windows = [_window_inputs(chunks, gi, w.slot) for gi, w in self.windows]
         if self.mrope:
             s.mrope_positions = _mrope_positions(chunks)
         return s
+
+
+def _window_inputs(chunks: list[ScheduledChunk], group: int, slot_of: list[int]) -> WindowInputs:
+    """A sliding-window group's tables and write slots for the step: the blocks from each table's window
+    start, mapped to the slots that group lent them."""
+    w = WindowInputs()
+    for chunk in chunks:
+        table = chunk.seq.block_table
+        bs, skip, start = table.block_size, table.num_spilled, table.window_starts[group]
+        w.tables.append([slot_of[b] for b in table.block_ids[start - skip :]])
+        w.offsets.append(start * bs)
+        w.slots.extend(slot_of[table.block_ids[p // bs - skip]] * bs + p % bs for p in range(chunk.start, chunk.end))
+    return w
 
 
 def _mrope_positions(chunks: list[ScheduledChunk]) -> np.ndarray:

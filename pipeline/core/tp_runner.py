@@ -4,8 +4,8 @@ Rank 0 (the driver) runs the scheduler, the KV tiers and the sampler. Before eac
 other ranks must join, it broadcasts one command:
 
 * ``("step", StepInputs)`` - run the forward on your shard (all-reduces inside, logits gathered);
-* ``("read", block_id)`` - send me your heads of a block (a block leaving the device for a tier);
-* ``("write", block_id)`` - take your heads of the block I broadcast (a block promoted from a tier);
+* ``("read", rows)`` - send me your heads of a block (a block leaving the device for a tier);
+* ``("write", rows)`` - take your heads of the block I broadcast (a block promoted from a tier);
 * ``("stop", None)`` - leave the group.
 
 When a step fails on any rank, the whole group abandons it (``TPGroup.abandon_step``): the driver
@@ -15,8 +15,8 @@ then raises the step's failure to its engine core (which retries the chunks one 
 step of a group that is in step again); workers go back to waiting for the next command. No rank ever
 pairs one step's collective with another's.
 
-Every rank holds the same block ids (the driver allocates, the steps write), each with only its own
-KV heads, so tier files, hashes and handles always describe whole blocks. Spilled blocks stream
+Every rank holds the same block ids and windowed slots (the driver allocates and lends; commands and
+steps carry each group's row), each with only its own KV heads, so tier files, hashes and handles always describe whole blocks. Spilled blocks stream
 into attention the same way: the driver reads a segment's layer from the tier files and broadcasts
 it; each rank keeps its heads.
 """
@@ -53,28 +53,31 @@ class ShardedDeviceBlocks(DeviceBlocks):
         self.kv_replicas = kv_replicas
 
     def read(self, block_id: int) -> torch.Tensor:
-        self.group.broadcast_object(("read", block_id))
+        rows = self.pool.storage_ids(block_id)  # the driver lends windowed slots; workers hold the same rows
+        self.group.broadcast_object(("read", rows))
         whole = []
-        for part in self.pool.kv.block(block_id):  # every group, in order
+        for part in self.pool.kv.block(rows):  # every group, in order
             heads = self.group.gather_to_driver(part)
             assert heads is not None
             whole.append(torch.cat(heads[:: self.kv_replicas], dim=HEADS))
         return join_block(whole)
 
     def write(self, block_id: int, block: torch.Tensor) -> None:
-        self.group.broadcast_object(("write", block_id))
+        rows = self.pool.storage_ids(block_id)
+        self.group.broadcast_object(("write", rows))
         full = self.group.broadcast(block.to(self.pool.kv.device).contiguous())
-        _write_my_heads(self.pool.kv, self.layout, block_id, full, 0)
+        _write_my_heads(self.pool.kv, self.layout, rows, full, 0)
 
 
 def _my_heads(block: torch.Tensor, first_head: int, local_heads: int) -> torch.Tensor:
     return block.narrow(HEADS, first_head, local_heads)
 
 
-def _write_my_heads(kv: DeviceKV, layout: KVLayout, block_id: int, full: torch.Tensor, first_head: int) -> None:
-    """Take this rank's heads of every group of a whole block's bytes (``full``, uint8, any device)."""
+def _write_my_heads(kv: DeviceKV, layout: KVLayout, rows: list[int], full: torch.Tensor, first_head: int) -> None:
+    """Take this rank's heads of every group of a whole block's bytes (``full``, uint8, any device) into
+    each group's row (``BlockPool.storage_ids``)."""
     parts = split_block(layout, full)
-    kv.write(block_id, [_my_heads(p, first_head, t.shape[HEADS]) for p, t in zip(parts, kv.groups)])
+    kv.write(rows, [_my_heads(p, first_head, t.shape[HEADS]) for p, t in zip(parts, kv.groups)])
 
 
 class _ShardedSpilled:

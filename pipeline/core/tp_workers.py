@@ -20,6 +20,7 @@ from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import KVLayout
 from strata.kvstore.device_kv import DeviceKV
+from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
@@ -76,9 +77,10 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
         layout = kv_layout(cfg.text, config.block_size, kv_dtype)
         local = KVLayout(tuple(g.with_heads(stop_head - first_head) for g in layout.groups), layout.block_size)
-        kv = DeviceKV(local, config.num_kv_blocks, config.device)
+        slots = window_slot_counts(layout, config.num_kv_blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        kv = DeviceKV(local, [slots.get(gi, config.num_kv_blocks) for gi in range(len(layout.groups))], config.device)
         backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
-        executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device)
+        executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device, layout.layer_meta)
         serve_commands(group, executor, kv, layout, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)

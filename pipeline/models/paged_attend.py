@@ -20,6 +20,7 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: list[tor
     [blocks, 2, block_size, Hkv, D] view of its cache group), attend q ([T, Hq, D]) over it and over spilled
     blocks: [T, Hq, D]. ``kv_scales`` (FP8): store k / s_k and v / s_v, attend with
     q * s_k, scale the output by s_v."""
+    meta = meta.for_layer(layer_idx)  # a sliding-window group reads its own slots
     k_cache, v_cache = kv[layer_idx][:, 0], kv[layer_idx][:, 1]
     if kv_scales is not None:
         s_k, s_v = kv_scales

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from strata.kernels import AttentionMetadata
 from strata.pipeline.contract.sampling_params import SamplingParams
+from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.core.sequence import Sequence
 
 
@@ -24,8 +24,7 @@ def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
         raise ValueError(f"{seq.num_tokens} tokens do not fit the engine's device KV pool")
     try:
         t = seq.num_tokens
-        meta = AttentionMetadata.build([t], [t], [seq.block_table.block_ids], seq.block_table.slots(0, t),
-                                       kv.layout.block_size)
+        meta = runner.executor.metadata(runner.prepare([ScheduledChunk(seq, 0, t)]), [None])
         with torch.inference_mode():
             embeds = runner.model.embed(torch.tensor(seq.token_ids))
             hidden = runner.model.forward(embeds, torch.arange(t), kv.device_kv, meta, runner.backend)
