@@ -31,9 +31,13 @@ def window_slot_counts(layout: KVLayout, num_blocks: int, max_seqs: int, max_bat
     ``max_seqs`` sequences whose chunks sum to at most ``max_batched_tokens``, that is below
     ``max_seqs * (cdiv(window - 1, block_size) + 3) + cdiv(max_batched_tokens, block_size)``. Never more
     than the pool's blocks (a group with as many slots as blocks never runs out)."""
-    bs = layout.block_size
-    return {gi: min(num_blocks, max_seqs * (-(-(layout.groups[gi].window - 1) // bs) + 3) + -(-max_batched_tokens // bs))
-            for gi in layout.window_groups}
+    return {gi: min(num_blocks, slots_for_window(layout.groups[gi].window, layout.block_size, max_seqs,  # type: ignore[arg-type]
+                                                 max_batched_tokens)) for gi in layout.window_groups}
+
+
+def slots_for_window(window: int, block_size: int, max_seqs: int, max_batched_tokens: int) -> int:
+    """The bound of :func:`window_slot_counts` for one window (the planner sizes a model's windows with it)."""
+    return max_seqs * (-(-(window - 1) // block_size) + 3) + -(-max_batched_tokens // block_size)
 
 
 class NoFreeSlotsError(RuntimeError):

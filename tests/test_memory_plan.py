@@ -16,11 +16,12 @@ from strata.pipeline.models.model_config import ModelConfigError
 from strata.pipeline.parallel.shard_plan import ShardPlan
 from strata.planning.memory_plan import (
     count_params,
-    format_plan,
     load_model_shape,
     parse_count,
     plan_memory,
 )
+from strata.planning.model_shapes import BUILTIN_SHAPES
+from strata.planning.plan_report import format_plan
 from strata.checkpoints.tiny_model import ARCHITECTURES
 
 GiB = 1 << 30
@@ -330,3 +331,20 @@ def test_deepseek_v3_counts_its_published_671b_parameters() -> None:
 def test_cli_plan_bad_groups_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     rc, out, err = run_plan(capsys, "--model", "kimi-k2", "--context", "128K", *args)
     assert rc == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_gpt_oss_120b_grows_only_its_full_layers_with_the_context(tmp_path: Path) -> None:
+    """Half of gpt-oss's layers slide over 128 tokens: a token costs the 18 full layers' K and V, and the
+    windows cost the same fixed slots at 128K and at 1M (``kvstore.window_slots``)."""
+    at_128k = plan_memory("gpt-oss-120b", 128_000, 1, 80 * GiB)
+    at_1m = plan_memory("gpt-oss-120b", 1_000_000, 1, 80 * GiB)
+    assert at_128k.num_params == 116_829_156_672  # OpenAI: 116.8 B
+    assert at_128k.kv_bytes_per_token == 18 * 2 * 8 * 64 * 2
+    slots = 1 * (-(-127 // 16) + 3) + 512 // 16  # one window plus one chunk's blocks
+    assert at_128k.window_kv_bytes == at_1m.window_kv_bytes == slots * 18 * 2 * 16 * 8 * 64 * 2
+    assert at_1m.kv_bytes_needed == 62_500 * at_1m.bytes_per_block + at_1m.window_kv_bytes
+    assert "18 slide over 128 tokens" in format_plan(at_128k)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BUILTIN_SHAPES["gpt-oss-120b"], "layer_types": ["full_attention"] * 36}))
+    all_full = plan_memory(config, 128_000, 1, 80 * GiB)
+    assert all_full.kv_bytes_per_token == 2 * at_128k.kv_bytes_per_token and all_full.window_kv_bytes == 0

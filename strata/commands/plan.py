@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from strata.pipeline.contract.sizes import parse_size
-    from strata.planning.memory_plan import format_plan, parse_count, plan_memory
+    from strata.planning.memory_plan import parse_count, plan_memory
+    from strata.planning.plan_report import format_plan
     from strata.planning.model_shapes import BUILTIN_SHAPES
 
     config = args.model / "config.json" if args.model.is_dir() else args.model

@@ -24,6 +24,7 @@ from strata.pipeline.models.model_config import (
     VisionConfig,
     parse_model_config,
 )
+from strata.kvstore.window_slots import slots_for_window
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
@@ -177,9 +178,31 @@ def count_params(shape: ModelShape) -> int:
 
 
 def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
-    """What one token caches over every layer: K and V, 2 x layers x kv_heads x head_dim x dtype bytes;
-    MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes."""
-    return tc.kv_parts * tc.num_layers * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
+    """What one token caches over the layers whose cache grows with the context: K and V, 2 x layers x kv_heads
+    x head_dim x dtype bytes; MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
+    Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
+    (then, as the engine does, they are counted as full)."""
+    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - len(_sliding_layers(tc)))
+
+
+def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
+                    blocks_needed: int) -> int:
+    """Device bytes of the sliding-window layers' slots (``kvstore.window_slots``): ``concurrency`` windows
+    and one step's tokens, whatever the context (never more than ``blocks_needed`` blocks' worth)."""
+    per_block = _per_layer_token(tc, elem_bytes) * block_size
+    return sum(per_block * tc.layer_windows.count(w)
+               * min(blocks_needed, slots_for_window(w, block_size, concurrency, chunk_tokens))
+               for w in set(_sliding_layers(tc)))
+
+
+def _per_layer_token(tc: TextConfig, elem_bytes: int) -> int:
+    return tc.kv_parts * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
+
+
+def _sliding_layers(tc: TextConfig) -> list[int]:
+    """Each sliding layer's window, when some layers attend over the whole context (a hybrid)."""
+    windows = [w for w in tc.layer_windows if w is not None]
+    return windows if len(windows) < tc.num_layers else []
 
 
 def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, staging_tokens: int, concurrency: int) -> int:
@@ -251,6 +274,7 @@ class MemoryPlan:
     experts_per_rank: int = 0  # routed experts one rank holds (experts split whole: expert parallelism)
     weight_formats: str = ""  # which roles a quantized checkpoint stores in which format ("" when dense)
     kv_cache_dtype: str = "auto"  # auto: the KV cache stores ``dtype``; fp8: e4m3, one byte a value
+    window_kv_bytes: int = 0  # sliding-window layers' device slots, all sequences (fixed; in kv_bytes_needed)
 
     @property
     def ranks_per_node(self) -> int:
@@ -339,7 +363,8 @@ def _plan(
     config_path, shape = load_model_shape(config)
     tc = shape.text
     num_params = count_params(shape)
-    per_token = kv_bytes_per_token(tc, elem if kv_cache_dtype == "auto" else 1)
+    kv_elem = elem if kv_cache_dtype == "auto" else 1
+    per_token = kv_bytes_per_token(tc, kv_elem)
     per_block = per_token * block_size
     encoder = (num_params - text_params(tc)) * elem  # vision tower and projector, never quantized here
     weights, worker_shape, rank_block = decoder_weight_bytes(shape, ShardPlan(tc, 0, 1), elem) + encoder, shape, per_block
@@ -349,25 +374,31 @@ def _plan(
         worker_shape = replace(shape, text=replace(rank0.local_config(), vocab_size=tc.vocab_size), vision=None)
         rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.kv_cache_heads
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
+    windowed = window_kv_bytes(tc, kv_elem, block_size, concurrency, chunk_tokens, blocks_needed)
+    rank_windowed = windowed * rank_block // per_block if per_block else windowed
     p: dict[str, Any] = dict(
         config_path=str(config_path), model_type=tc.model_type, multimodal=shape.vision is not None,
         num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
         block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
         weights_bytes=weights, kv_bytes_per_token=per_token, bytes_per_block=per_block,
-        blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block,
+        blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block + windowed, window_kv_bytes=windowed,
         activation_bytes=activation_bytes(worker_shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
         staging_bytes=staging_blocks * per_block,
         working_set_blocks=(math.ceil(chunk_tokens / block_size) + 1) * concurrency,
         device_mem_bytes=device_mem_bytes, host_mem_bytes=host_mem_bytes, disk_bytes=disk_bytes,
         host_blocks=host_mem_bytes // per_block, disk_blocks=disk_bytes // per_block,
     )
-    free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"]
+    free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"] - rank_windowed
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
     if tc.mla is not None:
         kv_kind = f"MLA latent {tc.mla.kv_lora_rank}+{tc.mla.qk_rope_head_dim} per layer"
     else:
         kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"
+    if windowed:
+        sliding = _sliding_layers(tc)
+        kv_kind += f", on {tc.num_layers - len(sliding)} of {tc.num_layers} layers ({len(sliding)} slide over " \
+                   f"{'/'.join(str(w) for w in sorted(set(sliding)))} tokens)"
     experts_per_rank = 0
     if tc.num_experts:
         lo, hi = ShardPlan(tc, 0, tp).experts
@@ -387,58 +418,3 @@ def format_bytes(n: int) -> str:
         if n >= 1024**exp:
             return f"{n / 1024**exp:.2f} {unit}"
     return f"{n} B"  # unreachable
-
-
-def format_plan(plan: MemoryPlan) -> str:
-    """Aligned text table: one row per memory consumer or tier, then the verdict."""
-    bs = plan.block_size
-    kind = f"vision + text, up to {plan.image_tokens:,} tokens an image" if plan.multimodal else "text-only"
-    ctx = f"{plan.concurrency} x {plan.context_tokens:,}"
-    group = plan.tp > 1
-    weights = (f"weights per rank (largest of {plan.tp} shards)" if group else f"weights ({plan.num_params:,} params)")
-    rows: list[tuple[str, str, str, str]] = [
-        ("item", "bytes", "blocks", "tokens"),
-        (weights, format_bytes(plan.weights_bytes), "", ""),
-        (f"KV per token ({plan.kv_kind})", format_bytes(plan.kv_bytes_per_token), "", "1"),
-        ("KV per block", format_bytes(plan.bytes_per_block), "1", f"{bs:,}"),
-        (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
-        (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
-        ("staging buffer", format_bytes(plan.staging_bytes), f"{plan.staging_blocks:,}", f"{plan.staging_blocks * bs:,}"),
-        ("device memory" + (" per rank" if group else ""), format_bytes(plan.device_mem_bytes), "", ""),
-        ("device KV capacity" + (" (all ranks)" if group else ""), format_bytes(plan.device_blocks * plan.bytes_per_block),
-         f"{plan.device_blocks:,}", f"{plan.device_blocks * bs:,}"),
-        ("host KV capacity", format_bytes(plan.host_blocks * plan.bytes_per_block), f"{plan.host_blocks:,}", f"{plan.host_blocks * bs:,}"),
-        ("disk KV capacity", format_bytes(plan.disk_blocks * plan.bytes_per_block), f"{plan.disk_blocks:,}", f"{plan.disk_blocks * bs:,}"),
-        ("total KV capacity", format_bytes(plan.total_blocks * plan.bytes_per_block), f"{plan.total_blocks:,}", f"{plan.total_blocks * bs:,}"),
-    ]
-    if group:
-        rows.insert(4, ("KV per block per rank", format_bytes(plan.rank_bytes_per_block), "1", f"{bs:,}"))
-    if plan.num_experts:
-        rows.insert(2, (f"routed experts per rank ({plan.num_experts} per MoE layer, split whole)",
-                        f"{plan.experts_per_rank:,}", "", ""))
-    if group and plan.multimodal:
-        rows.insert(2, ("vision encoder + projector (own replica)", format_bytes(plan.encoder_weights_bytes), "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [
-        f"model:  {plan.config_path} ({plan.model_type}, {kind}, {plan.dtype}, {plan.num_params:,} params)",
-        f"plan:   {ctx} tokens, block {bs} tokens, working set {plan.working_set_blocks:,} blocks on device",
-        f"dtype:  {plan.dtype} weights and " + ("KV" if plan.kv_cache_dtype == "auto" else "fp8 (e4m3) KV")
-        + (" (strata serve's default on CUDA; on a CPU it serves float32 unless given --dtype bfloat16)"
-           if plan.dtype == "bfloat16" else ""),
-    ]
-    if plan.weight_formats:
-        lines.append(f"stored: {plan.weight_formats} (quantized weights sized as stored)")
-    if group or plan.nodes > 1:
-        lines.append(f"group:  tp={plan.tp} over {plan.nodes} node(s), {plan.ranks_per_node} rank(s) per node; "
-                     "host and disk tiers on the driver's node")
-    lines.append("")
-    for i, row in enumerate(rows):
-        lines.append(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}".rstrip())
-        if i == 0:
-            lines.append("-" * (sum(widths) + 6))
-    lines += ["", "verdict: fits" if plan.fits else f"verdict: does NOT fit: {plan.reason}"]
-    if not plan.fits and plan.nodes_needed is not None:
-        lines.append(f"needs:  {plan.nodes_needed} node(s) of {plan.ranks_per_node} rank(s): tp={plan.tp_needed}")
-    elif not plan.fits and (group or plan.nodes > 1):
-        lines.append(f"needs:  more than {MAX_NODES} nodes of {plan.ranks_per_node} rank(s), or more memory per rank")
-    return "\n".join(lines)

@@ -8,7 +8,8 @@ expert, a 160K vocabulary and yarn RoPE (factor 32 over 4K) to 128K. About 1.03 
 released in FP8 with 128 x 128 block scales, and their configs say so; ``kimi-k2-thinking`` is Kimi-K2
 with INT4 routed experts (compressed-tensors groups of 32; attention, shared experts, dense MLPs and the
 LM head left in bf16), as Moonshot ships Kimi-K2-Thinking. ``moe-1t`` is kept as another name for
-``kimi-k2`` (it used to be a GQA stand-in).
+``kimi-k2`` (it used to be a GQA stand-in). ``gpt-oss-120b`` is OpenAI's hybrid: half its layers attend over
+128-token windows, its experts ship in MXFP4.
 """
 
 from __future__ import annotations
@@ -80,3 +81,29 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
 }
 BUILTIN_SHAPES["kimi-k2-thinking"] = {**BUILTIN_SHAPES["kimi-k2"], "quantization_config": KIMI_INT4_EXPERTS}
 BUILTIN_SHAPES["moe-1t"] = BUILTIN_SHAPES["kimi-k2"]
+BUILTIN_SHAPES["gpt-oss-120b"] = {  # as OpenAI publishes its config.json: 36 layers, every other one a 128-token window
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "vocab_size": 201088,
+    "attention_bias": True,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "rms_norm_eps": 1e-5,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
