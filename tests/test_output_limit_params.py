@@ -23,6 +23,7 @@ from strata.deployments.openai.request_end import request_scope
 from strata.deployments.openai.responder import Responder
 from strata.pipeline.contract.request import Request, TokenEvent
 from strata.pipeline.contract.sampling_params import MAX_TOKENS, SamplingParams
+from strata.pipeline.frontend.generation_defaults import GenerationDefaults
 
 pytestmark = pytest.mark.unit
 
@@ -50,18 +51,20 @@ class _Ingress(Ingress.func_or_class):  # type: ignore[misc,name-defined]
         """Serve's ASGI wrapper shuts an app down here (a coroutine); this one never started one."""
 
 
-def _ingress(flow: FakeFlow, reasoning: Any = None) -> Any:
+def _ingress(flow: FakeFlow, reasoning: Any = None, generation: GenerationDefaults = GenerationDefaults()) -> Any:
     ingress = object.__new__(_Ingress)
     config = ServeConfig()
     ingress.config, ingress.model_name, ingress.flow, ingress.service = config, MODEL, flow, None
     ingress.retry_after_s, ingress.admission, ingress.reasoning_format = 1.0, Admission(16), reasoning
+    ingress.generation = generation
     ingress.responder = Responder(MODEL, lambda ids: "x" * len(ids), 1.0, 30.0)
     ingress._loaded, ingress._load_error = threading.Event(), None
     ingress._loaded.set()
     return ingress
 
 
-def _post(body: dict[str, Any], chat: bool = True, reasoning: Any = None) -> tuple[int, dict[str, Any], FakeFlow]:
+def _post(body: dict[str, Any], chat: bool = True, reasoning: Any = None,
+          generation: GenerationDefaults = GenerationDefaults()) -> tuple[int, dict[str, Any], FakeFlow]:
     """POST ``body`` to the chat (or completions) route: (status, JSON body, the flow)."""
     raw = json.dumps(body).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions" if chat else "/v1/completions",
@@ -72,7 +75,7 @@ def _post(body: dict[str, Any], chat: bool = True, reasoning: Any = None) -> tup
 
     async def go() -> tuple[int, dict[str, Any], FakeFlow]:
         flow = FakeFlow()
-        ingress = _ingress(flow, reasoning)
+        ingress = _ingress(flow, reasoning, generation)
         async with request_scope():  # what RequestEndMiddleware gives every HTTP request
             resp = await ingress._complete(HTTPRequest(scope, receive), chat=chat)
         assert ingress.admission.held == 0
@@ -148,3 +151,17 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_a_400() -> Non
     for bad in ({"tokenize": True}, {"not a name": 1}, [1]):
         status, body, flow = _post(_chat(max_tokens=4, chat_template_kwargs=bad))
         assert status == 400 and body["error"]["param"] == "chat_template_kwargs" and not flow.prepared
+
+
+def test_the_checkpoints_generation_defaults_fill_only_what_a_request_leaves_out() -> None:
+    """``--generation-config auto``: the route samples at generation_config.json's values unless the request
+    names its own (``tests/test_generation_defaults.py`` reads the file)."""
+    defaults = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+    _, _, flow = _post(_chat(), generation=defaults)
+    (params,) = flow.prepared
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.9, 20, 1.05)
+    _, _, flow = _post(_chat(temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.0), generation=defaults)
+    (params,) = flow.prepared
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.0, 1.0, 0, 1.0)
+    _, _, flow = _post({"model": MODEL, "prompt": "hi"}, chat=False, generation=defaults)
+    assert flow.prepared[0].temperature == 0.6

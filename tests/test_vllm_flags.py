@@ -30,6 +30,7 @@ HONOURED = {
     "--served-model-name NAME [ALIAS ...]": (["--served-model-name", "my-model", "alias"], "model_aliases", ["alias"]),
     "--reasoning-parser NAME": (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),
     "--kv-cache-dtype auto/fp8/fp8_e4m3": (["--kv-cache-dtype", "fp8"], "engine.kv_cache_dtype", "fp8"),
+    "--generation-config auto/vllm/FOLDER": (["--generation-config", "vllm"], "generation_config", "vllm"),
     "--tensor-parallel-size N": (["--tensor-parallel-size", "2"], "engine.tp", 2),
     "--speculative-config JSON": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                                   "engine.speculative.num_speculative_tokens", 2),

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from strata.pipeline.contract.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SEED_MAX, SEED_MIN, SamplingParams
+from strata.pipeline.frontend.generation_defaults import GenerationDefaults
 from strata.pipeline.frontend.intake import PromptTooLongError, check_prompt_chars
 from strata.pipeline.frontend.structured import spec_from_openai
 from strata.pipeline.frontend.tokenizer import check_template_kwargs
@@ -41,6 +42,13 @@ UNSUPPORTED = {
     "best_of": 1, "suffix": None, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None,
 }
+
+NO_DEFAULTS = GenerationDefaults()
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is set (a request's own, then the checkpoint's default, then OpenAI's)."""
+    return next(v for v in values if v is not None)
 
 
 class APIError(Exception):
@@ -143,16 +151,18 @@ class _SamplingFields(LenientModel):
     structured_outputs: dict[StrictStr, Any] | None = None
     skip_special_tokens: StrictBool = True  # vLLM extension
 
-    def sampling_params(self) -> SamplingParams:
-        """The request's sampling; ``max_tokens`` None when absent (intake gives it the room the context leaves)."""
+    def sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+        """The request's sampling; ``max_tokens`` None when absent (intake gives it the room the context leaves).
+        A field the request leaves out takes ``defaults`` (the checkpoint's ``generation_config.json``), then
+        OpenAI's default."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:
             raise APIError(400, "at most 16 stop strings are supported", param="stop")
         params = SamplingParams(
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=max(0, self.top_k or 0),
+            temperature=float(_first(self.temperature, defaults.temperature, 1.0)),
+            top_p=float(_first(self.top_p, defaults.top_p, 1.0)),
+            top_k=max(0, _first(self.top_k, defaults.top_k, 0)),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -161,7 +171,7 @@ class _SamplingFields(LenientModel):
             prompt_logprobs=self.requested_prompt_logprobs(),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
-            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            repetition_penalty=float(_first(self.repetition_penalty, defaults.repetition_penalty, 1.0)),
             logit_bias=_token_bias(self.logit_bias),
             min_tokens=self.min_tokens,
             structured=self._structured(),
@@ -282,7 +292,7 @@ class CompletionRequest(_SamplingFields):
             return max(asked or 0, self.logprobs)
         return asked
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         """``max_tokens: 0`` echoes the prompt and generates nothing: one token is computed (the prompt's
         forward gives it anyway) and left out of the answer (``generates``)."""
         if self.echo and self.n > 1:
@@ -291,8 +301,8 @@ class CompletionRequest(_SamplingFields):
             if not self.echo:
                 raise APIError(400, "max_tokens 0 needs echo: true (there is nothing else to return)",
                                param="max_tokens")
-            return self.model_copy(update={"max_tokens": 1}).sampling_params()
-        return super().sampling_params()
+            return self.model_copy(update={"max_tokens": 1}).sampling_params(defaults)
+        return super().sampling_params(defaults)
 
     @property
     def generates(self) -> bool:

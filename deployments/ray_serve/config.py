@@ -110,6 +110,10 @@ class ServeConfig(ConfigModel):
         "auto", description="how chat answers' thinking is read apart (message.reasoning_content): a family's "
                             "parser, auto (<think> tags or harmony channels where the chat template writes them) "
                             "or none")
+    generation_config: str = Field("auto", min_length=1, max_length=4096, description="default sampling, as vLLM's "
+                                   "--generation-config: auto (the checkpoint's generation_config.json gives a "
+                                   "request's default temperature, top_p, top_k, repetition_penalty and max_tokens), "
+                                   "vllm (none) or a folder holding a generation_config.json")
     chat_template: str | None = Field(None, max_length=1_000_000, description="a Jinja chat template replacing the "
                                       "checkpoint's (strata serve --chat-template reads it from a file)")
     engine_process: bool = Field(True, description="aggregated with tp 1: the step loop runs in a child process "

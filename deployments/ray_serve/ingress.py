@@ -48,6 +48,7 @@ from strata.deployments.openai.responder import Responder, client_error, error_r
 from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize)
 from strata.pipeline.frontend.answer import AnswerFormat
+from strata.pipeline.frontend.generation_defaults import load_generation_defaults
 from strata.pipeline.frontend.intake import Intake
 from strata.pipeline.frontend.reasoning import reasoning_format_for
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
@@ -90,7 +91,8 @@ class Ingress:
         self.tokenizer = PromptTokenizer(model_dir, load_model_config(model_dir), self.config.chat_template)
         self.tool_format = tool_format_for(self.config.tool_call_parser, self.tokenizer.tokenizer)
         self.reasoning_format = reasoning_format_for(self.config.reasoning_parser, self.tokenizer.tokenizer)
-        intake = Intake(self.tokenizer, self.config.engine)
+        self.generation = load_generation_defaults(self.config.generation_config, model_dir)
+        intake = Intake(self.tokenizer, self.config.engine, self.generation.max_tokens)
         model_config = load_model_config(model_dir)
         # an image whose token count depends on it is counted here, from its header, before it is sent anywhere
         counter = image_preprocessor(model_dir, model_config, max_pixels=self.config.engine.max_image_pixels) \
@@ -292,7 +294,7 @@ class Ingress:
         try:
             req = await off_loop(request, parse_request, ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
-            params = req.sampling_params()
+            params = req.sampling_params(self.generation)
             tools = req.tool_request() if chat else None
             reads_calls = tools is not None and tools.parses_calls
             reasoning = self.reasoning_format if chat else None  # a chat answer's thinking is read apart

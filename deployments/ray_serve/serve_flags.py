@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from strata.deployments.ray_serve.vllm_flags import add_vllm_arguments, vllm_dtype, vllm_engine_flags
 from strata.pipeline.contract.config import json_object_flag
+from strata.pipeline.frontend.generation_defaults import load_generation_defaults
 from strata.pipeline.frontend.reasoning import REASONING_FORMATS
 from strata.pipeline.frontend.tools.formats import TOOL_FORMATS
 
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=("auto", "none", *REASONING_FORMATS),
                    help="how chat answers' thinking is read apart as reasoning_content (default auto: <think> tags "
                         "where the chat template writes them)")
+    p.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
+                   help="default sampling (default auto: the checkpoint's generation_config.json gives a request's "
+                        "default temperature, top_p, top_k, repetition_penalty and max_tokens; vllm: none)")
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template replacing the checkpoint's, as a file or inline (one that renders "
                         "tools enables them)")
@@ -121,6 +125,10 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.reasoning_parser = args.reasoning_parser
     if getattr(args, "chat_template", None) is not None:
         config.chat_template = _read_template(args.chat_template)
+    if getattr(args, "generation_config", None):
+        config.generation_config = args.generation_config
+    if config.model_dir:  # a bad file stops the command here, in one line, before anything starts
+        load_generation_defaults(config.generation_config, Path(config.model_dir))
     key = _api_key(args)
     if key is not None:
         from strata.deployments.openai.api_key import key_digest

@@ -26,6 +26,9 @@ FLAGS: dict[str, tuple[str, str]] = {
         "honoured", "the model id clients send, then aliases it also answers to; by default a model given by "
                     "Hugging Face id is served as that id"),
     "--kv-cache-dtype auto/fp8/fp8_e4m3": ("honoured", "what the KV cache stores in every tier"),
+    "--generation-config auto/vllm/FOLDER": (
+        "honoured", "auto: the checkpoint's generation_config.json gives a request's default temperature, top_p, "
+                    "top_k, repetition_penalty and max_tokens (its max_new_tokens); vllm: none; a folder: its file"),
     "--tensor-parallel-size N": ("honoured", "tensor-parallel ranks of every decoder stage"),
     "--speculative-config JSON": ("honoured", "ngram (prompt lookup) speculation"),
     "--model-impl auto/vllm/transformers": (

@@ -36,6 +36,7 @@ class PromptTooLongError(ValueError):
 class Intake:
     tokenizer: PromptTokenizer
     config: EngineConfig
+    default_max_tokens: int | None = None  # a checkpoint's max_new_tokens (``generation_defaults``), within the room
 
     def make_request(
         self,
@@ -67,7 +68,8 @@ class Intake:
         in_images = sum(image_tokens) if image_tokens is not None else num_images * self.tokenizer.num_image_tokens
         check_length(self.config, len(encoded.token_ids), params, in_images)
         if params.max_tokens is None:
-            params.max_tokens = max(1, self.config.max_model_len - len(encoded.token_ids))
+            room = max(1, self.config.max_model_len - len(encoded.token_ids))
+            params.max_tokens = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
         vocab = self.tokenizer.vocab_size
