@@ -22,7 +22,11 @@ pytestmark = pytest.mark.unit
 def _dir(tmp_path: Path, content: object, name: str = "model") -> Path:
     folder = tmp_path / name
     folder.mkdir()
-    (folder / "generation_config.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    path = folder / "generation_config.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
     return folder
 
 
@@ -41,8 +45,9 @@ def test_auto_reads_the_checkpoints_file_and_names_what_it_leaves_out(tmp_path: 
 
 
 @pytest.mark.parametrize("content, words", [
-    ("{not json", "not readable JSON"),
-    ([1, 2], "expected a JSON object"),
+    ("{not json", "is not valid JSON"),
+    (b"\xff\xfe{", "is not valid JSON"),
+    ([1, 2], "must hold a JSON object"),
     ({"temperature": 3.5}, "temperature must be a number in [0, 2]"),
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"top_p": 0}, "top_p must be a number in (0, 1]"),

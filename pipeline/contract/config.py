@@ -221,7 +221,7 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
         raw = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"config {path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"config {path} must hold a JSON object")

@@ -10,12 +10,13 @@ of range is an error that names the file and the key, before the server takes a 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from strata.pipeline.contract.config import read_json_object
 
 log = logging.getLogger(__name__)
 FILE = "generation_config.json"
@@ -50,12 +51,7 @@ def load_generation_defaults(spec: str, model_dir: Path) -> GenerationDefaults:
         if spec == "auto":
             return GenerationDefaults()
         raise ValueError(f"--generation-config {spec}: no {FILE} in that folder")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{FILE}: not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{FILE}: expected a JSON object")
+    raw = read_json_object(path)
     defaults = GenerationDefaults(
         temperature=_number(raw, "temperature", 0.0, 2.0, low_open=False),
         top_p=_number(raw, "top_p", 0.0, 1.0, low_open=True),
