@@ -253,7 +253,8 @@ def keyed_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
     server = ServeProcess(smollm2, workdir, {"mode": "aggregated", "engine": {"max_model_len": 2048,
                                                                               "speculative": SPECULATIVE},
-                                             "chat_template": template, "model_aliases": [SMOLLM2_ALIAS]},
+                                             "chat_template": template, "model_aliases": [SMOLLM2_ALIAS],
+                                             "enable_tokenizer_info_endpoint": True},
                           env={"STRATA_API_KEY": SMOLLM2_KEY, "STRATA_FAULT_DIR": str(faults)})
     server.faults = faults
     try:

@@ -84,7 +84,7 @@ def test_the_api_key_guards_every_route_but_the_probes(keyed_server) -> None:
         assert httpx.get(base + path, timeout=30).status_code == 200, path
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/strata/stats"),
-                             ("POST", "/tokenize"), ("GET", "/v1/models/" + MODEL_NAME)):
+                             ("POST", "/tokenize"), ("GET", "/v1/models/" + MODEL_NAME), ("GET", "/tokenizer_info")):
             response = httpx.request(method, base + path, headers=headers, json={}, timeout=30)
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["code"] == "invalid_api_key" and KEY not in response.text
@@ -126,6 +126,17 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(keyed_server, smollm2:
                                ("/detokenize", {"tokens": "abc"}, 400), ("/tokenize", {"model": "other", "prompt": "a"}, 404)):
         response = _post(keyed_server, path, body)
         assert response.status_code == status and "error" in response.json(), (path, body)
+
+
+def test_tokenizer_info_is_the_tokenizers_configuration_and_the_template_in_use(keyed_server, smollm2: Path) -> None:
+    """vLLM's /tokenizer_info (on with --enable-tokenizer-info-endpoint): what lm-eval's remote tokenizer reads,
+    the chat template this server renders with (its --chat-template), and no path of the server's."""
+    info = httpx.get(keyed_server.base_url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=30).json()
+    template = (Path(__file__).parent / "data" / "smollm2_tools.jinja").read_text()
+    assert info["tokenizer_class"].startswith(("GPT2Tokenizer", "TokenizersBackend", "PreTrainedTokenizer"))
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == template
+    assert str(smollm2) not in json.dumps(info) and "name_or_path" not in info
 
 
 def test_ping_version_and_metrics_on_the_api_port(keyed_server) -> None:

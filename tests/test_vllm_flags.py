@@ -24,6 +24,7 @@ HONOURED = {
     "--max-num-seqs N": (["--max-num-seqs", "8"], "engine.max_num_seqs", 8),
     "--max-num-batched-tokens N": (["--max-num-batched-tokens", "512"], "engine.max_num_batched_tokens", 512),
     "--enable-auto-tool-choice": (["--enable-auto-tool-choice"], "tool_call_parser", "auto"),
+    "--enable-tokenizer-info-endpoint": (["--enable-tokenizer-info-endpoint"], "enable_tokenizer_info_endpoint", True),
     "--limit-mm-per-prompt": (["--limit-mm-per-prompt", '{"image": 3}'], "engine.max_images_per_request", 3),
     "--chat-template FILE/TEMPLATE": (["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
                                       "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"),

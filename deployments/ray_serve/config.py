@@ -110,6 +110,9 @@ class ServeConfig(ConfigModel):
         "auto", description="how chat answers' thinking is read apart (message.reasoning_content): a family's "
                             "parser, auto (<think> tags or harmony channels where the chat template writes them) "
                             "or none")
+    enable_tokenizer_info_endpoint: bool = Field(False, description="serve vLLM's GET /tokenizer_info (the "
+                                                 "tokenizer's configuration and chat template, as lm-eval's remote "
+                                                 "tokenizer reads them); off by default, as in vLLM")
     generation_config: str = Field("auto", min_length=1, max_length=4096, description="default sampling, as vLLM's "
                                    "--generation-config: auto (the checkpoint's generation_config.json gives a "
                                    "request's default temperature, top_p, top_k, repetition_penalty and max_tokens), "

@@ -46,7 +46,7 @@ from strata.deployments.openai.parallel_sampling import ManyChoices, children
 from strata.deployments.openai.request_end import RequestEndMiddleware
 from strata.deployments.openai.responder import Responder, client_error, error_response
 from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
-                                             server_version, tokenize)
+                                             server_version, tokenize, tokenizer_info)
 from strata.pipeline.frontend.answer import AnswerFormat
 from strata.pipeline.frontend.generation_defaults import load_generation_defaults
 from strata.pipeline.frontend.intake import Intake
@@ -223,6 +223,15 @@ class Ingress:
                 return JSONResponse(await asyncio.to_thread(run, req))
         except APIError as exc:
             return error_response(exc, "tokenize")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route(self) -> Response:
+        """vLLM's route, served when ``enable_tokenizer_info_endpoint`` is on (a 404 otherwise, as vLLM's)."""
+        if not self.config.enable_tokenizer_info_endpoint:
+            exc = APIError(404, "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint",
+                           code="not_found")
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(await asyncio.to_thread(tokenizer_info, self.tokenizer))
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

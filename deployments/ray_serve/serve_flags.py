@@ -127,6 +127,8 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.chat_template = _read_template(args.chat_template)
     if getattr(args, "generation_config", None):
         config.generation_config = args.generation_config
+    if getattr(args, "enable_tokenizer_info_endpoint", None):
+        config.enable_tokenizer_info_endpoint = True
     if config.model_dir:  # a bad file stops the command here, in one line, before anything starts
         load_generation_defaults(config.generation_config, Path(config.model_dir))
     key = _api_key(args)

@@ -82,6 +82,43 @@ def detokenize(req: DetokenizeRequest, tokenizer: PromptTokenizer, max_model_len
     return {"prompt": tokenizer.tokenizer.decode(req.tokens)}
 
 
+def tokenizer_info(tokenizer: PromptTokenizer) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info``: the tokenizer's configuration as ``tokenizer_config.json`` holds it (special
+    tokens as their text), its class, and the chat template this server renders with (an override
+    included): what lm-eval's remote tokenizer reads. Where the server keeps its files is left out."""
+    hf = tokenizer.tokenizer
+    info: dict[str, Any] = {}
+    for key, value in hf.init_kwargs.items():
+        if key == "name_or_path" or key.endswith("_file") or key.endswith("_files"):
+            continue  # a path on this machine
+        value = _plain(value)
+        if value is not _SKIP:
+            info[key] = value
+    info["tokenizer_class"] = type(hf).__name__
+    template = getattr(hf, "chat_template", None)
+    if template:
+        info["chat_template"] = template
+    return info
+
+
+_SKIP = object()
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value for a tokenizer setting: an AddedToken as its text; what JSON cannot hold is left out."""
+    if hasattr(value, "content") and isinstance(getattr(value, "content"), str):
+        return value.content
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return [v for v in items if v is not _SKIP]
+    if isinstance(value, dict):
+        pairs = {str(k): _plain(v) for k, v in value.items()}
+        return {k: v for k, v in pairs.items() if v is not _SKIP}
+    return _SKIP
+
+
 def server_version() -> dict[str, str]:
     try:
         return {"version": version("strata")}

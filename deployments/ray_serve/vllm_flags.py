@@ -16,6 +16,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--max-num-seqs N": ("honoured", "running sequences per stage (engine.max_num_seqs)"),
     "--max-num-batched-tokens N": ("honoured", "per-step token budget (engine.max_num_batched_tokens)"),
     "--enable-auto-tool-choice": ("accepted", "Strata reads tool calls whenever a request sends tools"),
+    "--enable-tokenizer-info-endpoint": ("honoured", "serves GET /tokenizer_info: the tokenizer's configuration and "
+                                                     "the chat template in use (behind --api-key like the rest)"),
     "--limit-mm-per-prompt": ("honoured", "image=N or {\"image\": N}: images per request "
                                           "(engine.max_images_per_request)"),
     "--chat-template FILE/TEMPLATE": ("honoured", "a file, or the Jinja template itself given inline"),
@@ -55,6 +57,9 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help='images per request: image=N or {"image": N} (engine.max_images_per_request)')
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's scripts: Strata reads tool calls whenever a request sends tools")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=None,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template; lm-eval's "
+                        "remote tokenizer reads it)")
     p.add_argument("--trust-remote-code", action="store_true", help="refused: " + FLAGS["--trust-remote-code"][1])
     p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                    help="refused: " + FLAGS["--gpu-memory-utilization F"][1])
