@@ -28,7 +28,8 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
     """KV, queue and scheduler figures of an engine (read on the thread that steps it)."""
     kv = engine.kv
     pool = kv.pool.stats()
-    return {"running": engine.num_running, "queued_prompt_tokens": engine.num_queued_prompt_tokens(),
+    return {"running": engine.num_running, "waiting": len(engine.scheduler.waiting),
+            "queued_prompt_tokens": engine.num_queued_prompt_tokens(),
             "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
             "preemptions": engine.scheduler.num_preemptions, "tp": engine.core.runner.tp_size,
             "threads": torch.get_num_threads(), "step_totals": dict(engine.step_totals),

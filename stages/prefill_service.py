@@ -66,6 +66,7 @@ class PrefillService:
 
     def _stats(self) -> dict[str, Any]:
         return {"queued_prompt_tokens": self.prefiller.num_queued_tokens, "kv": self.prefiller.kv.stats(),
+                "waiting": len(self.prefiller.scheduler.waiting),
                 "preemptions": self.prefiller.scheduler.num_preemptions, "tp": self.prefiller.core.runner.tp_size,
                 "threads": torch.get_num_threads()}
 

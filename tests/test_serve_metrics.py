@@ -113,6 +113,24 @@ def test_metrics_follow_the_traffic(serve_server) -> None:
     assert _value(after, "ray_strata_kv_blocks", stage="decode", tier="host", state="stored") > 0
     assert any(k.startswith("ray_strata_stage_queue_depth{") for k in after)
     assert any(k.startswith("ray_strata_autoscaling_target_replicas{") for k in after)
+    _the_api_port_adds_vllms_names(serve_server, after, n)
+
+
+def _the_api_port_adds_vllms_names(server, after: dict[str, float], n: int) -> None:
+    """/metrics on the API port: Strata's series and, beside them, vLLM's families labelled with the model,
+    valid exposition text a vLLM dashboard reads (``vllm_metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    got = {(s.name, s.labels.get("model_name")): s.value for f in text_string_to_metric_families(text)
+           for s in f.samples if s.name.startswith("vllm:") and "le" not in s.labels}
+    assert got[("vllm:prompt_tokens_total", MODEL)] >= _value(after, "ray_strata_prefix_cache_tokens_total",
+                                                                kind="queried") > 0
+    assert got[("vllm:generation_tokens_total", MODEL)] >= n  # every request streamed at least one token
+    assert got[("vllm:time_to_first_token_seconds_count", MODEL)] >= n
+    assert got[("vllm:e2e_request_latency_seconds_count", MODEL)] >= n
+    assert 0.0 <= got[("vllm:kv_cache_usage_perc", MODEL)] <= 1.0
+    assert ("vllm:num_requests_running", MODEL) in got and ("vllm:num_requests_waiting", MODEL) in got
 
 
 def test_the_grafana_dashboard_only_queries_metrics_we_export() -> None:

@@ -1,5 +1,6 @@
 """The request metrics the OpenAI surface records: requests by endpoint and final status, time to first
-token, inter-token gaps, end-to-end latency, and prompt tokens looked up in / served from the prefix cache.
+token, inter-token gaps, end-to-end latency, prompt tokens looked up in / served from the prefix cache, and
+the tokens generated.
 
 The surface imports no Ray, so it records through whatever is installed here: the Ray Serve room installs
 its exporters (``ray_serve.metrics``, to Ray's Prometheus endpoint) as it is imported; the surface on its
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-NAMES = ("requests", "ttft", "itl", "e2e", "prefix_tokens")
+NAMES = ("requests", "ttft", "itl", "e2e", "prefix_tokens", "generation_tokens")
 
 
 class Metric(Protocol):
@@ -72,3 +73,7 @@ def e2e() -> Metric:
 
 def prefix_tokens() -> Metric:
     return _metric("prefix_tokens")
+
+
+def generation_tokens() -> Metric:
+    return _metric("generation_tokens")

@@ -126,6 +126,9 @@ class Timed:
         except asyncio.TimeoutError as exc:
             raise GenerationFailed(f"the request did not finish within {self.deadline - self.t0:.0f} s") from exc
         now_t = time.perf_counter()
+        tokens = sum(e.token_id >= 0 for e in batch)
+        if tokens:
+            metrics.generation_tokens().inc(float(tokens), tags=self.tags)
         if self.last is None:
             metrics.ttft().observe(now_t - self.t0, tags=self.tags)
         else:

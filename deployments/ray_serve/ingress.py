@@ -47,6 +47,7 @@ from strata.deployments.openai.request_end import RequestEndMiddleware
 from strata.deployments.openai.responder import Responder, client_error, error_response
 from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize, tokenizer_info)
+from strata.deployments.ray_serve.vllm_metrics import vllm_metrics
 from strata.pipeline.frontend.answer import AnswerFormat
 from strata.pipeline.frontend.generation_defaults import load_generation_defaults
 from strata.pipeline.frontend.intake import Intake
@@ -199,9 +200,14 @@ class Ingress:
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
         try:
-            return PlainTextResponse(await node_metrics(), media_type="text/plain; version=0.0.4")
+            text = await node_metrics()
         except APIError as exc:
             return error_response(exc, "metrics")
+        try:  # vLLM's names beside Strata's, for dashboards built for vLLM (``vllm_metrics``)
+            text += await asyncio.to_thread(vllm_metrics, text, self.model_name)
+        except ValueError:  # the node's text did not parse: Strata's own metrics still go out
+            log.warning("the node's metrics text did not parse: /metrics carries no vllm: names this time")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize_route(self, request: HTTPRequest) -> Response:

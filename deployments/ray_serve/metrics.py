@@ -42,6 +42,22 @@ def e2e() -> Histogram:
 
 
 @lru_cache(maxsize=None)
+def generation_tokens() -> Counter:
+    return Counter("strata_generation_tokens", "Tokens generated (streamed to clients)", tag_keys=("endpoint",))
+
+
+@lru_cache(maxsize=None)
+def requests_in_engine() -> Gauge:
+    return Gauge("strata_engine_requests", "Requests in a stage's engine: running (decoding) or waiting",
+                 tag_keys=("stage", "state"))
+
+
+@lru_cache(maxsize=None)
+def kv_usage() -> Gauge:
+    return Gauge("strata_kv_cache_usage", "Share of a stage's device KV blocks in use (0..1)", tag_keys=("stage",))
+
+
+@lru_cache(maxsize=None)
 def queue_depth() -> Gauge:
     return Gauge("strata_stage_queue_depth", "Work waiting in a stage (its autoscaling signal)", tag_keys=("stage",))
 
@@ -119,6 +135,10 @@ class CounterDelta:
 def record_kv(stage: str, kv_stats: dict[str, Any], deltas: CounterDelta) -> None:
     """KV gauges per tier, plus preemption totals, from a stage service's ``stats()``."""
     device = kv_stats["kv"]["device"]
+    kv_usage().set(device["in_use"] / max(1, device["total"]), tags={"stage": stage})
+    for state in ("running", "waiting"):
+        if state in kv_stats:
+            requests_in_engine().set(float(kv_stats[state]), tags={"stage": stage, "state": state})
     for state in ("in_use", "cached", "free"):
         kv_blocks().set(float(device[state]), tags={"stage": stage, "tier": "device", "state": state})
     for tier, t in kv_stats["kv"]["tiers"].items():
@@ -132,4 +152,5 @@ def record_kv(stage: str, kv_stats: dict[str, Any], deltas: CounterDelta) -> Non
         deltas.inc(spec_decode_verifications(), float(spec["verifications"]), {"stage": stage})
 
 
-request_metrics.install({"requests": requests, "ttft": ttft, "itl": itl, "e2e": e2e, "prefix_tokens": prefix_tokens})
+request_metrics.install({"requests": requests, "ttft": ttft, "itl": itl, "e2e": e2e, "prefix_tokens": prefix_tokens,
+                         "generation_tokens": generation_tokens})
