@@ -271,3 +271,35 @@ def test_several_prompts_in_one_completion_request(keyed_server) -> None:
     assert [c.text for c in by_ids.choices] == [alone[1].choices[0].text] * 2
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL_NAME, prompt=["a"] * 9, max_tokens=2, n=2)
+
+
+def test_the_responses_api_through_the_openai_client(keyed_server) -> None:
+    """``client.responses.create``: the chat route's greedy answer as a response object, streamed as Responses
+    events that add up to it, a required tool call as a function_call item, and its output sent back as a
+    ``function_call_output`` item answered from (the chat test's tool flow, in the Responses API's shapes)."""
+    client = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    question = "What is the capital of France?"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+                                          max_tokens=16, temperature=0)
+    whole = client.responses.create(model=MODEL_NAME, input=question, max_output_tokens=16, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.usage.input_tokens == chat.usage.prompt_tokens
+    deltas, final = [], None
+    for event in client.responses.create(model=MODEL_NAME, input=question, max_output_tokens=16, temperature=0,
+                                         stream=True):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert "".join(deltas) == whole.output_text == final.output_text
+
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    ask = dict(model=MODEL_NAME, tools=[tool], max_output_tokens=40, temperature=0)
+    called = client.responses.create(**ask, input="What is the weather like in Paris today?", tool_choice="required",
+                                     parallel_tool_calls=False)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    answer = client.responses.create(**ask, input=[
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21, "sky": "sunny"}'}])
+    assert "sunny" in answer.output_text and not [i for i in answer.output if i.type == "function_call"]

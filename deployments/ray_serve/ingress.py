@@ -47,6 +47,8 @@ from strata.deployments.openai.request_end import RequestEndMiddleware
 from strata.deployments.openai.responder import Responder, client_error, error_response
 from strata.deployments.ray_serve.token_routes import (DetokenizeRequest, TokenizeRequest, detokenize, node_metrics,
                                              server_version, tokenize, tokenizer_info)
+from strata.deployments.openai.responses_request import ResponsesRequest
+from strata.deployments.openai.responses_route import responses_answer
 from strata.deployments.ray_serve.vllm_metrics import vllm_metrics
 from strata.pipeline.frontend.answer import AnswerFormat
 from strata.pipeline.frontend.generation_defaults import load_generation_defaults
@@ -295,14 +297,29 @@ class Ingress:
     async def completions(self, request: HTTPRequest) -> Response:
         return await self._complete(request, chat=False)
 
-    async def _complete(self, request: HTTPRequest, chat: bool) -> Response:
-        t0, rid = time.perf_counter(), new_id("chatcmpl" if chat else "cmpl")
-        endpoint = "chat" if chat else "completions"
-        try:  # the body first, under its own deadline: a stalled upload is never counted as admitted work
+    @app.post("/v1/responses")
+    async def responses(self, request: HTTPRequest) -> Response:
+        """The OpenAI Responses API, run as the chat request it translates to (``openai.responses_route``)."""
+        try:
             body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s,
                                    lambda b: check_prompt_size(b, self.config.engine.max_model_len))
+            req = await off_loop(request, parse_request, ResponsesRequest, body)
+            chat_body = req.chat_body()
         except APIError as exc:
-            return error_response(exc, endpoint)
+            return error_response(exc, "responses")
+        chat = await self._complete(request, chat=True, body=chat_body)
+        return await responses_answer(chat, req)
+
+    async def _complete(self, request: HTTPRequest, chat: bool, body: Any = None) -> Response:
+        """``body``: already read and decoded (a translated Responses request); else read from ``request``."""
+        t0, rid = time.perf_counter(), new_id("chatcmpl" if chat else "cmpl")
+        endpoint = "chat" if chat else "completions"
+        if body is None:
+            try:  # the body first, under its own deadline: a stalled upload is never counted as admitted work
+                body = await read_json(request, self.config.max_request_bytes, self.config.request_body_timeout_s,
+                                       lambda b: check_prompt_size(b, self.config.engine.max_model_len))
+            except APIError as exc:
+                return error_response(exc, endpoint)
         if not self.admission.admit():  # a slot until this request ends, however it ends
             return error_response(APIError(429, "the server is busy; retry shortly", type_="rate_limit_error",
                                            code="rate_limit_exceeded", retry_after_s=self.retry_after_s), endpoint)
