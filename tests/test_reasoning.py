@@ -175,3 +175,32 @@ def test_the_responses_carry_reasoning_apart_from_content(stream: bool) -> None:
         for key in got:
             got[key] += chunk["choices"][0]["delta"].get(key) or "" if chunk["choices"] else ""
     assert got == {"reasoning_content": "Paris is in France.", "reasoning": "Paris is in France.", "content": "Paris."}
+
+
+def test_a_response_formats_grammar_starts_after_the_thinking(tmp_path) -> None:
+    """A guided_choice with a trigger outside the grammar (the thinking's end tag): the thinking is free, the
+    tag is not fed to the grammar, the answer is a choice; across a prefill-to-decode hand-off the decode
+    engine's matcher starts after the tag the prefill sampled. The trigger is the end tag only while the
+    prompt left the thinking to come or open."""
+    from helpers import build, greedy, tokens_through_handoff
+
+    from strata.checkpoints.tiny_text_models import build_tiny_text_model
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.frontend.structured import spec_from_openai
+
+    model = build_tiny_text_model("minimax_m2", tmp_path / "model", tool_format="minimax_m2")
+    engine = build(model)
+    hf = engine.intake.tokenizer.tokenizer
+    start, end = hf.convert_tokens_to_ids("<think>"), hf.convert_tokens_to_ids("</think>")
+    tags = ThinkTags("minimax_m2")
+    assert tags.answer_trigger([5, start, 9], hf) == end  # open: the answer comes after the tag
+    assert tags.answer_trigger([5, 9], hf) == end  # to come (the model opens it itself)
+    assert tags.answer_trigger([start, 9, end, 7], hf) is None  # closed last (thinking off): constrain at once
+    params = greedy(12, logit_bias={end: 100.0})
+    params.structured = spec_from_openai({"guided_choice": ["yes", "no"]})
+    params.structured_trigger, params.structured_trigger_in_grammar = end, False
+    whole = engine.generate([{"prompt": "Is the sky blue?", "params": params}])[0]
+    assert whole.output_token_ids[0] == end and whole.finish_reason == "stop"
+    assert hf.decode(whole.output_token_ids[1:], skip_special_tokens=True) in ("yes", "no")
+    config = EngineConfig(host_kv_blocks=64, host_kv_dir=str(tmp_path / "host"))
+    assert tokens_through_handoff(model, config, engine, [], "Is the sky blue?", params) == whole.output_token_ids

@@ -104,6 +104,7 @@ def minimax_server(tmp_path_factory: pytest.TempPathFactory):
     thinking = TOOL_TEMPLATES["minimax_m2"].replace("'assistant:'", "'assistant:<think>\\n'")
     assert thinking != TOOL_TEMPLATES["minimax_m2"]
     server = ServeProcess(model, workdir, {"engine": {"max_model_len": 1024}, "chat_template": thinking})
+    server.model_dir = model
     try:
         server.wait_ready()
         yield server
@@ -132,6 +133,25 @@ def test_minimax_m2_tool_calls_are_read_by_the_declared_types(minimax_server) ->
              for tc in chunk.choices[0].delta.tool_calls or []]
     assert parts[0].function.name == "lookup"
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+
+
+def test_a_response_format_constrains_the_answer_after_the_thinking(minimax_server) -> None:
+    """The prompt opened the thinking, so a guided_choice applies from ``</think>`` on (vLLM's structured output
+    with a reasoning parser): the thinking is free and the answer one of the choices. A bias on the end tag
+    closes the thinking at once; without it the random model never closes it, and nothing is constrained."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(minimax_server.model_dir).convert_tokens_to_ids("</think>")
+    client = openai.OpenAI(base_url=minimax_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=16,
+               temperature=0)
+    closed = client.chat.completions.create(**ask, logit_bias={str(end): 100},
+                                            extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+    assert closed.message.content in ("yes", "no") and closed.finish_reason == "stop", closed
+    assert closed.message.model_extra["reasoning_content"] == ""
+    open_ = client.chat.completions.create(**ask, extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+    assert open_.message.content is None and open_.finish_reason == "length"
+    assert open_.message.model_extra["reasoning_content"] not in ("", "yes", "no")  # free text, as thinking is
 
 
 def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) -> None:

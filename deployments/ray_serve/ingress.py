@@ -344,6 +344,11 @@ class Ingress:
                                                    mm_processor_kwargs=req.mm_processor_kwargs,
                                                    template_kwargs=req.chat_template_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
+                if reasoning is not None and params.structured is not None and not reads_calls:
+                    # a response format applies to the answer, from the thinking's end tag on
+                    trigger = reasoning.answer_trigger(prepared.prompt_token_ids, self.tokenizer.tokenizer)
+                    if trigger is not None and trigger < self.tokenizer.vocab_size:
+                        params.structured_trigger, params.structured_trigger_in_grammar = trigger, False
             else:  # several prompts: one request each, ``<id>``, ``<id>-p1``, ...
                 prompts = [await self.flow.prepare(rid if i == 0 else f"{rid}-p{i}", params, [], **one)
                            for i, one in enumerate(req.prompt_inputs())]

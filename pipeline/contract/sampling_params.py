@@ -42,6 +42,9 @@ class SamplingParams:
     # the grammar applies from this token on (a tool call's one-token opening marker): until the model samples
     # it the row is unconstrained, and costs no mask
     structured_trigger: int | None = None
+    # the trigger is the grammar's first token (a call's marker), or comes just before the grammar's language
+    # (the thinking's end tag: ``frontend.reasoning``)
+    structured_trigger_in_grammar: bool = True
     # vLLM: False keeps special tokens in the text (a tool-call format whose markers are special tokens);
     # the end-of-sequence or stop token that ends the answer is never text
     skip_special_tokens: bool = True

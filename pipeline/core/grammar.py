@@ -12,7 +12,8 @@ keeps stepping. A compiled grammar is kept as a template; each sequence runs a c
 hand-off to decode) gets a fresh copy fed with the tokens it has already produced, so the grammar's state is
 a function of the tokens, like everything else that crosses a process. A grammar with a trigger token
 (``SamplingParams.structured_trigger``: a tool call's opening marker) starts at that token: before it the
-row is unconstrained and no mask is computed for it.
+row is unconstrained and no mask is computed for it. A trigger outside the grammar (the thinking's end tag,
+``structured_trigger_in_grammar`` false) starts it with the token after.
 
 **Only the grammar says stop.** A matcher that errs (a limit hit mid-answer, a token it refuses) fails its
 row alone, never as a ``stop``. A stop token (EOS, ``stop_token_ids``) ends a constrained answer only where
@@ -169,7 +170,8 @@ class GrammarRunner:
             matcher = template.matcher.deep_copy()
             out = seq.output_token_ids
             trigger = seq.params.structured_trigger
-            start = 0 if trigger is None else out.index(trigger) if trigger in out else len(out)
+            after = 0 if seq.params.structured_trigger_in_grammar else 1  # a tag before the language is not fed
+            start = 0 if trigger is None else out.index(trigger) + after if trigger in out else len(out)
             for token in out[start:]:  # produced (and accepted) elsewhere: a hand-off, say
                 matcher.consume_token(token)
             seq.grammar_matcher = matcher
@@ -220,12 +222,15 @@ class GrammarRunner:
         """Feed a sampled token to the sequence's matcher (a token its mask allowed); a grammar waiting for
         its trigger starts at it. A stop token where the grammar is complete ends the answer and is not fed.
         Returns why the row must fail (the matcher refused the token), else None."""
-        if not self.constrained(seq) and token != seq.params.structured_trigger:
+        starts = not self.constrained(seq)
+        if starts and token != seq.params.structured_trigger:
             return None
         try:
             matcher = self.matcher(seq)
         except GrammarError as exc:
             return str(exc)
+        if starts and not seq.params.structured_trigger_in_grammar:
+            return None  # the tag that ends the thinking: the grammar starts with the next token
         if self._ends_answer(seq, token) and matcher.is_accepting():
             seq.grammar_stop = True  # a stop where the language is complete: the engine's stop rules end it
             return None

@@ -46,6 +46,18 @@ class ThinkTags:
             return (thinking if final else held_back(thinking, self.end)), ""
         return thinking, answer.lstrip()
 
+    def answer_trigger(self, prompt_ids: list[int], hf_tokenizer: Any) -> int | None:
+        """The token after which the answer (and so a response format's grammar) starts: the end tag, while
+        the thinking is still to come or open. None when the prompt closed it last (``enable_thinking:
+        false`` writes an empty block; vLLM likewise counts the thinking over once its end tag is in the
+        prompt), or when a tag is not one token of this vocabulary. A model that never writes the end tag
+        is never constrained, as in vLLM."""
+        start, end = (_single_token(hf_tokenizer, tag) for tag in (self.start, self.end))
+        if start is None or end is None:
+            return None
+        last = {tok: i for i, tok in enumerate(prompt_ids) if tok in (start, end)}
+        return None if last.get(end, -1) > last.get(start, -1) else end
+
 
 @dataclass(frozen=True)
 class Harmony:
@@ -59,6 +71,10 @@ class Harmony:
     name: str = "openai_gptoss"
     opened_by_prompt: bool = False
     needs_special_tokens: bool = True
+
+    def answer_trigger(self, prompt_ids: list[int], hf_tokenizer: Any) -> int | None:
+        """None: the final channel opens with several tokens, so a grammar applies from the first token."""
+        return None
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         if MESSAGE not in text:  # not harmony at all, or a first header on its way
@@ -76,6 +92,14 @@ class Harmony:
 
 
 ReasoningFormat = ThinkTags | Harmony
+
+
+def _single_token(hf_tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when the vocabulary holds it as one token, else None."""
+    token_id = hf_tokenizer.convert_tokens_to_ids(text)
+    if not isinstance(token_id, int) or hf_tokenizer.convert_ids_to_tokens(token_id) != text:
+        return None
+    return token_id
 REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
     ThinkTags("deepseek_r1", opened_by_prompt=True), ThinkTags("qwen3"), ThinkTags("glm45"), ThinkTags("kimi_k2"),
     ThinkTags("minimax_m2"), Harmony())}

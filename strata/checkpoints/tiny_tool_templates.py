@@ -71,7 +71,9 @@ TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
                                           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
     "deepseek_v3": tuple((m, True) for m in ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                                               "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
-    "minimax_m2": (("<minimax:tool_call>", False), ("</minimax:tool_call>", False)),
+    # MiniMax-M2's vocabulary also holds its thinking tags as single tokens
+    "minimax_m2": (("<minimax:tool_call>", False), ("</minimax:tool_call>", False), ("<think>", False),
+                   ("</think>", False)),
     "openai": tuple((m, True) for m in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                                          "<|return|>", "<|call|>")),
 }
