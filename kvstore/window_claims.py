@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from strata.kvstore.block_pool import BlockPool
 from strata.kvstore.block_table import BlockTable
+from strata.kvstore.window_slots import WindowSlots
 
 
 class WindowClaims:
@@ -90,5 +91,5 @@ class WindowClaims:
                     raise AssertionError("claim_match after a fit_match that did not hold")
             table.window_starts[gi] = start
 
-    def _release(self, w, block_id: int) -> None:
+    def _release(self, w: WindowSlots, block_id: int) -> None:
         w.release(block_id, keep=self.pool.block_hash(block_id) is not None)

@@ -6,10 +6,12 @@ Environment knobs: STRATA_MAX_TOKENS (default 32), STRATA_LONG_PROMPT_WORDS (def
 (the Bearer token of a server started with --api-key).
 
 Four kinds of users: short text chats, chats with an image (of mixed sizes), multi-turn chats whose turns share
-a growing prefix, and long prompts. Every request streams. Locust's own row for a streamed POST
-times only the response headers, so each request also reports, as separate Locust entries per
-kind, its end-to-end latency to ``[DONE]`` ("E2E"), its time to first token ("TTFT") and its mean
-inter-token latency ("ITL"): the statistics table shows all three next to each other.
+a growing prefix, and long prompts. Every request streams, and is one row of Locust's table per kind, timed
+to its ``[DONE]`` (not to the response headers, Locust's default for a stream), its length the tokens it
+streamed: so the Aggregated row's requests/s is true. Time to first token, inter-token latency (each gap
+between streamed chunks, per token, as ``vllm bench serve`` defines ITL) and output tokens/s are collected
+beside the table and printed when the run ends (and written to ``<csv prefix>_strata.csv`` with ``--csv``).
+On a model that takes no images the image users step aside with a note, instead of failing every request.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from typing import Any
 
 from locust import HttpUser, between, events, task
+
+from strata.loadtest.stream_stats import STATS
 
 MAX_TOKENS = int(os.environ.get("STRATA_MAX_TOKENS", "32"))
 API_KEY = os.environ.get("STRATA_API_KEY")
@@ -61,7 +65,8 @@ class StrataUser(HttpUser):
             self.model = r.json()["data"][0]["id"]
 
     def chat(self, messages: list[dict[str, Any]], name: str) -> str:
-        """Stream one chat completion; report the request, its TTFT and its mean ITL."""
+        """Stream one chat completion: Locust's row times it to ``[DONE]``; its TTFT, gaps and tokens go to
+        ``stream_stats``."""
         body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.7,
                 "stream": True}
         t0 = time.perf_counter()
@@ -89,18 +94,11 @@ class StrataUser(HttpUser):
             if not done:
                 r.failure("stream ended without [DONE]")
                 return ""
+            e2e = time.perf_counter() - t0
+            r.request_meta["response_time"] = e2e * 1e3  # the whole stream, not its headers
+            r.request_meta["response_length"] = len(stamps)  # chunks streamed: tokens, one a chunk
             r.success()
-        fire = events.request.fire
-        fire(request_type="SSE", name=f"{name} E2E", response_time=(time.perf_counter() - t0) * 1e3,
-             response_length=len("".join(text)), exception=None, context={})
-        if not stamps:  # the model finished at once (EOS): a complete answer with no text to time
-            return ""
-        fire(request_type="SSE", name=f"{name} TTFT", response_time=(stamps[0] - t0) * 1e3, response_length=0,
-             exception=None, context={})
-        if len(stamps) > 1:
-            itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-            fire(request_type="SSE", name=f"{name} ITL", response_time=itl * 1e3, response_length=0,
-                 exception=None, context={})
+        STATS.record(name, t0, stamps, e2e)
         return "".join(text)
 
 
@@ -114,9 +112,18 @@ class TextChatUser(StrataUser):
 
 class ImageChatUser(StrataUser):
     weight = 2
+    takes_images: bool | None = None  # found once per process: does the served model take images?
+
+    def on_start(self) -> None:
+        super().on_start()
+        if ImageChatUser.takes_images is None:
+            ImageChatUser.takes_images = STATS.probe_images(self.host, self.model, API_KEY, IMAGES[0])
 
     @task
     def image_chat(self) -> None:
+        if not ImageChatUser.takes_images:  # stepped aside with a note (``stream_stats``): no request
+            time.sleep(1.0)
+            return
         content = [{"type": "image_url", "image_url": {"url": random.choice(IMAGES)}},
                    {"type": "text", "text": "What is in this picture?"}]
         self.chat([{"role": "user", "content": content}], "image chat")
@@ -149,3 +156,10 @@ class LongPromptUser(StrataUser):
     def long_prompt(self) -> None:
         words = " ".join(f"{random.choice(TOPICS)} {i}" for i in range(LONG_PROMPT_WORDS))
         self.chat([{"role": "user", "content": f"Summarize: {words}"}], "long prompt")
+
+
+@events.test_stop.add_listener
+def _report_streaming(environment: Any, **_: Any) -> None:
+    """The TTFT, ITL and token rates of the run, beside Locust's table (``stream_stats``)."""
+    options = getattr(environment, "parsed_options", None)
+    STATS.report(getattr(options, "csv_prefix", None))

@@ -345,10 +345,7 @@ class Ingress:
                                                    template_kwargs=req.chat_template_kwargs,
                                                    tools=tools.template_tools() if tools is not None else None)
                 if reasoning is not None and params.structured is not None and not reads_calls:
-                    # a response format applies to the answer, from the thinking's end tag on
-                    trigger = reasoning.answer_trigger(prepared.prompt_token_ids, self.tokenizer.tokenizer)
-                    if trigger is not None and trigger < self.tokenizer.vocab_size:
-                        params.structured_trigger, params.structured_trigger_in_grammar = trigger, False
+                    self._constrain_after_thinking(params, reasoning, prepared.prompt_token_ids)
             else:  # several prompts: one request each, ``<id>``, ``<id>-p1``, ...
                 prompts = [await self.flow.prepare(rid if i == 0 else f"{rid}-p{i}", params, [], **one)
                            for i, one in enumerate(req.prompt_inputs())]
@@ -372,6 +369,13 @@ class Ingress:
         if req.stream:
             return await self.responder.stream(req, prepared, events, chat, t0, answer)
         return await self.responder.whole(req, prepared, events, chat, t0, answer)
+
+    def _constrain_after_thinking(self, params: Any, reasoning: Any, prompt_ids: list[int]) -> None:
+        """A response format applies to the answer: its grammar starts after the thinking's end tag, while the
+        prompt leaves the thinking to come (``ReasoningFormat.answer_trigger``)."""
+        trigger = reasoning.answer_trigger(prompt_ids, self.tokenizer.tokenizer)
+        if trigger is not None and trigger < self.tokenizer.vocab_size:
+            params.structured_trigger, params.structured_trigger_in_grammar = trigger, False
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.config.model_aliases:

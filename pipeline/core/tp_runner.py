@@ -54,6 +54,8 @@ class ShardedDeviceBlocks(DeviceBlocks):
 
     def read(self, block_id: int) -> torch.Tensor:
         rows = self.pool.storage_ids(block_id)  # the driver lends windowed slots; workers hold the same rows
+        if min(rows) < 0:  # refused here, before any rank is told: a part that is gone has no bytes to gather
+            raise ValueError("a part of this block is not on the device")
         self.group.broadcast_object(("read", rows))
         whole = []
         for part in self.pool.kv.block(rows):  # every group, in order
