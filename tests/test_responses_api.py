@@ -18,13 +18,14 @@ from test_output_limit_params import MODEL, FakeFlow, _ingress
 
 from strata.deployments.openai.request_end import request_scope
 from strata.deployments.openai.responses_request import ResponsesRequest
+from strata.pipeline.contract.request import TokenEvent
 
 pytestmark = pytest.mark.unit
 RESPONSE_SCHEMA = Response.model_json_schema()
 EVENT_SCHEMA = TypeAdapter(ResponseStreamEvent).json_schema()
 
 
-def _post(body: dict[str, Any]) -> tuple[int, Any, FakeFlow]:
+def _post(body: dict[str, Any], flow_type: type = FakeFlow) -> tuple[int, Any, FakeFlow]:
     raw = json.dumps(body).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/responses",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
@@ -33,7 +34,7 @@ def _post(body: dict[str, Any]) -> tuple[int, Any, FakeFlow]:
         return {"type": "http.request", "body": raw, "more_body": False}
 
     async def go() -> tuple[int, Any, FakeFlow]:
-        flow = FakeFlow()
+        flow = flow_type()
         ingress = _ingress(flow)
         async with request_scope():
             resp = await ingress.responses(HTTPRequest(scope, receive))
@@ -117,3 +118,23 @@ def test_a_chat_error_names_the_responses_parameter() -> None:
     assert status == 400 and err["error"]["param"] == "tool_choice", err
     status, err, _ = _post({"model": "other", "input": "hi"})
     assert status == 404 and err["error"]["code"] == "model_not_found"
+
+
+class FailingFlow(FakeFlow):
+    """A stream that fails after its first token (a stage that stopped, say)."""
+
+    async def events(self, request):  # type: ignore[override]
+        yield [TokenEvent(request.request_id, 7, "ok")]
+        yield [TokenEvent(request.request_id, -1, "", finish_reason="error", error="the engine stopped")]
+
+
+def test_a_stream_that_fails_midway_ends_in_an_error_event() -> None:
+    """No client waits for a completion that will not come: the chat stream's in-band error becomes the
+    Responses ``error`` event, valid against the SDK's schema, and the stream ends there."""
+    status, text, _ = _post({"model": MODEL, "input": "hi", "stream": True}, FailingFlow)
+    assert status == 200
+    events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "error" and "the engine stopped" in events[-1]["message"]
+    assert "response.output_text.delta" in [e["type"] for e in events]
+    assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
+    jsonschema.validate(events[-1], EVENT_SCHEMA)

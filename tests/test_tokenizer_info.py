@@ -26,3 +26,14 @@ def test_the_info_is_json_with_the_template_in_use_and_no_path(llama_dir: Path) 
     assert info["extra_special"] == "<x>" and info["nested"] == {"tokens": ["<y>"]} and "opaque" not in info
     assert info["tokenizer_class"] == type(tok.tokenizer).__name__
     assert str(llama_dir) not in json.dumps(info) and not any(k.endswith("_file") for k in info)
+
+
+def test_the_route_is_a_404_saying_how_to_turn_it_on_when_off() -> None:
+    """Off by default, as vLLM's: an OpenAI-style 404 naming the flag, the tokenizer never touched."""
+    import asyncio
+
+    from test_output_limit_params import FakeFlow, _ingress
+
+    response = asyncio.run(_ingress(FakeFlow()).tokenizer_info_route())  # no tokenizer: it must not be read
+    body = json.loads(response.body)
+    assert response.status_code == 404 and "--enable-tokenizer-info-endpoint" in body["error"]["message"]
