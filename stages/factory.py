@@ -27,6 +27,7 @@ from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax
                                               shared_scales)
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
+from strata.pipeline.models.mtp import check_mtp_engine, with_mtp
 from strata.pipeline.parallel.tp_group import TPGroup
 from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
@@ -69,7 +70,10 @@ class LanguageStage:
                  group_host: str = "127.0.0.1") -> None:
         self._restore_threads = apply_threads(config.num_threads, config.tp)  # undone on close (an engine inside a test process)
         self.model_dir = Path(model_dir)
-        self.model_config = with_model_impl(load_model_config(self.model_dir), config.model_impl)
+        spec = config.speculative.method if config.speculative is not None else None
+        if spec == "mtp":
+            check_mtp_engine(config.tp, config.kv_cache_dtype)
+        self.model_config = with_mtp(with_model_impl(load_model_config(self.model_dir), config.model_impl), spec)
         cfg = self.model_config
         if cfg.arch.fallback:
             check_fallback_engine(config)

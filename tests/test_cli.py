@@ -66,12 +66,14 @@ def test_raw_prompt_skips_the_chat_template(llama_dir: Path) -> None:
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["--prompt", "hi", "--tp", "3"], "tp=3 does not divide the model's 4 attention heads"),
         (["--prompt", "hi", "--tp", "0"], "engine.tp: Input should be greater than or equal to 1"),
+        (["--prompt", "hi", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1}'],
+         "engine.speculative.method: Input should be 'ngram' or 'mtp'"),
         (["--prompt", "hi", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
-         "engine.speculative.method: Input should be 'ngram'"),
+         "this llama has none: use ngram"),
         (["--prompt", "hi", "--speculative-config", "{method: ngram}"], "--speculative-config: not JSON"),
     ],
     ids=["missing-model", "missing-image", "empty-prompt", "bad-temperature", "tp-does-not-split", "zero-tp",
-         "unknown-speculation", "speculation-not-json"],
+         "unknown-speculation", "mtp-without-its-layer", "speculation-not-json"],
 )
 def test_bad_input_is_a_clear_error(args: list[str], message: str, llama_dir: Path, capsys) -> None:
     if "--model" not in args:

@@ -32,7 +32,7 @@ FLAGS: dict[str, tuple[str, str]] = {
         "honoured", "auto: the checkpoint's generation_config.json gives a request's default temperature, top_p, "
                     "top_k, repetition_penalty and max_tokens (its max_new_tokens); vllm: none; a folder: its file"),
     "--tensor-parallel-size N": ("honoured", "tensor-parallel ranks of every decoder stage"),
-    "--speculative-config JSON": ("honoured", "ngram (prompt lookup) speculation"),
+    "--speculative-config JSON": ("honoured", "ngram (prompt lookup) and mtp (the checkpoint's MTP layer, tp=1) speculation"),
     "--model-impl auto/vllm/transformers": (
         "honoured", "auto: Strata's model code where it has the architecture, else the transformers fallback "
                     "(transformers' modules, Strata's paged attention); vllm: Strata's code only; transformers: "

@@ -51,9 +51,13 @@ class SpeculativeConfig(ConfigModel):
     """Speculative decoding, in vLLM's ``--speculative-config`` shape. ``ngram`` (prompt lookup): the draft
     is what followed the latest earlier occurrence of the sequence's last n tokens (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``), so it costs no model and helps most where decode
-    is bound by reading weights and the answer repeats its context (edits, summaries, extraction)."""
+    is bound by reading weights and the answer repeats its context (edits, summaries, extraction). ``mtp``:
+    the checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5: ``num_nextn_predict_layers``)
+    drafts the token after next from the model's last hidden state (``pipeline/core/mtp_drafts.py``)."""
 
-    method: Literal["ngram"] = Field(description="ngram (prompt lookup); a draft model and MTP are not implemented")
+    method: Literal["ngram", "mtp"] = Field(description="ngram (prompt lookup) or mtp (the checkpoint's "
+                                                        "multi-token-prediction layer); a draft model is not "
+                                                        "implemented")
     num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens verified per step")
     prompt_lookup_max: int | None = Field(None, ge=1, le=64, description="longest n-gram matched (default: "
                                                                           "prompt_lookup_min, or 5 when neither)")
@@ -62,6 +66,13 @@ class SpeculativeConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _lookup_range(self) -> "SpeculativeConfig":
+        if self.method == "mtp":
+            if self.num_speculative_tokens != 1:
+                raise ValueError("mtp drafts one token a step (the one MTP layer released checkpoints carry): "
+                                 f"set num_speculative_tokens to 1, not {self.num_speculative_tokens}")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("prompt_lookup_max and prompt_lookup_min are ngram settings; mtp takes neither")
+            return self
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.__dict__.update(prompt_lookup_max=5, prompt_lookup_min=5)  # vLLM's defaults
         elif self.prompt_lookup_min is None:

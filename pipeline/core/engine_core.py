@@ -19,6 +19,7 @@ from strata.kvstore import KVBlockLostError
 from strata.pipeline.contract.request import TokenEvent
 from strata.pipeline.core.logits_processors import apply_logits_processors, needs_processing
 from strata.pipeline.core.model_runner import ModelRunner
+from strata.pipeline.core.mtp_drafts import MTPProposer, step_next_tokens
 from strata.pipeline.core.prompt_logprobs import take_prompt_rows, wants_prompt_rows
 from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.sampler import FINISH_STOP, INVALID, Logprobs, Sampler, StopResult, check_stop, row_is_finite
@@ -60,7 +61,9 @@ class EngineCore:
         self.failed: list[Emitted] = []  # error events of sequences failed outside a step's result
         self.num_failed = 0
         spec = scheduler.config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: NgramProposer | MTPProposer | None = None
+        if spec is not None:
+            self.proposer = MTPProposer(runner) if spec.method == "mtp" else NgramProposer(spec)
         self.speculation = SpeculationStats()
 
     def step(self, budget: int | None = None) -> list[Emitted]:
@@ -76,6 +79,7 @@ class EngineCore:
                 self.grammar.wait(0.005)
             return events + self._take_failed()
         self.last_num_tokens = out.num_tokens
+        whole = True  # the batch ran as one forward (the MTP drafter reads its hidden rows)
         try:
             logits = self.runner.execute(out.chunks)
             chunks = out.chunks
@@ -84,18 +88,24 @@ class EngineCore:
             return events + self._take_failed()
         except Exception:
             logits, chunks = self._isolate(out.chunks)
+            whole = False
         logits, bad_rows = take_prompt_rows(logits, chunks)  # before commit: it reads what the chunk computed
         for seq in bad_rows:
             self.fail(seq, INVALID_VALUES)
         chunks = [c for c in chunks if c.seq not in bad_rows]
-        for chunk in chunks:
-            if not chunk.draft:  # a verified draft commits what it accepted, below
-                self.scheduler.commit(chunk)
         verifying: list[tuple[ScheduledChunk, torch.Tensor]] = []
         if any(c.draft for c in chunks):
             logits, verifying = _split_draft_rows(logits, chunks)
-        sampling = [c.seq for c in chunks if c.samples and not c.draft]
+        sampling_chunks = [c for c in chunks if c.samples and not c.draft]
+        sampling = [c.seq for c in sampling_chunks]
         tokens, failed, logprobs = self._sample(logits, sampling)
+        verified = [(chunk, self._verified(chunk, rows)) for chunk, rows in verifying]
+        if isinstance(self.proposer, MTPProposer) and whole:  # before commit: published blocks hold its KV
+            next_tokens = step_next_tokens(chunks, sampling_chunks, tokens, failed, verified)
+            self.proposer.draft_after(out.chunks, next_tokens)
+        for chunk in chunks:
+            if not chunk.draft:  # a verified draft commits what it accepted, below
+                self.scheduler.commit(chunk)
         self.steps += 1
         for i, (seq, tok) in enumerate(zip(sampling, tokens)):
             try:
@@ -113,8 +123,9 @@ class EngineCore:
                 log.exception("request %s: finishing its step failed", seq.request_id)
                 why = INTERNAL_ERROR
             self.fail(seq, why)
-        for chunk, rows in verifying:
-            events.extend(self._verify(chunk, rows))
+        for chunk, accepted in verified:
+            if accepted is not None:
+                events.extend(self._keep_verified(chunk, accepted))
         return events + self._take_failed()
 
     def _propose(self) -> None:
@@ -132,19 +143,23 @@ class EngineCore:
                 limit = min(limit, seq.draft_limit)
             seq.draft = self.proposer.propose(seq, limit)  # type: ignore[union-attr]
 
-    def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Emitted]:
-        """Accept what the target model agrees with (:func:`~strata.pipeline.core.speculation.verify`), emit
-        those tokens and the target's next one, and keep the KV of the accepted ones."""
+    def _verified(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[int] | None:
+        """What the target model agrees with (:func:`~strata.pipeline.core.speculation.verify`): the accepted
+        drafts and the target's next token; None when the row failed (its sequence is failed)."""
         seq = chunk.seq
         try:
             if not bool(torch.isfinite(rows).all()):
                 self.fail(seq, INVALID_VALUES)
-                return []
-            tokens = verify(rows, chunk.draft, seq.params, seq.generator)
+                return None
+            return verify(rows, chunk.draft, seq.params, seq.generator)
         except Exception:
             log.exception("request %s: verifying its draft failed", seq.request_id)
             self.fail(seq, INTERNAL_ERROR)
-            return []
+            return None
+
+    def _keep_verified(self, chunk: ScheduledChunk, tokens: list[int]) -> list[Emitted]:
+        """Emit a verified draft's tokens, and keep the KV of the accepted ones."""
+        seq = chunk.seq
         stats = self.speculation
         stats.verifications += 1
         stats.drafted += len(chunk.draft)

@@ -62,6 +62,8 @@ class StepExecutor:
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
+        self.keep_hidden = False  # keep every row's final hidden state (the MTP drafter reads them)
+        self.hidden: torch.Tensor | None = None
 
     def metadata(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> AttentionMetadata:
         """The step's attention metadata, with each sliding-window group's own for its layers."""
@@ -87,6 +89,8 @@ class StepExecutor:
         else:
             pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(embeds, pos, self.device_kv, meta, self.backend, deepstack)
+        if self.keep_hidden:
+            self.hidden = hidden
         if len(inputs.last_rows) != len(inputs.token_ids):  # keep only the rows whose logits are sampled
             hidden = hidden[torch.tensor(inputs.last_rows, dtype=torch.int64, device=self.device)]
         return self.model.logits(hidden)
@@ -121,6 +125,16 @@ class ModelRunner:
         logits = self.executor.run(inputs, spilled)
         assert logits is not None
         return logits
+
+    @torch.inference_mode()
+    def draft(self, inputs: StepInputs, hidden: torch.Tensor, tables: list[BlockTable]) -> torch.Tensor:
+        """The MTP layer over ``inputs`` (next tokens at the rows' positions; ``tables`` their sequences') and
+        their final hidden states: writes its KV, returns its normed output (``LanguageModel.draft``)."""
+        spilled = [self.spilled_source(t) if n else None for t, n in zip(tables, inputs.num_spilled)]
+        meta = self.executor.metadata(inputs, spilled)
+        ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        return self.model.draft(ids, hidden, pos, self.kv.device_kv, meta, self.backend)
 
     def spilled_source(self, table: BlockTable) -> SpilledKV | None:
         return self.kv.spilled(table)

@@ -59,6 +59,7 @@ class Sequence:
         self.kv_losses = 0
         self.draft: list[int] = []  # speculative tokens proposed for its next step (``core.speculation``)
         self.lookup_ids: Any = None  # its tokens as an array for prompt lookup (``core.speculation.TokenArray``)
+        self.mtp_draft: tuple[int, int] | None = None  # (its token count then, token) the MTP layer drafted last
         self.draft_limit = 0  # the most it may draft next (0: the configured number), after how its drafts fared
         self.arrival_time = time.time()  # when the request arrived (wall clock; travels with hand-offs)
         self.arrival = time.monotonic()  # the same instant on this process's monotonic clock (deadlines)

@@ -3,7 +3,8 @@
 A layer is input norm, an attention component (GQA with optional q/k norm, per head or over all heads,
 here; MLA in
 ``models.attention_mla``), post-attention norm and a feed-forward component (dense SwiGLU, or a sparse
-MoE from ``models.moe`` on the layers the config makes sparse). Tokens of all sequences in a step are
+MoE from ``models.moe`` on the layers the config makes sparse); an :class:`MTPLayer` past them drafts
+for speculative decoding (``models.mtp``). Tokens of all sequences in a step are
 flattened to [T, hidden]; attention reads and writes the block pool through
 :class:`kernels.AttentionMetadata`.
 
@@ -142,7 +143,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.layer_windows[layer_idx]
+        self.sliding_window = cfg.layer_windows[layer_idx] if layer_idx < cfg.num_layers else None  # MTP: full
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
@@ -225,6 +226,37 @@ class DecoderLayer(nn.Module):
         return x + mlp.forward(h)  # MoE: data-dependent routing stays eager
 
 
+class SharedHead(nn.Module):
+    """The MTP layer's final norm (its projection to the vocabulary is the model's ``lm_head``)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token-prediction layer (``models.mtp``): a decoder layer of the family behind the join of
+    (embedding, hidden)."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin_signed: torch.Tensor, kv, meta, backend, steps) -> torch.Tensor:
+        """Rows [T, hidden] of (token i+1's embedding, the model's h_i) at positions i: writes this layer's KV
+        at those positions and returns its normed output, whose logits predict token i+2."""
+        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        joined = torch.cat([rms_norm(embeds, self.enorm.weight, self.enorm.eps),
+                            rms_norm(hidden.to(embeds.dtype), self.hnorm.weight, self.hnorm.eps)], dim=-1)
+        x = self.forward(linear(joined, self.eh_proj.weight), cos, sin_signed, kv, meta, backend, steps)
+        return rms_norm(x, self.shared_head.norm.weight, self.shared_head.norm.eps)
+
+
 class LanguageModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
@@ -236,6 +268,8 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
+        if cfg.mtp_layers:  # the drafter's layer past the decoder, loaded under its checkpoint index
+            self.layers.extend(MTPLayer(cfg, cfg.num_layers + j) for j in range(cfg.mtp_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters, cfg.mrope_section, cfg.mrope_interleaved)
@@ -277,12 +311,20 @@ class LanguageModel(nn.Module):
         sin_signed = signed_sin(sin)
         x = embeds
         levels = 0 if deepstack is None else deepstack[1].shape[0]
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin_signed, kv, meta, backend, self.steps)
+        for i in range(self.cfg.num_layers):  # an MTP layer past them drafts (``draft``)
+            x = self.layers[i].forward(x, cos, sin_signed, kv, meta, backend, self.steps)
             if i < levels:
                 rows, feats = deepstack  # type: ignore[misc]
                 x = x.index_add(0, rows, feats[i].to(x.dtype))
         return rms_norm(x, self.norm.weight, self.norm.eps)
+
+    def draft(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: list[torch.Tensor],
+              meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The MTP layer (``models.mtp``) over rows (token i+1, final hidden h_i) at positions i: its normed
+        output [T, hidden], whose ``logits`` predict token i+2."""
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        mtp = self.layers[self.cfg.num_layers]
+        return mtp.draft(self.embed(token_ids), hidden, positions, cos, signed_sin(sin), kv, meta, backend, self.steps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight).float()

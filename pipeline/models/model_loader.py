@@ -67,6 +67,10 @@ def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
     if missing is not None:
         raise ModelConfigError(f"config.json says {cfg.text.num_layers} decoder layers, but the weights hold "
                                f"{len(held)} (layer {missing} is missing)")
+    mtp = next((i for i in range(cfg.text.num_layers, cfg.text.cached_layers) if i not in held), None)
+    if mtp is not None:
+        raise ModelConfigError(f"config.json says num_nextn_predict_layers, but the weights hold no layer {mtp} "
+                               "(its multi-token-prediction layer): speculative method mtp cannot run")
 
 
 def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> LoadPlan:

@@ -79,6 +79,11 @@ class TextConfig:
     rope_interleave: bool = False  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves
     mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): frequencies per position axis (t, h, w); () = 1-D RoPE
     mrope_interleaved: bool = False  # Qwen3-VL: the axes take turns frequency by frequency
+    # multi-token prediction (DeepSeek-V3, GLM-4.5): layers past ``num_layers`` in the checkpoint, whether each
+    # routes to experts by the family's rule, and how many of them this load runs as a speculative drafter
+    nextn_layers: int = 0
+    nextn_moe: tuple[bool, ...] = ()
+    mtp_layers: int = 0
 
     @property
     def uses_mrope(self) -> bool:
@@ -86,7 +91,15 @@ class TextConfig:
         return bool(self.mrope_section)
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Routed experts at ``layer``; past the decoder, an MTP layer follows the family's rule too."""
+        if layer >= self.num_layers:
+            return bool(self.nextn_moe) and self.nextn_moe[layer - self.num_layers]
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def cached_layers(self) -> int:
+        """Layers that keep KV: the decoder's, and the MTP layers this load drafts with."""
+        return self.num_layers + self.mtp_layers
 
     @property
     def rope_dim(self) -> int:
@@ -139,6 +152,7 @@ def _rope_parameters(tc: dict[str, Any], head_dim: int) -> dict[str, Any]:
 
 
 def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    """The experts, and which of ``layers`` (the decoder's and its MTP layers) route to them."""
     key = next((k for k in family.experts_keys if tc.get(k)), None)
     if family.router is None or key is None:
         return None, ()
@@ -183,7 +197,11 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         raise ModelConfigError(f"unsupported text hidden_act {act!r} (only silu)")
     attention = family.attention.resolve(tc)
     mla = attention.mla
-    moe, moe_layers = _moe(tc, family, layers)
+    nextn = tc.get("num_nextn_predict_layers") or 0
+    if not isinstance(nextn, int) or isinstance(nextn, bool) or not 0 <= nextn <= 8:
+        raise ModelConfigError(f"config.json: num_nextn_predict_layers must be 0..8, got {nextn}")
+    moe, sparse = _moe(tc, family, layers + nextn)
+    moe_layers, nextn_moe = sparse[:layers], sparse[layers:]
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
     factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
     rotated = int((mla.qk_rope_head_dim if mla else head_dim) * factor)
@@ -218,6 +236,8 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         mla=mla,
         moe=moe,
         moe_layers=moe_layers,
+        nextn_layers=nextn,
+        nextn_moe=nextn_moe,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
         **family.positions.resolve(tc, mla.qk_rope_head_dim if mla else int(head_dim)),
     )

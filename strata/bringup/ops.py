@@ -327,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
                   + (f" (e.g. {', '.join(weights['unclaimed'][:3])})" if weights["unclaimed"] else ""))
         if weights["unused"]:
             print(f"# weights: {weights['unused']} tensors of layers past num_hidden_layers (multi-token "
-                  "prediction) are not loaded: serving does not run them")
+                  "prediction) are not loaded unless --speculative-config '{\"method\": \"mtp\", "
+                  "\"num_speculative_tokens\": 1}' drafts with them")
         for part, params in weights["missing"].items():
             print(f"# weights: no tensor fills the {part} part's {', '.join(params)}")
             missing.append(f"{part} weights")
