@@ -53,6 +53,7 @@ class AttentionMetadata:
     # per model layer, the metadata it attends with when cache groups differ (a sliding-window group reads
     # its own slots from its window's start: ``kvstore.window_claims``); None: every layer uses this one
     by_layer: tuple[AttentionMetadata, ...] | None = None
+    states: Any = None  # the step's linear-attention states (``models.gated_deltanet.LinearStates``), if any
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         return self if self.by_layer is None else self.by_layer[layer]

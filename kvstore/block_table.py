@@ -44,6 +44,7 @@ class BlockTable:
     # per sliding-window group (by group index): the first logical block the table still reads there. It
     # holds that group's claim (``WindowSlots``) on each resident block from there on; never below num_spilled
     window_starts: dict[int, int] = field(default_factory=dict)
+    state_slot: int = -1  # a linear-attention model's per-sequence state (``state_pool``); -1: none held
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -40,6 +40,7 @@ from strata.kvstore.prefix_match import PrefixMatch, PrefixMatcher
 from strata.kvstore.spill_ledger import SpillLedger
 from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader
 from strata.kvstore.spiller import Spiller
+from strata.kvstore.state_pool import StatePool
 from strata.kvstore.window_claims import WindowClaims
 
 
@@ -64,6 +65,7 @@ class TieredKVCache:
         self.claims = WindowClaims(pool)
         self.matcher = PrefixMatcher(pool, self.copies, self.spills, self.claims)
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
+        self.states: StatePool | None = None  # linear-attention layers' per-sequence state (``state_pool``)
 
     @property
     def can_spill(self) -> bool:
@@ -93,6 +95,11 @@ class TieredKVCache:
         needed = table.blocks_needed(num_tokens)
         if not self.claims.room(needed):  # a windowed group's slots are all read by running windows
             return False
+        if self.states is not None and table.state_slot < 0:  # the sequence starts: its state, zeroed
+            slot = self.states.claim()
+            if slot is None:
+                return False
+            table.state_slot = slot
         candidates = [*self._live.values(), *([table] if id(table) not in self._live else [])]
         if not self.spiller.make_room(needed + keep_free, candidates):
             return False
@@ -131,6 +138,8 @@ class TieredKVCache:
         ``keep_free`` blocks stay allocatable, and the oldest blocks beyond that stay spilled
         (pinned below).
         """
+        if self.states is not None:  # no snapshot of the layers' state at a block boundary is kept: no hit
+            hashes = ()
         match = self.matcher.match(table, hashes, keep_free)
         if table.num_blocks:
             self._live[id(table)] = table
@@ -145,6 +154,8 @@ class TieredKVCache:
         """A handle to the table's KV. Ownership of the blocks passes to the handle (the table is no
         longer a spill candidate here), or with ``release`` the device references are dropped at
         once: the consumer is on another pool and adopts full blocks by hash from the lower tiers."""
+        if self.states is not None:
+            raise HandleError("a linear-attention model's per-sequence state does not cross a hand-off")
         resident_full = table.num_full_blocks() - table.num_spilled
         tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
         handle = KVHandle(  # block_hashes: the published blocks (all full ones when prefix caching is on)
@@ -201,6 +212,9 @@ class TieredKVCache:
         """Drop every reference the table holds: device refs and lower-tier pins. Idempotent."""
         self._live.pop(id(table), None)
         self.claims.release_all(table)
+        if self.states is not None and table.state_slot >= 0:
+            self.states.release(table.state_slot)
+            table.state_slot = -1
         for block_id in reversed(table.block_ids):
             self.pool.free(block_id)
         if table.num_spilled and self.lower is not None:

@@ -10,6 +10,7 @@ import torch
 from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
+from strata.kvstore.state_pool import StatePool
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.compiled import compile_model
@@ -22,6 +23,7 @@ from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, c
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.fallback_config import check_fallback_engine
+from strata.pipeline.models.gated_deltanet import state_kinds
 from strata.pipeline.models.model_config import load_model_config, with_model_impl
 from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,
                                               shared_scales)
@@ -35,6 +37,7 @@ from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
 from strata.stages.kv_budget import kv_dtype, kv_layout, with_kv_budget
+from strata.stages.preflight import check_linear_attention
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
 
@@ -77,6 +80,8 @@ class LanguageStage:
         cfg = self.model_config
         if cfg.arch.fallback:
             check_fallback_engine(config)
+        if cfg.text.linear is not None:
+            check_linear_attention(config)
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = PromptTokenizer(self.model_dir, cfg)
         layout = kv_layout(cfg.text, config.block_size, kv_dtype(config))
@@ -107,6 +112,9 @@ class LanguageStage:
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
+        if cfg.text.linear is not None:  # linear-attention layers: a state slot per running sequence
+            self.kv.states = StatePool(state_kinds(cfg.text, dtype), sum(cfg.text.linear_layers),
+                                       config.max_num_seqs + 1, config.device)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
@@ -181,6 +189,7 @@ def build_prefill_service(model_dir: str | Path, config: EngineConfig, launcher:
     """A prefill stage for its own process: it hands off to decoders on other pools (host tier)."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
+    _refuse_state_handoff(stage)
     service = PrefillService(Prefiller(stage.core(warm_grammar=True), release_on_handoff=True))
     service.on_close = stage.close
     service.healthy = stage.alive
@@ -192,10 +201,17 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     """A decode stage for its own process: adopts handles from any prefill replica via the host tier."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
+    _refuse_state_handoff(stage)
     service = DecodeService(Decoder(stage.core(warm_grammar=True)))
     service.on_close = stage.close
     service.healthy = stage.alive
     return service
+
+
+def _refuse_state_handoff(stage: LanguageStage) -> None:
+    if stage.kv.states is not None:
+        stage.close()
+        check_linear_attention(stage.config, "disaggregated")
 
 
 def _require_shared_tier(config: EngineConfig) -> None:

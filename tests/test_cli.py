@@ -177,9 +177,11 @@ def test_serve_refuses_a_bad_config_before_starting_anything(config: str, messag
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                                   '"prompt_lookup_max": 3}'], "prompt_lookup_min (4) must be <= prompt_lookup_max (3)"),
         (["--speculative-config", "[1]"], "--speculative-config: expected a JSON object"),
+        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'], "this llama has none: use ngram"),
     ],
     ids=["float16-on-cpu", "beyond-positions", "tp-does-not-split", "zero-length", "kv-budget-junk",
-         "kv-budget-too-small", "kv-share-on-a-cluster", "speculation-bounds", "speculation-not-an-object"],
+         "kv-budget-too-small", "kv-share-on-a-cluster", "speculation-bounds", "speculation-not-an-object",
+         "mtp-without-its-layer"],
 )
 def test_serve_flags_are_checked_like_the_config(flags: list[str], message: str, llama_dir: Path, capsys) -> None:
     res = strata_in_process(capsys, "serve", "--model", str(llama_dir), *flags, "--port", "1")

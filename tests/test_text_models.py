@@ -1,5 +1,5 @@
 """Text-only LLMs of every registered family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
-DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
+DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2, Qwen3-Next) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
 `strata ops` covers them, `strata align` passes in fp32 and bf16, images are refused with a 400-style
 error, MLA's latent blocks spill, reload, hand off and are reused like any other blocks."""
 
@@ -19,7 +19,7 @@ from strata.pipeline.models.model_loader import load_language_model
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
-            "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2"]
+            "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2", "qwen3_next"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -56,6 +56,8 @@ OPS_LINES = {  # what ops says is what the loader parsed: the family's rules app
     "glm4_moe": {"rope": "over 0.5 of each head", "mlp": "(4 groups, best 2), renormalised, scaling 2.5, 1 shared"},
     "minimax_m2": {"attention": "q/k RMSNorm over all heads at once", "rope": "over 0.25 of each head",
                    "mlp": "sigmoid scores, bias-corrected choice, renormalised"},
+    "qwen3_next": {"attention": "a sigmoid gate per head on the output", "linear": "Gated DeltaNet on 3 of 4 layers",
+                   "norm": "scaling by 1 + w", "mlp": "1 shared behind a sigmoid gate"},
 }
 
 
@@ -233,7 +235,7 @@ def test_tp2_equals_tp1(arch: str, text_models) -> None:
         two.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe", "minimax_m2", "qwen3_next"])
 def test_the_planners_parameter_count_is_the_checkpoints(arch: str, text_models) -> None:
     """Sinks, router and expert biases included: the planner sizes what transformers holds."""
     from transformers import AutoModelForCausalLM

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | None = None) -> Any:
     """The serve config from ``--config`` and the flags; ``default_model`` (the entry room's demo
     checkpoint) when neither names a model."""
-    from strata.deployments.ray_serve.config import ServeConfig, check_tensor_parallel
+    from strata.deployments.ray_serve.config import ServeConfig, check_stage_engines, check_tensor_parallel
     from strata.stages.preflight import check_checkpoint
 
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig.from_dict({})
@@ -142,6 +142,7 @@ def load_config(args: argparse.Namespace, default_model: Callable[[], Path] | No
         config.model_dir = str(default_model())
     check_checkpoint(config.model_dir, config.chat_template, config.engine.chat_template_timeout_s)
     check_tensor_parallel(config, config.model_dir)
+    check_stage_engines(config)
     if config.engine.kv_cache_memory is not None:
         config.engine = _sized_kv_pool(config.engine, config.model_dir, getattr(args, "address", None))
     if asked_len:  # the default is a budget, not a request: only a length someone asked for is checked

@@ -14,9 +14,11 @@ import torch
 
 from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
 from strata.kvstore import BlockTable, TieredKVCache
+from strata.kvstore.state_pool import StatePool
 from strata.pipeline.core.prompt_logprobs import wants_prompt_rows
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.gated_deltanet import LinearStates
 from strata.pipeline.models.mrope import MRopeLayout
 
 
@@ -47,6 +49,7 @@ class StepInputs:
     deepstack: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, [levels, n, hidden]) additions
     mrope_positions: np.ndarray | None = None  # int64 [3, T] under M-RoPE (then ``positions`` is unused)
     windows: list[WindowInputs] = field(default_factory=list)  # per sliding-window group (``KVLayout.window_groups``)
+    state_slots: list[int] = field(default_factory=list)  # per sequence: its linear-attention state (``StatePool``)
 
 
 class StepExecutor:
@@ -54,9 +57,11 @@ class StepExecutor:
     (None on a tensor-parallel worker, whose logits are gathered to the driver)."""
 
     def __init__(self, model: LanguageModel, device_kv: list[torch.Tensor], backend: AttentionBackend, block_size: int,
-                 device: str = "cpu", layer_meta: tuple[int, ...] = ()) -> None:
-        """``layer_meta``: which metadata each layer reads (``KVLayout.layer_meta``; empty: one for all)."""
+                 device: str = "cpu", layer_meta: tuple[int, ...] = (), states: StatePool | None = None) -> None:
+        """``layer_meta``: which metadata each layer reads (``KVLayout.layer_meta``; empty: one for all);
+        ``states``: the linear-attention layers' per-sequence state, if the model has such layers."""
         self.model = model
+        self.states = states
         self.layer_meta = layer_meta
         self.device_kv = device_kv
         self.backend = backend
@@ -74,6 +79,8 @@ class StepExecutor:
                                                      self.block_size, self.device, w.offsets)
                              for w in inputs.windows)]
             meta.by_layer = tuple(metas[i] for i in self.layer_meta)
+        if self.states is not None:
+            meta.states = LinearStates(self.states, inputs.state_slots, inputs.query_lens)
         return meta
 
     @torch.inference_mode()
@@ -106,7 +113,8 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
-        self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device, kv.layout.layer_meta)
+        self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device, kv.layout.layer_meta,
+                                     kv.states)
         self.windows = [(gi, kv.pool.windows[gi]) for gi in kv.layout.window_groups]
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
         self.mrope = model.cfg.uses_mrope
@@ -168,6 +176,7 @@ class ModelRunner:
             s.tables.append(table.block_ids)
             s.offsets.append(table.first_resident_token)
             s.num_spilled.append(table.num_spilled)
+            s.state_slots.append(table.state_slot)
         if self.windows:
             s.windows = [_window_inputs(chunks, gi, w.slot) for gi, w in self.windows]
         if self.mrope:

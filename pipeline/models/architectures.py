@@ -31,8 +31,10 @@ from strata.pipeline.models.router_kinds import RouterKind
 from strata.pipeline.models.layer_rules import (
     SparseLayerRule,
     WindowRule,
+    LinearLayerRule,
     every_layer,
     first_k_dense,
+    linear_by_type,
     no_window,
     one_window,
     sparse_step,
@@ -56,6 +58,9 @@ class TextFamily:
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
     positions: PositionKind = position_kinds.ROPE  # 1-D, or M-RoPE's three axes (``position_kinds``)
+    linear_layers: LinearLayerRule | None = None  # which layers are Gated DeltaNet linear attention (Qwen3-Next)
+    norm_offset: bool = False  # RMSNorm weights are stored as w and scale by 1 + w, in fp32 (Qwen3-Next)
+    shared_expert_key: str | None = None  # one shared expert this wide, behind a sigmoid gate (Qwen3-Next)
 
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
@@ -91,6 +96,11 @@ for _family in (
     # correction bias over every expert in every layer, experts as wide as ``intermediate_size``
     TextFamily("minimax_m2", attention=attention_kinds.GQA_QK_NORM_OVER_HEADS, router=router_kinds.SIGMOID_TOPK,
                expert_size_key="intermediate_size"),
+    # Qwen3-Next: Gated DeltaNet linear attention in 3 of every 4 layers, gated GQA with q/k norm and a quarter of
+    # each head rotated in the 4th; RMSNorms scale by 1 + w; a softmax top-k router with a gated shared expert
+    TextFamily("qwen3_next", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type, norm_offset=True,
+               norm_scale_fp32=True, router=router_kinds.SOFTMAX_QWEN, sparse_layers=sparse_step,
+               experts_keys=("num_experts",), shared_expert_key="shared_expert_intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled,
                positions=position_kinds.MROPE),
@@ -108,6 +118,9 @@ NameRule = tuple[str, str, str]
 # gpt-oss calls its router ``mlp.router``; every other family's is ``mlp.gate``
 GPT_OSS_RENAMES: tuple[NameRule, ...] = ((r"^model\.layers\.(\d+)\.mlp\.router\.", "text", r"layers.\1.mlp.gate."),)
 # MiniMax-M2 keeps its routing correction on the MoE block; it is the router's (``router_kinds.SIGMOID_TOPK``)
+# Qwen3-Next's one gated shared expert is the MoE block's shared MLP
+QWEN3_NEXT_RENAMES: tuple[NameRule, ...] = (
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", "text", r"layers.\1.mlp.shared_experts."),)
 MINIMAX_M2_RENAMES: tuple[NameRule, ...] = (
     (r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.e_score_correction_bias$", "text",
      r"layers.\1.mlp.gate.e_score_correction_bias"),)
@@ -273,6 +286,8 @@ register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_L
                                         renames=GPT_OSS_RENAMES))
 register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CAUSAL_LM_NAMES, text_family="minimax_m2",
                                         renames=MINIMAX_M2_RENAMES))
+register_architecture(ModelArchitecture("Qwen3NextForCausalLM", "qwen3_next", CAUSAL_LM_NAMES, text_family="qwen3_next",
+                                        renames=QWEN3_NEXT_RENAMES))
 
 
 class UnknownArchitecture(ValueError):

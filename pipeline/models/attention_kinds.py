@@ -39,6 +39,46 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): per sequence a fixed-size state, no per-token KV.
+    Each key head serves ``num_v_heads // num_k_heads`` value heads; the causal convolution runs over q, k
+    and v together (``conv_dim`` channels)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    def params(self, hidden: int) -> int:
+        """One layer's parameters: in_proj_qkvz and _ba, the convolution, A_log and dt_bias, the gated norm,
+        out_proj."""
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
+        return (hidden * (2 * nk * dk + 2 * nv * dv) + hidden * 2 * nv + self.conv_dim * self.conv_kernel + 2 * nv
+                + dv + nv * dv * hidden)
+
+    def state_bytes(self) -> int:
+        """One sequence's state in one layer: the convolution's last inputs (model dtype, counted at 4 bytes)
+        and the fp32 recurrent matrix per value head."""
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_head_dim * self.v_head_dim)
+
+
+def resolve_gated_deltanet(tc: dict[str, Any]) -> GatedDeltaNetConfig:
+    """Qwen3-Next's ``linear_*`` keys; a value-head count the key heads do not divide is refused."""
+    lin = GatedDeltaNetConfig(size(tc, "linear_num_key_heads"), size(tc, "linear_num_value_heads"),
+                              size(tc, "linear_key_head_dim"), size(tc, "linear_value_head_dim"),
+                              size(tc, "linear_conv_kernel_dim", 4))
+    if lin.num_v_heads % lin.num_k_heads:
+        raise ModelConfigError(f"config.json: linear_num_value_heads ({lin.num_v_heads}) must be a multiple of "
+                               f"linear_num_key_heads ({lin.num_k_heads})")
+    return lin
+
+
+@dataclass(frozen=True)
 class ResolvedAttention:
     """What a kind reads from a text config: the fields ``TextConfig`` carries for its attention."""
 
@@ -48,6 +88,7 @@ class ResolvedAttention:
     qk_norm_over_heads: bool
     sinks: bool
     mla: MLAConfig | None
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +103,7 @@ class AttentionKind:
     # each over its whole projection, all heads at once)
     qk_norm_key: str | None = None  # the norm is on only where this config key is true (GLM-4.5's ``use_qk_norm``)
     sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
+    output_gate: bool = False  # q_proj also gives each head a gate; the output is scaled by its sigmoid (Qwen3-Next)
 
     @property
     def latent(self) -> bool:
@@ -83,7 +125,7 @@ class AttentionKind:
         return ResolvedAttention(attention_bias=bias,
                                  o_bias=not self.qkv_bias and self.bias_on_o and bool(tc.get("attention_bias", False)),
                                  qk_norm=norm, qk_norm_over_heads=norm and self.qk_norm == "over-heads",
-                                 sinks=self.sinks, mla=mla)
+                                 sinks=self.sinks, mla=mla, output_gate=self.output_gate)
 
     def split(self, cfg: Any, proj: str, kind: str) -> tuple[int, str, int] | None:
         """How a tensor-parallel group splits this layer's ``proj`` (its ``kind``, weight or bias): (dim, the
@@ -118,7 +160,7 @@ class AttentionKind:
         q, kv = q_heads * d, kv_heads * d
         norms = (q + kv if cfg.qk_norm_over_heads else 2 * d) * cfg.qk_norm
         other = (q + 2 * kv) * cfg.attention_bias + h * cfg.o_bias + norms + q_heads * cfg.sinks
-        return 2 * h * q + 2 * h * kv, 0, other
+        return (2 + cfg.attention_gate) * h * q + 2 * h * kv, 0, other
 
     def describe(self, cfg: Any) -> str:
         """Its ``strata ops`` line for a parsed config (windows and per-layer types are the family's rows)."""
@@ -132,6 +174,8 @@ class AttentionKind:
             detail += ", q/k RMSNorm " + ("over all heads at once" if cfg.qk_norm_over_heads else "per head")
         if cfg.sinks:
             detail += ", a sink logit per head (kernels.sinks)"
+        if cfg.attention_gate:
+            detail += ", a sigmoid gate per head on the output"
         return detail
 
 
@@ -141,4 +185,5 @@ GQA_QK_NORM = AttentionKind("GQA", "gqa", qk_norm="per-head")  # Qwen3, Qwen3-VL
 GQA_GLM = AttentionKind("GQA", "gqa", bias_on_o=False, qk_norm="per-head", qk_norm_key="use_qk_norm")  # GLM-4.5
 GQA_SINKS = AttentionKind("GQA", "gqa", sinks=True)  # gpt-oss
 GQA_QK_NORM_OVER_HEADS = AttentionKind("GQA", "gqa", qk_norm="over-heads")  # MiniMax-M2
+GQA_GATED = AttentionKind("GQA", "gqa", qk_norm="per-head", output_gate=True)  # Qwen3-Next's full layers
 MLA = AttentionKind("MLA", "mla")  # DeepSeek-V3, Kimi-K2

@@ -40,7 +40,7 @@ class MLAAttention(nn.Module):
         super().__init__()
         m = cfg.mla
         assert m is not None
-        self.layer_idx = layer_idx
+        self.layer_idx = cfg.kv_index(layer_idx)  # its layer in the KV layout
         self.num_heads = cfg.num_heads
         self.nope, self.rope, self.rank, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
         self.scale = cfg.attention_scale

@@ -17,7 +17,7 @@ def cache_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]
     """Full-attention layers first, then one group per distinct window (smallest first). An MTP layer
     run as a drafter (``models.mtp``) attends over the whole context: it joins the first group."""
     by_window: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(text.layer_windows + (None,) * text.mtp_layers):
+    for layer, window in enumerate(text.kv_layer_windows + (None,) * text.mtp_layers):  # KV-layout indices
         by_window.setdefault(window, []).append(layer)
     order = sorted(by_window, key=lambda w: (w is not None, w or 0))
     return tuple(CacheGroup(tuple(by_window[w]), text.kv_cache_heads, text.kv_cache_dim, dtype, text.kv_parts, w)

@@ -37,6 +37,7 @@ from strata.kernels import (
 from strata.kernels.layer_ops import silu_mul
 from strata.kernels.norm import rms_norm_spanning
 from strata.pipeline.models.attention_mla import MLAAttention
+from strata.pipeline.models.gated_deltanet import GatedDeltaNet
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
 from strata.pipeline.models.moe import SparseMoE, interleaved_experts_to_stacked
@@ -119,13 +120,20 @@ class DenseSteps:
 
 class RMSNorm(nn.Module):
     """``scale_fp32``: the loader rounds the weight to the model dtype and holds it in fp32, so ``rms_norm``
-    scales in fp32 and casts once, as gpt-oss's reference does (Llama's casts, then scales)."""
+    scales in fp32 and casts once, as gpt-oss's reference does (Llama's casts, then scales). ``offset``: the
+    checkpoint stores w and the norm scales by 1 + w (Qwen3-Next); the loader adds the one, in fp32."""
 
-    def __init__(self, size: int, eps: float, scale_fp32: bool = False) -> None:
+    def __init__(self, size: int, eps: float, scale_fp32: bool = False, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.widen_after_cast = scale_fp32
+        self.widen_after_cast = scale_fp32 or offset
+        self.weight_offset = 1.0 if offset else 0.0
+
+    @classmethod
+    def of(cls, cfg: TextConfig, size: int) -> "RMSNorm":
+        """A norm of ``size`` values as the family's norms compute."""
+        return cls(size, cfg.rms_norm_eps, cfg.norm_scale_fp32, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -138,20 +146,22 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = cfg.kv_index(layer_idx)  # its layer in the KV layout (linear layers cache none)
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer_idx] if layer_idx < cfg.num_layers else None  # MTP: full
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.gated = cfg.attention_gate  # q_proj gives each head [query, gate] (Qwen3-Next)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim * (1 + self.gated),
+                                bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # per head, or over the whole projection (MiniMax-M2)
             q_heads, k_heads = (cfg.num_heads, cfg.num_kv_heads) if cfg.qk_norm_over_heads else (1, 1)
-            self.q_norm = RMSNorm(cfg.head_dim * q_heads, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim * k_heads, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim * q_heads, cfg.rms_norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim * k_heads, cfg.rms_norm_eps, offset=cfg.norm_offset)
         self.norm_over_heads = cfg.qk_norm_over_heads
         self.norm_span: NormSpan | None = None  # set on a tensor-parallel rank
         # gpt-oss: a learned logit per head in every softmax (``kernels.sinks``)
@@ -174,6 +184,8 @@ class Attention(nn.Module):
         """Input norm, q/k/v with RoPE, paged attention: [T, heads, D], before the output projection."""
         if self.qkv_weight is None:
             self.fuse()
+        if self.gated:
+            return self._gated(x, ln, cos, sin_signed, kv, meta, backend)
         if self.norm_over_heads:  # eager: under tp its norm sums over the group
             q, k, v = qkv_norm_over_heads_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, self.q_norm.weight,
                                                self.k_norm.weight, cos, sin_signed, self.num_heads, self.num_kv_heads,
@@ -186,6 +198,21 @@ class Attention(nn.Module):
             q, k, v = steps.qkv_rope(x, ln.weight, ln.eps, self.qkv_weight, self.qkv_bias, cos, sin_signed,
                                      self.num_heads, self.num_kv_heads, self.head_dim)
         return self.attend(q, k, v, kv, meta, backend)
+
+    def _gated(self, x: torch.Tensor, ln: RMSNorm, cos: torch.Tensor, sin_signed: torch.Tensor,
+               kv: list[torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Qwen3-Next's attention: q and a per-head gate from one projection, q/k norm, RoPE, paged attention,
+        the output scaled by the gate's sigmoid."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = linear(rms_norm(x, ln.weight, ln.eps), self.qkv_weight, self.qkv_bias)
+        q, gate = qkv[:, : 2 * hq * d].view(t, hq, 2 * d).split([d, d], dim=-1)
+        k = qkv[:, 2 * hq * d : (2 * hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (2 * hq + hkv) * d :].view(t, hkv, d)
+        qk = torch.cat([rms_norm(q, self.q_norm.weight, self.q_norm.eps), rms_norm(k, self.k_norm.weight, self.k_norm.eps)],
+                       dim=1)
+        qk = rotate_heads(qk, cos, sin_signed)
+        out = self.attend(qk[:, :hq], qk[:, hq:], v.contiguous(), kv, meta, backend)
+        return out * torch.sigmoid(gate)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata,
                backend: AttentionBackend) -> torch.Tensor:
@@ -201,22 +228,30 @@ ATTENTION_MODULES: dict[str, type[Attention] | type[MLAAttention]] = {"gqa": Att
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
-        self.self_attn: Attention | MLAAttention = ATTENTION_MODULES[cfg.attention.module](cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.input_layernorm = RMSNorm.of(cfg, cfg.hidden_size)
+        if cfg.is_linear_layer(layer_idx):  # a Gated DeltaNet layer: per-sequence state, no KV
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn: Attention | MLAAttention = ATTENTION_MODULES[cfg.attention.module](cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm.of(cfg, cfg.hidden_size)
         if cfg.is_moe_layer(layer_idx):
             self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
+    @property
+    def mixer(self) -> "Attention | MLAAttention | GatedDeltaNet":
+        """What mixes tokens in this layer: its attention, or its linear attention."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
     def attention(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
         """Input norm and this layer's attention component: [T, heads, D], before the output projection."""
-        return self.self_attn.run(x, self.input_layernorm, cos, sin_signed, kv, meta, backend, steps)
+        return self.mixer.run(x, self.input_layernorm, cos, sin_signed, kv, meta, backend, steps)
 
     def forward(self, x, cos, sin_signed, kv, meta, backend, steps: DenseSteps) -> torch.Tensor:
         ln2, mlp = self.post_attention_layernorm, self.mlp
         attn = self.attention(x, cos, sin_signed, kv, meta, backend, steps)
-        o = self.self_attn.o_proj
+        o = self.mixer.o_proj
         if isinstance(mlp, DenseMLP):
             if mlp.gate_up_weight is None:
                 mlp.fuse()
@@ -231,7 +266,7 @@ class SharedHead(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.norm = RMSNorm.of(cfg, cfg.hidden_size)
 
 
 class MTPLayer(DecoderLayer):
@@ -241,8 +276,8 @@ class MTPLayer(DecoderLayer):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
         h = cfg.hidden_size
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps, cfg.norm_scale_fp32)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.enorm = RMSNorm.of(cfg, h)
+        self.hnorm = RMSNorm.of(cfg, h)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(cfg)
 
@@ -270,7 +305,7 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         if cfg.mtp_layers:  # the drafter's layer past the decoder, loaded under its checkpoint index
             self.layers.extend(MTPLayer(cfg, cfg.num_layers + j) for j in range(cfg.mtp_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_fp32)
+        self.norm = RMSNorm.of(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_parameters, cfg.mrope_section, cfg.mrope_interleaved)
         self.steps = DenseSteps()
@@ -278,7 +313,7 @@ class LanguageModel(nn.Module):
     def fuse_projections(self) -> None:
         """After loading: one q/k/v matrix and one gate/up matrix per layer (weights become views)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
+            layer.mixer.fuse()
             if isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_experts is not None:
                 layer.mlp.shared_experts.fuse()
             if isinstance(layer.mlp, DenseMLP):

@@ -11,6 +11,21 @@ from typing import Any, Callable
 
 SparseLayerRule = Callable[[dict[str, Any], int], tuple[bool, ...]]
 WindowRule = Callable[[dict[str, Any], int], tuple["int | None", ...]]
+LinearLayerRule = Callable[[dict[str, Any], int], tuple[bool, ...]]
+
+
+def linear_by_type(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Qwen3-Next: ``layer_types`` say which layers are linear attention; without them, every
+    ``full_attention_interval``-th layer attends fully and the others are linear."""
+    types = tc.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            from strata.pipeline.models.config_errors import ModelConfigError
+
+            raise ModelConfigError(f"config.json: layer_types has {len(types)} entries for {layers} layers")
+        return tuple(t == "linear_attention" for t in types)
+    interval = int(tc.get("full_attention_interval") or 4)
+    return tuple((i + 1) % interval != 0 for i in range(layers))
 
 
 def every_layer(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:

@@ -113,6 +113,8 @@ class SparseMoE(nn.Module):
         self.act = EXPERT_ACTIVATIONS[moe.expert_kind.method](moe)
         self.shared_experts = DenseMLP(cfg.hidden_size, moe.shared_intermediate_size, False) \
             if moe.n_shared_experts else None
+        # Qwen3-Next: the shared expert's output is scaled by sigmoid of a linear of the input
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_gate else None
 
     def forward(self, x: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         """Routed experts (only ``first_expert ..`` of them when this rank holds a run) plus shared experts."""
@@ -121,5 +123,8 @@ class SparseMoE(nn.Module):
         out = moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, first_expert, e.gate_up_proj_bias,
                           e.down_proj_bias, self.act)
         if self.shared_experts is not None:
-            out = out + self.shared_experts.forward(x)
+            shared = self.shared_experts.forward(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+            out = out + shared
         return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
-from strata.pipeline.models.attention_kinds import GQA, AttentionKind, MLAConfig
+from strata.pipeline.models.attention_kinds import GQA, AttentionKind, GatedDeltaNetConfig, MLAConfig, resolve_gated_deltanet
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
 from strata.pipeline.models.expert_kinds import SWIGLU, ExpertKind
@@ -32,6 +32,8 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     n_shared_experts: int = 0
+    shared_width: int = 0  # the shared experts' total width when the config says it (Qwen3-Next), else per expert
+    shared_gate: bool = False  # the shared experts' output is scaled by sigmoid(a linear of the input) (Qwen3-Next)
     shared_split: int = 1  # ranks the shared experts' columns are split over (tensor parallelism)
     expert_kind: ExpertKind = SWIGLU  # what an expert computes and how it is stored (``expert_kinds``)
     swiglu_alpha: float = 1.702  # the clamped kind's constants
@@ -44,7 +46,12 @@ class MoEConfig:
     @property
     def shared_intermediate_size(self) -> int:
         """Columns of the shared experts (fused as one MLP) this process holds."""
-        return self.intermediate_size * self.n_shared_experts // self.shared_split
+        return self.shared_total // self.shared_split
+
+    @property
+    def shared_total(self) -> int:
+        """Columns of the shared experts, all ranks together."""
+        return self.shared_width or self.intermediate_size * self.n_shared_experts
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,12 @@ class TextConfig:
     nextn_layers: int = 0
     nextn_moe: tuple[bool, ...] = ()
     mtp_layers: int = 0
+    # linear attention (Qwen3-Next): which layers are Gated DeltaNet, and its geometry; their state is per
+    # sequence (``kvstore.state_pool``), so only the other layers cache KV
+    linear: GatedDeltaNetConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
+    norm_offset: bool = False  # RMSNorm weights are stored as w, scale by 1 + w (Qwen3-Next)
+    attention_gate: bool = False  # a sigmoid gate per head on the attention output (Qwen3-Next)
 
     @property
     def uses_mrope(self) -> bool:
@@ -98,8 +111,26 @@ class TextConfig:
 
     @property
     def cached_layers(self) -> int:
-        """Layers that keep KV: the decoder's, and the MTP layers this load drafts with."""
-        return self.num_layers + self.mtp_layers
+        """Layers that keep per-token KV: the decoder's (not its linear-attention ones), and the MTP layers
+        this load drafts with."""
+        return self.num_layers - sum(self.linear_layers) + self.mtp_layers
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return layer < self.num_layers and bool(self.linear_layers) and self.linear_layers[layer]
+
+    def kv_index(self, layer: int) -> int:
+        """Where model layer ``layer`` (an attention layer, or an MTP layer past the decoder) sits among the
+        layers that cache KV: the KV layout's layer index, which its attention reads and writes."""
+        return layer - sum(self.linear_layers[:layer])
+
+    def linear_index(self, layer: int) -> int:
+        """Where linear-attention layer ``layer`` sits among them: its row of the state pool."""
+        return sum(self.linear_layers[:layer])
+
+    @property
+    def kv_layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer that caches KV, in KV-layout order."""
+        return tuple(w for i, w in enumerate(self.layer_windows) if not self.is_linear_layer(i))
 
     @property
     def rope_dim(self) -> int:
@@ -161,6 +192,7 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
     if per_token > experts:
         raise ModelConfigError(f"config.json: num_experts_per_tok ({per_token}) exceeds {key} ({experts})")
     routing = family.router.routing(tc, experts)
+    shared_width = int(tc.get(family.shared_expert_key) or 0) if family.shared_expert_key else 0
     moe = MoEConfig(
         num_experts=experts,
         experts_per_tok=per_token,
@@ -170,7 +202,9 @@ def _moe(tc: dict[str, Any], family: TextFamily, layers: int) -> tuple[MoEConfig
         routed_scaling_factor=routing.scaling,
         n_group=routing.n_group,
         topk_group=routing.topk_group,
-        n_shared_experts=int(tc.get("n_shared_experts") or 0) if family.shared_experts else 0,
+        n_shared_experts=int(tc.get("n_shared_experts") or 0) if family.shared_experts else int(shared_width > 0),
+        shared_width=shared_width,
+        shared_gate=shared_width > 0,
         expert_kind=family.experts,
         **family.experts.settings(tc),
     )
@@ -202,6 +236,10 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         raise ModelConfigError(f"config.json: num_nextn_predict_layers must be 0..8, got {nextn}")
     moe, sparse = _moe(tc, family, layers + nextn)
     moe_layers, nextn_moe = sparse[:layers], sparse[layers:]
+    linear_layers = family.linear_layers(tc, layers) if family.linear_layers is not None else ()
+    linear = resolve_gated_deltanet(tc) if any(linear_layers) else None
+    if linear_layers and all(linear_layers):
+        raise ModelConfigError("config.json: every layer is linear attention; a hybrid needs full-attention layers")
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
     factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
     rotated = int((mla.qk_rope_head_dim if mla else head_dim) * factor)
@@ -238,6 +276,10 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         moe_layers=moe_layers,
         nextn_layers=nextn,
         nextn_moe=nextn_moe,
+        linear=linear,
+        linear_layers=linear_layers if linear is not None else (),
+        norm_offset=family.norm_offset,
+        attention_gate=attention.output_gate,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
         **family.positions.resolve(tc, mla.qk_rope_head_dim if mla else int(head_dim)),
     )

@@ -148,6 +148,8 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dty
         tensor = tensor.to(dtype).to(torch.float32)
     else:
         tensor = tensor.to(dtype)
+    if getattr(parent, "weight_offset", 0.0):  # a norm stored as w that scales by 1 + w (held widened)
+        tensor = tensor + parent.weight_offset
     setattr(parent, leaf, nn.Parameter(tensor, requires_grad=False))
 
 

@@ -40,6 +40,8 @@ class DecoderShape(Protocol):
     moe: Any  # MoEConfig | None: num_experts, intermediate_size, router, n_shared_experts, shared_split,
     # expert_bias
     moe_layers: tuple[bool, ...]
+    linear: Any  # GatedDeltaNetConfig | None: the linear-attention layers' geometry and ``params``
+    linear_layers: tuple[bool, ...]  # which layers are linear attention (Qwen3-Next); () for none
 
     @property
     def kv_cache_heads(self) -> int: ...
@@ -76,7 +78,7 @@ class ShardPlan:
         if not all(c.moe_layers) or not c.num_experts:
             checks.append(("MLP intermediate size", c.intermediate_size))
         if c.moe is not None and c.moe.n_shared_experts:
-            checks.append(("shared-expert intermediate size", c.moe.intermediate_size * c.moe.n_shared_experts))
+            checks.append(("shared-expert intermediate size", c.moe.shared_total))
         for what, value in checks:
             if value % n:
                 raise ShardingError(f"tp={n} does not divide the model's {value} {what}")
@@ -148,7 +150,7 @@ class ShardPlan:
             return None
         block, proj, kind = m.group(1), m.group(2), m.group(3)
         if block == "mlp.shared_experts":
-            shared = shard_range(c.moe.intermediate_size * c.moe.n_shared_experts, self.size, self.rank)
+            shared = shard_range(c.moe.shared_total, self.size, self.rank)
             if proj in ("gate_proj", "up_proj"):
                 return (0, *shared)
             return (1, *shared) if proj == "down_proj" and kind == "weight" else None
@@ -200,16 +202,19 @@ class ShardPlan:
         roles = dict.fromkeys(("attention", "kv_b_proj", "dense_mlp", "experts", "shared_experts", "router", "embed",
                                "lm_head", "other"), 0)
         attention, kv_b, attention_other = c.attention.params(c, heads, self.kv_heads[1] - self.kv_heads[0])
-        roles["attention"], roles["kv_b_proj"] = c.num_layers * attention, c.num_layers * kv_b
-        roles["other"] = c.num_layers * (attention_other + 2 * h) + h  # two norms a layer, the final norm
+        linear = sum(c.linear_layers)  # Gated DeltaNet layers (Qwen3-Next): their own parameters
+        full = c.num_layers - linear
+        roles["attention"], roles["kv_b_proj"] = full * attention, full * kv_b
+        roles["attention"] += linear * c.linear.params(h) if linear else 0
+        roles["other"] = full * attention_other + c.num_layers * 2 * h + h  # two norms a layer, the final norm
         roles["dense_mlp"] = dense_layers * 3 * h * dense_i
         roles["other"] += dense_layers * (2 * dense_i + h) * c.mlp_bias
         if moe_layers:
             e, ie = self.experts[1] - self.experts[0], c.moe.intermediate_size
             roles["experts"] = moe_layers * e * 3 * h * ie
             roles["other"] += moe_layers * e * (2 * ie + h) * (c.mlp_bias or c.moe.expert_bias)
-            roles["router"] = moe_layers * c.moe.router.params(c.num_experts, h)
-            shared = c.moe.intermediate_size * c.moe.n_shared_experts
+            roles["router"] = moe_layers * (c.moe.router.params(c.num_experts, h) + h * c.moe.shared_gate)
+            shared = c.moe.shared_total
             roles["shared_experts"] = moe_layers * 3 * h * (shared // self.size)
         roles["embed"] = self.padded_vocab * h
         roles["lm_head"] = 0 if c.tie_word_embeddings else self.padded_vocab * h

@@ -131,7 +131,8 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
         detail += f", sliding window {windows[0]}{where}"
     if types:
         detail += f", per-layer types {'/'.join(types)}"
-    known_types = set(types) <= {"full_attention", "sliding_attention"}
+    known_types = set(types) <= {"full_attention", "sliding_attention"} | (
+        {"linear_attention"} if parsed is not None and parsed.linear is not None else set())
     ok = known_types and (parsed is not None or family is None)
     return Component("attention", detail, _attention_impl() if ok else MISSING)
 
@@ -168,7 +169,7 @@ def _mlp(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | Non
     routing = Routing(m.norm_topk_prob, m.routed_scaling_factor, m.n_group, m.topk_group)
     desc = "MoE: " + m.router.describe(m.experts_per_tok, m.num_experts, routing)
     if m.n_shared_experts:
-        desc += f", {m.n_shared_experts} shared"
+        desc += f", {m.n_shared_experts} shared" + (" behind a sigmoid gate" if m.shared_gate else "")
     desc += m.expert_kind.describe(m.swiglu_alpha, m.swiglu_limit)
     dense = parsed.num_layers - sum(parsed.moe_layers)
     if dense:
@@ -185,10 +186,18 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     out = [Component("decoder", decoder if parsed is not None or family is None else f"{decoder} ({why_not})",
                      "pipeline.models.decoder (registry)" if parsed is not None else MISSING),
            _attention(tc, family, parsed), _rope(tc, parsed)]
+    if parsed is not None and parsed.linear is not None:
+        lin = parsed.linear
+        out.append(Component("linear attention", f"Gated DeltaNet on {sum(parsed.linear_layers)} of {parsed.num_layers} "
+                             f"layers ({lin.num_k_heads} key / {lin.num_v_heads} value heads of {lin.k_head_dim}/"
+                             f"{lin.v_head_dim}, conv {lin.conv_kernel}): a per-sequence state, "
+                             f"{lin.state_bytes() * sum(parsed.linear_layers) / 2**20:.2f} MiB in fp32",
+                             "pipeline.models.gated_deltanet over kernels.delta_rule (torch) and kvstore.state_pool"))
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
         out.append(Component("norm", f"LayerNorm, eps {tc.get('layer_norm_eps', tc.get('norm_epsilon'))}", MISSING))
     else:
-        out.append(Component("norm", f"RMSNorm, eps {tc.get('rms_norm_eps', 1e-6)}", "kernels.norm (rms_norm)"))
+        scale = " scaling by 1 + w" if parsed is not None and parsed.norm_offset else ""
+        out.append(Component("norm", f"RMSNorm{scale}, eps {tc.get('rms_norm_eps', 1e-6)}", "kernels.norm (rms_norm)"))
     act = tc.get("hidden_act", "silu")
     out.append(Component("activation", f"{act} (gated MLP)", "kernels / torch" if act == "silu" else MISSING))
     out.append(_mlp(tc, family, parsed))

@@ -15,13 +15,15 @@ and Qwen3-Next, which it refuses. ``overrides`` change any config field (tests b
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 from typing import Any
 
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
-                      "minimax_m2")
+                      "minimax_m2", "qwen3_next")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -79,8 +81,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
     "seed_oss": dict(head_dim=16, attention_bias=True),
     "glm4": dict(head_dim=16, partial_rotary_factor=0.5),
-    # Qwen3-Next: Gated DeltaNet linear attention in 3 of every 4 layers (the fallback refuses it: its state is
-    # no paged KV)
+    # Qwen3-Next: Gated DeltaNet linear attention in 3 of every 4 layers, gated attention in the 4th (the
+    # transformers fallback refuses it: its state is no paged KV; Strata's own family runs it)
     "qwen3_next": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
@@ -93,7 +95,9 @@ def make_text_config(arch: str, vocab: int, overrides: dict[str, Any] | None = N
 
     if arch not in _FAMILY:
         raise ValueError(f"unknown text architecture {arch!r}; expected one of {', '.join(TEXT_ARCHITECTURES)}")
-    fields = {**_COMMON, **_FAMILY[arch], **(overrides or {})}
+    # a copy: a config class may write into the dicts it is given (Qwen3-Next adds its partial_rotary_factor to
+    # rope_parameters), which must not reach the next family's config
+    fields = copy.deepcopy({**_COMMON, **_FAMILY[arch], **(overrides or {})})
     return AutoConfig.for_model(arch, vocab_size=vocab, bos_token_id=SPECIAL_TOKENS.index(BOS),
                                 eos_token_id=SPECIAL_TOKENS.index(EOS), pad_token_id=SPECIAL_TOKENS.index(PAD), **fields)
 

@@ -1,0 +1,84 @@
+"""The per-sequence state cache group of linear-attention layers: fixed-size state in slots, one per sequence.
+
+A linear-attention layer (Gated DeltaNet) caches no per-token KV: it keeps, per sequence, its causal
+convolution's last inputs and its recurrent matrix. Their size does not grow with the context, so they
+live outside the block pool, in slots: a sequence claims one when it first reserves KV and gives it
+back when its blocks are freed (finished, failed or preempted), so a running sequence always has one
+and a recompute starts from a zeroed state. There are ``max_num_seqs`` slots at least, so a slot never
+limits what the pool admits. Each kind of state is one tensor ``[slots, layers, *shape]`` in its own
+dtype (the recurrent matrix in fp32, as the reference keeps it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One kind of per-sequence state every linear layer keeps: its name, per-layer shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class StatePool:
+    """Slots of per-sequence state for ``num_layers`` linear layers: claimed zeroed, released by the KV cache."""
+
+    def __init__(self, kinds: tuple[StateKind, ...], num_layers: int, num_slots: int,
+                 device: str | torch.device = "cpu") -> None:
+        if num_slots <= 0 or num_layers <= 0:
+            raise ValueError(f"a state pool needs slots and layers, got {num_slots} slots of {num_layers} layers")
+        self.kinds = kinds
+        self.num_slots = num_slots
+        self.tensors = {k.name: torch.zeros(num_slots, num_layers, *k.shape, dtype=k.dtype, device=device)
+                        for k in kinds}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
+        self._claimed: set[int] = set()
+
+    def bytes_per_sequence(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def claim(self) -> int | None:
+        """A zeroed slot for a sequence starting (None when every slot is held)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._claimed.add(slot)
+        for t in self.tensors.values():
+            t[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._claimed:
+            raise ValueError(f"state slot {slot} is not claimed")
+        self._claimed.remove(slot)
+        self._free.append(slot)
+
+    def layer(self, name: str, layer: int) -> torch.Tensor:
+        """Kind ``name`` of linear layer ``layer`` for every slot: [slots, *shape] (a view)."""
+        return self.tensors[name][:, layer]
+
+    def stats(self) -> dict[str, int]:
+        return {"slots": self.num_slots, "in_use": len(self._claimed), "bytes_per_sequence": self.bytes_per_sequence()}
+
+    def check_invariants(self) -> None:
+        """Every slot is free or claimed, never both, never twice."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a state slot is free twice"
+        assert not free & self._claimed, "a state slot is free and claimed"
+        assert free | self._claimed == set(range(self.num_slots)), "a state slot is lost"

@@ -1,0 +1,130 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5, over the per-sequence state pool.
+
+One projection gives q, k, v (per key head, its share of value heads) and z (the output gate); another
+gives b and a (per value head: the write strength beta = sigmoid(b) and the decay g = -exp(A_log) *
+softplus(a + dt_bias)). q, k and v pass through a depthwise causal convolution with SiLU, q and k are
+L2-normalised, the gated delta rule (``kernels.delta_rule``) reads and updates each sequence's state,
+and an RMSNorm of the output gated by SiLU(z) goes to ``out_proj``. The state (the convolution's last
+inputs and the recurrent matrix) lives in the step's slots of ``kvstore.StatePool``: a decode step runs
+every sequence's token at once, a prefill chunk runs its sequence's rows in the chunked form, continuing
+from where the previous chunk left the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.kernels import linear, rms_norm
+from strata.kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step, l2_normalize
+from strata.kvstore.state_pool import StateKind, StatePool
+from strata.pipeline.models.text_config import TextConfig
+
+CHUNK = 64  # rows solved at once by the chunked delta rule
+
+
+def state_kinds(cfg: TextConfig, dtype: torch.dtype) -> tuple[StateKind, ...]:
+    """What each linear layer keeps per sequence: the convolution's last inputs (model dtype) and the
+    recurrent matrix per value head (fp32, as the reference keeps it)."""
+    lin = cfg.linear
+    assert lin is not None
+    return (StateKind("conv", (lin.conv_dim, lin.conv_kernel - 1), dtype),
+            StateKind("recurrent", (lin.num_v_heads, lin.k_head_dim, lin.v_head_dim), torch.float32))
+
+
+@dataclass
+class LinearStates:
+    """The step's sequences as linear layers see them: each one's state slot and its rows in the step."""
+
+    pool: StatePool
+    slots: list[int]
+    query_lens: list[int]
+
+    def __post_init__(self) -> None:
+        self.decode = all(n == 1 for n in self.query_lens)  # one row per sequence: every one steps at once
+        self.slot_index = torch.tensor(self.slots, dtype=torch.int64)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer; its parameters keep the checkpoint's names."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        lin = cfg.linear
+        assert lin is not None
+        self.lin = lin
+        self.linear_index = cfg.linear_index(layer_idx)
+        h, nk, nv, dk, dv = cfg.hidden_size, lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
+        self.in_proj_qkvz = nn.Linear(h, 2 * nk * dk + 2 * nv * dv, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(nv))
+        self.A_log = nn.Parameter(torch.zeros(nv))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(dv))
+        self.eps = cfg.rms_norm_eps
+        self.out_proj = nn.Linear(nv * dv, h, bias=False)
+
+    @property
+    def o_proj(self) -> nn.Linear:
+        """The output projection, under the name the decoder layer reads (the checkpoint's is ``out_proj``)."""
+        return self.out_proj
+
+    def fuse(self) -> None:
+        """Nothing to fuse: its two input projections feed different paths."""
+
+    def run(self, x: torch.Tensor, ln: nn.Module, cos, sin_signed, kv, meta, backend, steps) -> torch.Tensor:
+        """Input norm and the layer's mixing: [T, value heads * head width], before ``out_proj``."""
+        states: LinearStates = meta.states
+        lin, t = self.lin, x.shape[0]
+        nk, nv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
+        r = nv // nk
+        h = rms_norm(x, ln.weight, ln.eps)
+        q, k, v, z = linear(h, self.in_proj_qkvz.weight).view(t, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = linear(h, self.in_proj_ba.weight).view(t, nk, 2 * r).split([r, r], -1)
+        mixed = self._convolve(torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), states)
+        q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q = l2_normalize(q.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1) * dk**-0.5
+        k = l2_normalize(k.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1)
+        v = v.reshape(t, nv, dv)
+        beta = b.reshape(t, nv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, nv).float() + self.dt_bias)
+        core = self._recur(q, k, v, g, beta, states).to(x.dtype)
+        return self._gated_norm(core, z.reshape(t, nv, dv)).reshape(t, nv * dv)
+
+    def _convolve(self, mixed: torch.Tensor, states: LinearStates) -> torch.Tensor:
+        conv = states.pool.layer("conv", self.linear_index)
+        weight = self.conv1d.weight[:, 0]
+        if states.decode:
+            out, new = causal_conv_step(mixed, conv[states.slot_index], weight)
+            conv[states.slot_index] = new
+            return out
+        parts, start = [], 0
+        for slot, n in zip(states.slots, states.query_lens):
+            out, conv[slot] = causal_conv(mixed[start : start + n], conv[slot], weight)
+            parts.append(out)
+            start += n
+        return torch.cat(parts)
+
+    def _recur(self, q, k, v, g, beta, states: LinearStates) -> torch.Tensor:
+        rec = states.pool.layer("recurrent", self.linear_index)
+        if states.decode:
+            out, rec[states.slot_index] = delta_rule_step(q, k, v, g, beta, rec[states.slot_index])
+            return out
+        parts, start = [], 0
+        for slot, n in zip(states.slots, states.query_lens):
+            rows = slice(start, start + n)
+            out, rec[slot] = delta_rule_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], rec[slot], CHUNK)
+            parts.append(out)
+            start += n
+        return torch.cat(parts)
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm per value head (normalised in fp32, cast, scaled), then times SiLU(z) in fp32, as the
+        reference's gated norm runs."""
+        h = core.float()
+        h = self.norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(core.dtype)
+        return (h * F.silu(z.float())).to(core.dtype)

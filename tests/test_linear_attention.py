@@ -1,0 +1,179 @@
+"""Gated DeltaNet linear attention (Qwen3-Next) with its per-sequence state cache: the torch kernels against
+transformers' reference functions, the state pool's slots, and the engine through chunks, batches,
+preemption, spills and refusals. Greedy tokens against transformers' generate, `strata ops` and `strata align`
+for the family are in test_text_models.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_preemption_recomputes_the_same, build, greedy, spilling_engine, transformers_greedy
+from strata.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step,
+                                       l2_normalize)
+from strata.kvstore.state_pool import StateKind, StatePool
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.models.config_errors import ModelConfigError
+
+PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
+           "Tell me about the tides and the moon. " * 4, "A short one."]
+
+
+def _inputs(t: int, h: int = 4, k: int = 16, v: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, key = torch.randn(t, h, k, generator=gen), torch.randn(t, h, k, generator=gen)
+    val = torch.randn(t, h, v, generator=gen)
+    g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    state = torch.randn(h, k, v, generator=gen) * 0.1
+    return q, key, val, g, beta, state
+
+
+def test_the_chunked_delta_rule_is_transformers_and_continues_across_any_cut() -> None:
+    """One pass equals transformers' chunked reference to the bit; the same rows cut at 23 (mid-block)
+    continue the state, and decode steps one row at a time agree, to fp32 rounding."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, state = _inputs(70)
+    want, want_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                    initial_state=state[None], output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    qn, kn = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+    out, final = delta_rule_chunked(qn, kn, v, g, beta, state)
+    assert torch.equal(out, want[0]) and torch.equal(final, want_state[0])
+    first, mid = delta_rule_chunked(qn[:23], kn[:23], v[:23], g[:23], beta[:23], state)
+    rest, end = delta_rule_chunked(qn[23:], kn[23:], v[23:], g[23:], beta[23:], mid)
+    torch.testing.assert_close(torch.cat([first, rest]), want[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(end, want_state[0], rtol=0, atol=2e-6)
+    s, steps = state[None], []
+    for i in range(70):
+        o, s = delta_rule_step(qn[i : i + 1], kn[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], s)
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps), want[0], rtol=0, atol=2e-6)
+
+
+def test_the_causal_convolution_continues_from_its_state() -> None:
+    """Rows through the convolution in two calls, or one at a time, equal one call over all of them
+    (transformers' causal_conv1d_fn, zero-padded as a new sequence starts)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
+
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(20, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    want = causal_conv1d_fn(x.t()[None], weight, activation="silu")[0].t()
+    zero = torch.zeros(8, 3)
+    a, state = causal_conv(x[:7], zero, weight)
+    b, _ = causal_conv(x[7:], state, weight)
+    torch.testing.assert_close(torch.cat([a, b]), want)
+    state, rows = zero[None], []
+    for i in range(20):
+        out, state = causal_conv_step(x[i : i + 1], state, weight)
+        rows.append(out)
+    torch.testing.assert_close(torch.cat(rows), want)
+
+
+def test_state_slots_are_claimed_zeroed_and_released_once() -> None:
+    pool = StatePool((StateKind("conv", (4, 3), torch.float32), StateKind("recurrent", (2, 4, 4), torch.float32)),
+                     num_layers=3, num_slots=2)
+    a = pool.claim()
+    pool.layer("recurrent", 1)[a].fill_(7.0)
+    b = pool.claim()
+    assert pool.claim() is None and pool.num_free == 0  # every slot held: the KV cache's reserve then fails
+    pool.release(a)
+    again = pool.claim()
+    assert again == a and not pool.tensors["recurrent"][again].any()  # a new sequence starts from zeros
+    pool.release(b)
+    with pytest.raises(ValueError, match="not claimed"):
+        pool.release(b)
+    pool.check_invariants()
+    assert pool.bytes_per_sequence() == 3 * (4 * 3 + 2 * 4 * 4) * 4
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(text_models) -> Path:
+    return text_models["qwen3_next"]
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_prefill_chunks_cut_through_the_recurrence(chunk: int, qwen3_next: Path) -> None:
+    """Chunks of 5 and 16 tokens (inside and across the delta rule's blocks), three sequences mixing prefill
+    and decode in one step: every answer is transformers', and every state slot is back after."""
+    engine = build(qwen3_next, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
+    outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.output_token_ids == transformers_greedy(qwen3_next, prompt, 12), prompt
+    assert engine.kv.states.stats()["in_use"] == 0
+    engine.kv.states.check_invariants()
+
+
+def test_preempted_sequences_restart_their_state(qwen3_next: Path) -> None:
+    assert_preemption_recomputes_the_same(qwen3_next, PROMPTS)
+
+
+def test_spilled_attention_blocks_and_the_state_together(qwen3_next: Path, tmp_path: Path) -> None:
+    """A prompt longer than the device pool: the full-attention layer's older blocks stream from the host
+    tier while the linear layers' state stays on the device; the answer is the engine's without tiers."""
+    prompt = " ".join(["the harbour light"] * 60)
+    want = build(qwen3_next).generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
+    engine = spilling_engine(qwen3_next, tmp_path / "host")
+    out = engine.generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
+    assert out.output_token_ids == want.output_token_ids and engine.kv.spills.peak > 4
+
+
+def test_a_repeated_prompt_is_computed_again_never_half_adopted(qwen3_next: Path) -> None:
+    """No state snapshot is kept at block boundaries yet, so a cached prefix of the attention layer's blocks
+    must not be adopted without the state: the second request reports no cached tokens and answers alike."""
+    engine = build(qwen3_next)
+    request = {"prompt": PROMPTS[1], "params": greedy(8, ignore_eos=True)}
+    first, second = engine.generate([request])[0], engine.generate([request])[0]
+    assert second.output_token_ids == first.output_token_ids and second.num_cached_tokens == 0
+
+
+def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) -> None:
+    """NaN logits fail one request; the others answer as alone and no state slot or block leaks."""
+    from strata.pipeline.core.model_runner import ModelRunner
+
+    requests = [{"prompt": p, "params": greedy(8, ignore_eos=True)} for p in PROMPTS]
+    want = [o.output_token_ids for o in build(qwen3_next).generate(requests[1:])]
+    engine = build(qwen3_next)
+    original = ModelRunner.execute
+
+    def poisoned(self, chunks):
+        logits, row = original(self, chunks).clone(), 0
+        for chunk in (c for c in chunks if c.samples):
+            if chunk.seq.request_id == "bad":
+                logits[row] = float("nan")
+            row += 1
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "execute", poisoned)
+    ids = [engine.add_request(**r) for r in requests[1:]]
+    engine.add_request(**requests[0], request_id="bad")
+    events = list(engine.run())
+    assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
+    assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
+    assert engine.kv.states.stats()["in_use"] == 0 and engine.kv.pool.stats()["in_use"] == 0
+
+
+def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path, tmp_path: Path) -> None:
+    from strata.stages.factory import build_prefill_service
+
+    with pytest.raises(ModelConfigError, match="tp=1 only"):
+        build(qwen3_next, tp=2)
+    with pytest.raises(ModelConfigError, match="kv_cache_dtype auto"):
+        build(qwen3_next, kv_cache_dtype="fp8")
+    with pytest.raises(ModelConfigError, match="compile: false"):
+        build(qwen3_next, compile=True)
+    with pytest.raises(ModelConfigError, match="mode: aggregated"):
+        build_prefill_service(qwen3_next, EngineConfig(host_kv_blocks=64, host_kv_dir=str(tmp_path / "h")))
+
+
+def test_serve_refuses_a_disaggregated_linear_attention_model_before_starting(qwen3_next: Path, tmp_path: Path,
+                                                                              capsys) -> None:
+    from test_cli import strata_in_process
+
+    path = tmp_path / "serve.json"
+    path.write_text('{"mode": "disaggregated", "engine": {"host_kv_blocks": 64}}')
+    res = strata_in_process(capsys, "serve", "--model", str(qwen3_next), "--config", str(path), "--port", "1")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "mode: aggregated" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
