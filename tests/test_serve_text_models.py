@@ -3,7 +3,8 @@ weights with block scales, written by compressed-tensors) served disaggregated, 
 tensor-parallel group of two reading its slices of the FP8 codes and scales; the official openai client
 gets the in-process engine's answers, streamed or not, and an image is a 400 that says the model takes
 none. No Preprocess or Encode deployment is started for it. Then a MiniMax-M2 with its own tool syntax and a
-template that opens the thinking: calls read by the declared parameter types, reasoning apart from content."""
+template that opens the thinking: calls read by the declared parameter types, reasoning apart from content. And
+Qwen3-Next, a linear-attention hybrid, served in one stage."""
 
 from __future__ import annotations
 
@@ -167,3 +168,37 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
     streamed = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True) if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in streamed) == thinking
     assert not "".join(d.content or "" for d in streamed)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_server(text_models, tmp_path_factory: pytest.TempPathFactory):
+    from serve_process import ServeProcess
+
+    server = ServeProcess(text_models["qwen3_next"], tmp_path_factory.mktemp("serve-qwen3-next"),
+                          {"engine": {"max_model_len": 1024}})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_qwen3_next_is_served_as_the_engine_answers(qwen3_next_server, text_models) -> None:
+    """A linear-attention hybrid through the real server (one stage, its state in the replica's pool): two
+    chats at once, streamed, get the in-process engine's answers; /metrics counts them."""
+    import concurrent.futures
+
+    client = openai.OpenAI(base_url=qwen3_next_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = build(text_models["qwen3_next"]).generate(
+        [{"messages": [{"role": "user", "content": p}], "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+
+    def stream(prompt: str) -> str:
+        chunks = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+                                                stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(stream, PROMPTS)) == [e.text for e in expected]
+    metrics = httpx.get(qwen3_next_server.base_url + "/metrics", timeout=30).text
+    assert "vllm:generation_tokens" in metrics
