@@ -44,7 +44,13 @@ class BlockTable:
     # per sliding-window group (by group index): the first logical block the table still reads there. It
     # holds that group's claim (``WindowSlots``) on each resident block from there on; never below num_spilled
     window_starts: dict[int, int] = field(default_factory=dict)
-    state_slot: int = -1  # a linear-attention model's per-sequence state (``state_pool``); -1: none held
+    # a linear-attention model's per-sequence state (``state_pool``): the slot a step reads and the one it
+    # writes, swapped when the step succeeds (a failed step leaves the state as it was); -1: none held
+    state_slot: int = -1
+    state_spare: int = -1
+    # its state at the latest block boundary it crossed (``state_snapshots``): slot, and blocks before it
+    snapshot_slot: int = -1
+    snapshot_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

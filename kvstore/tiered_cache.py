@@ -40,7 +40,7 @@ from strata.kvstore.prefix_match import PrefixMatch, PrefixMatcher
 from strata.kvstore.spill_ledger import SpillLedger
 from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader
 from strata.kvstore.spiller import Spiller
-from strata.kvstore.state_pool import StatePool
+from strata.kvstore.state_cache import StateCache
 from strata.kvstore.window_claims import WindowClaims
 
 
@@ -65,7 +65,7 @@ class TieredKVCache:
         self.claims = WindowClaims(pool)
         self.matcher = PrefixMatcher(pool, self.copies, self.spills, self.claims)
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
-        self.states: StatePool | None = None  # linear-attention layers' per-sequence state (``state_pool``)
+        self.states: StateCache | None = None  # linear-attention layers' per-sequence state (``state_cache``)
 
     @property
     def can_spill(self) -> bool:
@@ -95,11 +95,8 @@ class TieredKVCache:
         needed = table.blocks_needed(num_tokens)
         if not self.claims.room(needed):  # a windowed group's slots are all read by running windows
             return False
-        if self.states is not None and table.state_slot < 0:  # the sequence starts: its state, zeroed
-            slot = self.states.claim()
-            if slot is None:
-                return False
-            table.state_slot = slot
+        if self.states is not None and table.state_slot < 0 and not self.states.claim(table):
+            return False
         candidates = [*self._live.values(), *([table] if id(table) not in self._live else [])]
         if not self.spiller.make_room(needed + keep_free, candidates):
             return False
@@ -138,9 +135,13 @@ class TieredKVCache:
         ``keep_free`` blocks stay allocatable, and the oldest blocks beyond that stay spilled
         (pinned below).
         """
-        if self.states is not None:  # no snapshot of the layers' state at a block boundary is kept: no hit
-            hashes = ()
+        if self.states is not None:  # a hybrid's prefix ends where a snapshot of its state does
+            hashes = hashes[: self.states.longest(hashes, len(self.matcher.locate(hashes)))]
         match = self.matcher.match(table, hashes, keep_free)
+        if self.states is not None and match.num_blocks and not (
+                match.num_blocks == len(hashes) and self.states.claim(table, hashes[-1])):
+            self.free(table)  # never the blocks without their state
+            return PrefixMatch()
         if table.num_blocks:
             self._live[id(table)] = table
         return match
@@ -212,9 +213,8 @@ class TieredKVCache:
         """Drop every reference the table holds: device refs and lower-tier pins. Idempotent."""
         self._live.pop(id(table), None)
         self.claims.release_all(table)
-        if self.states is not None and table.state_slot >= 0:
-            self.states.release(table.state_slot)
-            table.state_slot = -1
+        if self.states is not None:
+            self.states.release(table)
         for block_id in reversed(table.block_ids):
             self.pool.free(block_id)
         if table.num_spilled and self.lower is not None:

@@ -10,6 +10,7 @@ import torch
 from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
+from strata.kvstore.state_cache import StateCache
 from strata.kvstore.state_pool import StatePool
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
@@ -25,6 +26,7 @@ from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.fallback_config import check_fallback_engine
 from strata.pipeline.models.gated_deltanet import state_kinds
 from strata.pipeline.models.model_config import load_model_config, with_model_impl
+from strata.pipeline.models.text_config import TextConfig
 from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,
                                               shared_scales)
 from strata.pipeline.models.model_identity import kv_fingerprint
@@ -112,9 +114,8 @@ class LanguageStage:
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
-        if cfg.text.linear is not None:  # linear-attention layers: a state slot per running sequence
-            self.kv.states = StatePool(state_kinds(cfg.text, dtype), sum(cfg.text.linear_layers),
-                                       config.max_num_seqs + 1, config.device)
+        if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
+            self.kv.states = linear_state_cache(config, cfg.text, dtype)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
@@ -206,6 +207,15 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     service.on_close = stage.close
     service.healthy = stage.alive
     return service
+
+
+def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype) -> StateCache:
+    """Two slots per running sequence (the one a step reads, the one it writes) and, with prefix caching,
+    one snapshot slot per sequence that may run (``kvstore.state_cache``)."""
+    running = config.max_num_seqs + 1
+    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    pool = StatePool(state_kinds(text, dtype), sum(text.linear_layers), 2 * running, config.device, snapshots)
+    return StateCache(pool, snapshots=config.enable_prefix_caching)
 
 
 def _refuse_state_handoff(stage: LanguageStage) -> None:

@@ -42,6 +42,9 @@ def check_linear_attention(engine: Any, mode: str = "aggregated") -> None:
         raise ModelConfigError("a model with linear-attention layers needs kv_cache_dtype auto")
     if engine.compile:
         raise ModelConfigError("a model with linear-attention layers runs eager (compile: false)")
+    if engine.speculative is not None:
+        raise ModelConfigError("a model with linear-attention layers decodes without speculation: a rejected "
+                               "draft would stay in its recurrent state")
 
 
 def _image_processor(model_dir: str | Path) -> Any:

@@ -13,6 +13,7 @@ import torch
 from helpers import assert_preemption_recomputes_the_same, build, greedy, spilling_engine, transformers_greedy
 from strata.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step,
                                        l2_normalize)
+from strata.kvstore.hashing import hash_chain
 from strata.kvstore.state_pool import StateKind, StatePool
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.models.config_errors import ModelConfigError
@@ -102,7 +103,7 @@ def test_prefill_chunks_cut_through_the_recurrence(chunk: int, qwen3_next: Path)
     outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
     for prompt, out in zip(PROMPTS, outs):
         assert out.output_token_ids == transformers_greedy(qwen3_next, prompt, 12), prompt
-    assert engine.kv.states.stats()["in_use"] == 0
+    assert engine.kv.states.pool.stats()["in_use"] == 0
     engine.kv.states.check_invariants()
 
 
@@ -120,13 +121,38 @@ def test_spilled_attention_blocks_and_the_state_together(qwen3_next: Path, tmp_p
     assert out.output_token_ids == want.output_token_ids and engine.kv.spills.peak > 4
 
 
-def test_a_repeated_prompt_is_computed_again_never_half_adopted(qwen3_next: Path) -> None:
-    """No state snapshot is kept at block boundaries yet, so a cached prefix of the attention layer's blocks
-    must not be adopted without the state: the second request reports no cached tokens and answers alike."""
-    engine = build(qwen3_next)
-    request = {"prompt": PROMPTS[1], "params": greedy(8, ignore_eos=True)}
-    first, second = engine.generate([request])[0], engine.generate([request])[0]
-    assert second.output_token_ids == first.output_token_ids and second.num_cached_tokens == 0
+def test_a_prefix_hit_restores_the_state_with_the_blocks(qwen3_next: Path) -> None:
+    """The prompt's state at its last block boundary is published when its prefill ends, and the whole
+    sequence's when it finishes: the same prompt again, and a next turn that extends prompt and answer,
+    adopt blocks and state up to those boundaries and answer as a fresh engine does."""
+    engine, fresh = build(qwen3_next), build(qwen3_next)
+    params = greedy(8, ignore_eos=True)
+    first = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    again = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    assert again.output_token_ids == first.output_token_ids
+    assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16 > 0
+    ids = list(engine.intake.make_request("t", params, prompt=PROMPTS[1])[0].prompt_token_ids) + first.output_token_ids
+    turn = {"prompt_token_ids": ids + ids[:20], "params": params}  # the first sequence, then more
+    second = engine.generate([turn])[0]
+    assert second.output_token_ids == fresh.generate([turn])[0].output_token_ids
+    assert second.num_cached_tokens == len(ids) // 16 * 16 > again.num_cached_tokens
+    engine.kv.states.check_invariants()
+    assert engine.kv.states.stats()["hits"] == 2
+
+
+def test_blocks_whose_state_snapshot_was_evicted_are_computed_again(qwen3_next: Path) -> None:
+    """Two snapshot slots, three prompts: the first prompt's snapshot is evicted while its blocks stay
+    cached, so a repeat adopts nothing (never blocks without their state) and still answers alike."""
+    engine = build(qwen3_next, max_num_seqs=2, max_num_batched_tokens=256)
+    params = greedy(6, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[0] * 2, PROMPTS[1][::-1]]
+    outs = [engine.generate([{"prompt": p, "params": params}])[0] for p in prompts]
+    ids = engine.intake.make_request("r", params, prompt=prompts[0])[0].prompt_token_ids
+    hashes = hash_chain(engine.kv.fingerprint, ids[: len(ids) // 16 * 16], 16)
+    assert len(engine.kv.matcher.locate(hashes)) == len(hashes)  # its blocks are all still cached
+    repeat = engine.generate([{"prompt": prompts[0], "params": params}])[0]
+    assert repeat.output_token_ids == outs[0].output_token_ids and repeat.num_cached_tokens == 0
+    engine.kv.states.check_invariants()
 
 
 def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) -> None:
@@ -152,7 +178,40 @@ def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) 
     events = list(engine.run())
     assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
     assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
-    assert engine.kv.states.stats()["in_use"] == 0 and engine.kv.pool.stats()["in_use"] == 0
+    assert engine.kv.states.pool.stats()["in_use"] == 0 and engine.kv.pool.stats()["in_use"] == 0
+
+
+def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it_was(qwen3_next: Path,
+                                                                                   monkeypatch) -> None:
+    """The full-attention layer (after three linear ones) raises whenever one request is in the step: the
+    batch is rerun chunk by chunk from the states the failed step read (it wrote only the spare slots), so
+    the others answer exactly as alone, and the culprit fails alone."""
+    from strata.pipeline.core.model_runner import ModelRunner
+    from strata.pipeline.models.decoder import Attention
+
+    requests = [{"prompt": p, "params": greedy(8, ignore_eos=True)} for p in PROMPTS]
+    want = [o.output_token_ids for o in build(qwen3_next).generate(requests[1:])]
+    engine = build(qwen3_next)
+    prepare, attend, step = ModelRunner.prepare, Attention.attend, {"bad": False}
+
+    def noting(self, chunks):
+        step["bad"] = any(c.seq.request_id == "bad" and c.seq.output_token_ids for c in chunks)
+        return prepare(self, chunks)
+
+    def raising(self, *args, **kwargs):
+        if step["bad"]:
+            raise RuntimeError("poisoned row")
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prepare", noting)
+    monkeypatch.setattr(Attention, "attend", raising)
+    ids = [engine.add_request(**r) for r in requests[1:]]
+    engine.add_request(**requests[0], request_id="bad")
+    events = list(engine.run())
+    assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
+    assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
+    assert engine.kv.states.pool.stats()["in_use"] == 0
+    engine.kv.states.check_invariants()
 
 
 def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path, tmp_path: Path) -> None:
@@ -164,6 +223,8 @@ def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next
         build(qwen3_next, kv_cache_dtype="fp8")
     with pytest.raises(ModelConfigError, match="compile: false"):
         build(qwen3_next, compile=True)
+    with pytest.raises(ModelConfigError, match="without speculation"):
+        build(qwen3_next, speculative={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ModelConfigError, match="mode: aggregated"):
         build_prefill_service(qwen3_next, EngineConfig(host_kv_blocks=64, host_kv_dir=str(tmp_path / "h")))
 

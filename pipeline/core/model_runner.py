@@ -49,7 +49,10 @@ class StepInputs:
     deepstack: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first row, [levels, n, hidden]) additions
     mrope_positions: np.ndarray | None = None  # int64 [3, T] under M-RoPE (then ``positions`` is unused)
     windows: list[WindowInputs] = field(default_factory=list)  # per sliding-window group (``KVLayout.window_groups``)
-    state_slots: list[int] = field(default_factory=list)  # per sequence: its linear-attention state (``StatePool``)
+    state_slots: list[int] = field(default_factory=list)  # per sequence: the linear-attention state it reads
+    state_writes: list[int] = field(default_factory=list)  # ... and the slot its new state goes to
+    # per sequence: (row, slot) its state at a block boundary is copied to after that many of its rows; -1: none
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StepExecutor:
@@ -80,7 +83,8 @@ class StepExecutor:
                              for w in inputs.windows)]
             meta.by_layer = tuple(metas[i] for i in self.layer_meta)
         if self.states is not None:
-            meta.states = LinearStates(self.states, inputs.state_slots, inputs.query_lens)
+            meta.states = LinearStates(self.states, inputs.state_slots, inputs.state_writes, inputs.query_lens,
+                                       inputs.state_snapshots)
         return meta
 
     @torch.inference_mode()
@@ -114,7 +118,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
         self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device, kv.layout.layer_meta,
-                                     kv.states)
+                                     kv.states.pool if kv.states is not None else None)
         self.windows = [(gi, kv.pool.windows[gi]) for gi in kv.layout.window_groups]
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
         self.mrope = model.cfg.uses_mrope
@@ -130,9 +134,28 @@ class ModelRunner:
         (``core.prompt_logprobs.logits_rows``)."""
         inputs = self.prepare(chunks)
         spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
-        logits = self.executor.run(inputs, spilled)
+        try:
+            logits = self.executor.run(inputs, spilled)
+        except BaseException:
+            if self.kv.states is not None:  # the states read are intact; a snapshot may be half-written
+                for chunk in chunks:
+                    self.kv.states.drop_snapshot(chunk.seq.block_table)
+            raise
         assert logits is not None
+        if self.kv.states is not None:
+            self._keep_states(chunks, inputs.state_snapshots)
         return logits
+
+    def _keep_states(self, chunks: list[ScheduledChunk], snapshots: list[tuple[int, int]]) -> None:
+        """After a step that succeeded: the states it wrote are current, and a snapshot at a boundary its last
+        row ended on is their copy."""
+        states = self.kv.states
+        assert states is not None
+        for chunk, (at, snap) in zip(chunks, snapshots):
+            table = chunk.seq.block_table
+            states.swap(table)
+            if at == chunk.end - chunk.start:
+                states.pool.copy(table.state_slot, snap)
 
     @torch.inference_mode()
     def draft(self, inputs: StepInputs, hidden: torch.Tensor, tables: list[BlockTable]) -> torch.Tensor:
@@ -143,6 +166,16 @@ class ModelRunner:
         ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         return self.model.draft(ids, hidden, pos, self.kv.device_kv, meta, self.backend)
+
+    def _snapshot_at(self, chunk: ScheduledChunk) -> tuple[int, int]:
+        """(rows into the chunk, slot) where its sequence's state at the last block boundary the chunk reaches
+        is kept (``kvstore.state_cache``); (-1, -1): none (no boundary crossed, or no slot to be had)."""
+        bs, end = self.block_size, chunk.end - len(chunk.draft)
+        boundary = end // bs * bs
+        if boundary <= chunk.start or boundary == 0:
+            return -1, -1
+        slot = self.kv.states.take(chunk.seq.block_table, boundary // bs)  # type: ignore[union-attr]
+        return (-1, -1) if slot is None else (boundary - chunk.start, slot)
 
     def spilled_source(self, table: BlockTable) -> SpilledKV | None:
         return self.kv.spilled(table)
@@ -176,7 +209,10 @@ class ModelRunner:
             s.tables.append(table.block_ids)
             s.offsets.append(table.first_resident_token)
             s.num_spilled.append(table.num_spilled)
-            s.state_slots.append(table.state_slot)
+            if self.kv.states is not None:
+                s.state_slots.append(table.state_slot)
+                s.state_writes.append(table.state_spare)
+                s.state_snapshots.append(self._snapshot_at(chunk))
         if self.windows:
             s.windows = [_window_inputs(chunks, gi, w.slot) for gi, w in self.windows]
         if self.mrope:

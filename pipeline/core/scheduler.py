@@ -215,3 +215,5 @@ class Scheduler:
         full = table.num_full_blocks(end)
         publish = self.config.enable_prefix_caching and full > table.num_published
         self.kv.commit(table, end, seq.full_block_hashes(self.fingerprint, full) if publish else ())
+        if self.kv.states is not None and chunk.samples and not seq.output_token_ids:
+            self.kv.states.publish(table)  # the prompt's state at its last block boundary: the next alike finds it

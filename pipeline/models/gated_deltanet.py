@@ -37,15 +37,20 @@ def state_kinds(cfg: TextConfig, dtype: torch.dtype) -> tuple[StateKind, ...]:
 
 @dataclass
 class LinearStates:
-    """The step's sequences as linear layers see them: each one's state slot and its rows in the step."""
+    """The step's sequences as linear layers see them: the slot each one's state is read from and the one
+    the step writes (``kvstore.state_cache``: swapped once the step succeeds), its rows in the step, and
+    where its state at a block boundary inside its rows is copied (row, snapshot slot; row -1: none)."""
 
     pool: StatePool
     slots: list[int]
+    write_slots: list[int]
     query_lens: list[int]
+    snapshots: list[tuple[int, int]]
 
     def __post_init__(self) -> None:
         self.decode = all(n == 1 for n in self.query_lens)  # one row per sequence: every one steps at once
-        self.slot_index = torch.tensor(self.slots, dtype=torch.int64)
+        self.read_index = torch.tensor(self.slots, dtype=torch.int64)
+        self.write_index = torch.tensor(self.write_slots, dtype=torch.int64)
 
 
 class GatedDeltaNet(nn.Module):
@@ -99,26 +104,33 @@ class GatedDeltaNet(nn.Module):
         conv = states.pool.layer("conv", self.linear_index)
         weight = self.conv1d.weight[:, 0]
         if states.decode:
-            out, new = causal_conv_step(mixed, conv[states.slot_index], weight)
-            conv[states.slot_index] = new
+            out, new = causal_conv_step(mixed, conv[states.read_index], weight)
+            conv[states.write_index] = new
             return out
-        parts, start = [], 0
-        for slot, n in zip(states.slots, states.query_lens):
-            out, conv[slot] = causal_conv(mixed[start : start + n], conv[slot], weight)
-            parts.append(out)
-            start += n
-        return torch.cat(parts)
+        return self._per_sequence(conv, states, (mixed,), lambda rows, state: causal_conv(rows[0], state, weight))
 
     def _recur(self, q, k, v, g, beta, states: LinearStates) -> torch.Tensor:
         rec = states.pool.layer("recurrent", self.linear_index)
         if states.decode:
-            out, rec[states.slot_index] = delta_rule_step(q, k, v, g, beta, rec[states.slot_index])
+            out, rec[states.write_index] = delta_rule_step(q, k, v, g, beta, rec[states.read_index])
             return out
+        return self._per_sequence(rec, states, (q, k, v, g, beta),
+                                  lambda rows, state: delta_rule_chunked(*rows, state, CHUNK))
+
+    @staticmethod
+    def _per_sequence(pool: torch.Tensor, states: LinearStates, inputs: tuple[torch.Tensor, ...], run) -> torch.Tensor:
+        """Each sequence's rows through ``run(rows, state) -> (out, state)``, from its read slot into its write
+        slot; where a block boundary falls inside its rows, the state there is copied to its snapshot slot."""
         parts, start = [], 0
-        for slot, n in zip(states.slots, states.query_lens):
-            rows = slice(start, start + n)
-            out, rec[slot] = delta_rule_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], rec[slot], CHUNK)
-            parts.append(out)
+        for read, write, n, (at, snap) in zip(states.slots, states.write_slots, states.query_lens, states.snapshots):
+            state = pool[read]
+            cuts = (0, at, n) if 0 < at < n else (0, n)
+            for lo, hi in zip(cuts, cuts[1:]):
+                out, state = run(tuple(x[start + lo : start + hi] for x in inputs), state)
+                parts.append(out)
+                if hi == at < n:  # a boundary inside the rows (one at their end is copied after the step)
+                    pool[snap] = state
+            pool[write] = state
             start += n
         return torch.cat(parts)
 
