@@ -155,6 +155,18 @@ def test_blocks_whose_state_snapshot_was_evicted_are_computed_again(qwen3_next: 
     engine.kv.states.check_invariants()
 
 
+def _culprit_fails_alone(engine, requests: list[dict], want: list[list[int]]) -> None:
+    """Run ``requests`` at once, the first as "bad": it ends in an error, the others answer ``want``, and no
+    state slot or block is left held."""
+    ids = [engine.add_request(**r) for r in requests[1:]]
+    engine.add_request(**requests[0], request_id="bad")
+    events = list(engine.run())
+    assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
+    assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
+    assert engine.kv.states.pool.stats()["in_use"] == 0 and engine.kv.pool.stats()["in_use"] == 0
+    engine.kv.states.check_invariants()
+
+
 def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) -> None:
     """NaN logits fail one request; the others answer as alone and no state slot or block leaks."""
     from strata.pipeline.core.model_runner import ModelRunner
@@ -173,12 +185,7 @@ def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) 
         return logits
 
     monkeypatch.setattr(ModelRunner, "execute", poisoned)
-    ids = [engine.add_request(**r) for r in requests[1:]]
-    engine.add_request(**requests[0], request_id="bad")
-    events = list(engine.run())
-    assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
-    assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
-    assert engine.kv.states.pool.stats()["in_use"] == 0 and engine.kv.pool.stats()["in_use"] == 0
+    _culprit_fails_alone(engine, requests, want)
 
 
 def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it_was(qwen3_next: Path,
@@ -205,13 +212,7 @@ def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it
 
     monkeypatch.setattr(ModelRunner, "prepare", noting)
     monkeypatch.setattr(Attention, "attend", raising)
-    ids = [engine.add_request(**r) for r in requests[1:]]
-    engine.add_request(**requests[0], request_id="bad")
-    events = list(engine.run())
-    assert [e for e in events if e.request_id == "bad"][-1].finish_reason == "error"
-    assert [[e.token_id for e in events if e.request_id == i] for i in ids] == want
-    assert engine.kv.states.pool.stats()["in_use"] == 0
-    engine.kv.states.check_invariants()
+    _culprit_fails_alone(engine, requests, want)
 
 
 def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path, tmp_path: Path) -> None:
