@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+import torch
+
 from strata.kvstore.block_table import BlockTable
 from strata.kvstore.state_pool import StatePool
 
@@ -63,6 +65,26 @@ class StateCache:
             if slot >= 0:
                 self.pool.release(slot)
         table.state_slot = table.state_spare = -1
+
+    def export(self, table: BlockTable) -> bytes:
+        """The table's current state, every kind and layer, as bytes (what a hand-off ships)."""
+        return b"".join(t[table.state_slot].contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in self.pool.tensors.values())
+
+    def install(self, table: BlockTable, data: bytes) -> bool:
+        """Give the table (holding no state) slots whose state is ``data`` from :meth:`export` of the same
+        model; False with nothing claimed when no slot is free. Bytes of another size are refused."""
+        if len(data) != self.pool.bytes_per_sequence():
+            raise ValueError(f"a linear-attention state of {len(data)} bytes, expected {self.pool.bytes_per_sequence()}")
+        if not self.claim(table):
+            return False
+        flat, start = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
+        for t in self.pool.tensors.values():
+            part = t[table.state_slot]
+            n = part.numel() * part.element_size()
+            part.copy_(flat[start : start + n].view(part.dtype).view(part.shape))
+            start += n
+        return True
 
     def swap(self, table: BlockTable) -> None:
         """The step that read ``state_slot`` and wrote ``state_spare`` succeeded: the written one is current."""

@@ -128,18 +128,21 @@ class TieredKVCache:
         """Device blocks one prefill chunk needs (see :func:`chunk_working_set_blocks`)."""
         return chunk_working_set_blocks(chunk_tokens, self.layout.block_size)
 
-    def match_prefix(self, table: BlockTable, hashes: Sequence[bytes], keep_free: int) -> PrefixMatch:
+    def match_prefix(self, table: BlockTable, hashes: Sequence[bytes], keep_free: int,
+                     state: bytes | None = None) -> PrefixMatch:
         """Adopt the longest cached leading run of ``hashes`` into the empty ``table``.
 
         Device hits are referenced; lower-tier hits are promoted into device blocks while more than
         ``keep_free`` blocks stay allocatable, and the oldest blocks beyond that stay spilled
-        (pinned below).
+        (pinned below). A linear-attention hybrid adopts blocks only with their state: up to a published
+        snapshot, or all of ``hashes`` with ``state`` (a hand-off's, after exactly those blocks).
         """
-        if self.states is not None:  # a hybrid's prefix ends where a snapshot of its state does
+        if self.states is not None and state is None:  # a hybrid's prefix ends where a snapshot of its state does
             hashes = hashes[: self.states.longest(hashes, len(self.matcher.locate(hashes)))]
         match = self.matcher.match(table, hashes, keep_free)
-        if self.states is not None and match.num_blocks and not (
-                match.num_blocks == len(hashes) and self.states.claim(table, hashes[-1])):
+        if self.states is not None and (match.num_blocks or state is not None) and not (
+                match.num_blocks == len(hashes) and (self.states.install(table, state) if state is not None
+                                                     else self.states.claim(table, hashes[-1]))):
             self.free(table)  # never the blocks without their state
             return PrefixMatch()
         if table.num_blocks:
@@ -155,8 +158,8 @@ class TieredKVCache:
         """A handle to the table's KV. Ownership of the blocks passes to the handle (the table is no
         longer a spill candidate here), or with ``release`` the device references are dropped at
         once: the consumer is on another pool and adopts full blocks by hash from the lower tiers."""
-        if self.states is not None:
-            raise HandleError("a linear-attention model's per-sequence state does not cross a hand-off")
+        if self.states is not None and not release:  # its state crossed as bytes (``StateCache.export``)
+            self.states.release(table)
         resident_full = table.num_full_blocks() - table.num_spilled
         tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
         handle = KVHandle(  # block_hashes: the published blocks (all full ones when prefix caching is on)

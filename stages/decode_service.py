@@ -48,7 +48,8 @@ class DecodeService:
         try:
             if self.puller is not None and self.puller.needs_pull(handoff):
                 await self.puller.pull(handoff)  # blocks missing here come from the prefill's node first
-            await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle, handoff.tail_kv))
+            await self.loop.run(lambda: self.decoder.admit(seq, handoff.kv_handle, handoff.tail_kv,
+                                                           handoff.linear_state))
             while not finished:
                 batch = [await events.get()]
                 while not events.empty():

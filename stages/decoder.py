@@ -21,24 +21,29 @@ class Decoder:
         # recompute (a block missing from the host tier, no room, or no shipped tail).
         self.handoff_tokens = {"adopted": 0, "recomputed": 0}
 
-    def admit(self, seq: Sequence, kv_handle: KVHandle | None, tail_kv: bytes = b"") -> None:
+    def admit(self, seq: Sequence, kv_handle: KVHandle | None, tail_kv: bytes = b"", linear_state: bytes = b"") -> None:
         """Rebuild the sequence's block table from its handle and join the running batch. ``tail_kv``
-        is the partial last block a prefill on another pool shipped along."""
+        is the partial last block a prefill on another pool shipped along, ``linear_state`` a
+        linear-attention model's state after the prompt."""
         if kv_handle is None:
             raise HandleError("the hand-off carries no KV handle (its request finished at prefill)")
         handle = kv_handle.check(self.kv.fingerprint)
         if handle.num_tokens != seq.num_tokens - 1:
             raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
+        if self.kv.states is not None and not linear_state:
+            raise HandleError("the hand-off of a linear-attention model carries no state")
         table = self.kv.adopt(handle)
-        if table is None:
-            self._admit_from_other_pool(seq, handle, tail_kv)
+        if table is None or (self.kv.states is not None and not self.kv.states.install(table, linear_state)):
+            if table is not None:  # no state slot free here: its blocks go, the sequence is recomputed
+                self.kv.free(table)
+            self._admit_from_other_pool(seq, handle, tail_kv, linear_state)
             return
         seq.block_table = table
         seq.num_computed_tokens = handle.num_tokens
         log.debug("decode %s: admitted with %d tokens of KV in place", seq.request_id, handle.num_tokens)
         self.scheduler.add_running(seq)
 
-    def _admit_from_other_pool(self, seq: Sequence, handle: KVHandle, tail_kv: bytes) -> None:
+    def _admit_from_other_pool(self, seq: Sequence, handle: KVHandle, tail_kv: bytes, linear_state: bytes = b"") -> None:
         """Blocks made by another process: adopt the full ones by hash from the host/disk tiers and the
         partial tail from the bytes shipped with the hand-off, then decode at once. If a full block
         cannot be found or there is no room, the sequence is recomputed instead (counted)."""
@@ -46,7 +51,8 @@ class Decoder:
             raise HandleError("KV handle points at another block pool; adopting it needs a host or disk tier")
         seq.block_table = table = self.kv.new_table()
         full = handle.num_tokens // self.kv.layout.block_size
-        match = self.kv.match_prefix(table, handle.block_hashes[:full], keep_free=1)
+        match = self.kv.match_prefix(table, handle.block_hashes[:full], keep_free=1,
+                                     state=linear_state if self.kv.states is not None else None)
         complete = match.num_blocks == full and (handle.num_tokens == full * table.block_size or (
             tail_kv and self.kv.import_tail(table, tail_kv, handle.num_tokens)))
         if complete:

@@ -190,7 +190,6 @@ def build_prefill_service(model_dir: str | Path, config: EngineConfig, launcher:
     """A prefill stage for its own process: it hands off to decoders on other pools (host tier)."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
-    _refuse_state_handoff(stage)
     service = PrefillService(Prefiller(stage.core(warm_grammar=True), release_on_handoff=True))
     service.on_close = stage.close
     service.healthy = stage.alive
@@ -202,7 +201,6 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     """A decode stage for its own process: adopts handles from any prefill replica via the host tier."""
     _require_shared_tier(config)
     stage = LanguageStage(model_dir, config, launcher, group_host)
-    _refuse_state_handoff(stage)
     service = DecodeService(Decoder(stage.core(warm_grammar=True)))
     service.on_close = stage.close
     service.healthy = stage.alive
@@ -216,12 +214,6 @@ def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtyp
     snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
     pool = StatePool(state_kinds(text, dtype), sum(text.linear_layers), 2 * running, config.device, snapshots)
     return StateCache(pool, snapshots=config.enable_prefix_caching)
-
-
-def _refuse_state_handoff(stage: LanguageStage) -> None:
-    if stage.kv.states is not None:
-        stage.close()
-        check_linear_attention(stage.config, "disaggregated")
 
 
 def _require_shared_tier(config: EngineConfig) -> None:

@@ -58,7 +58,7 @@ class PrefillService:
             raise
         finally:
             self.delivery.close(seq.request_id)
-        return result.seq.to_handoff(result.event, result.kv_handle, result.tail_kv)
+        return result.seq.to_handoff(result.event, result.kv_handle, result.tail_kv, result.linear_state)
 
     async def stats(self) -> dict[str, Any]:
         """KV store and queue figures, read on the loop thread (consistent with the scheduler)."""

@@ -22,6 +22,7 @@ class PrefillResult:
     event: TokenEvent
     kv_handle: KVHandle | None  # None when the first token already finished the request
     tail_kv: bytes = b""  # the partial last block, shipped when the decoder is on another pool
+    linear_state: bytes = b""  # a linear-attention model's state after the prompt (no block holds it)
 
 
 class Prefiller:
@@ -48,10 +49,11 @@ class Prefiller:
             # Ownership of the blocks passes to the handle: leave the batch without freeing them.
             self.scheduler.remove(seq, free_blocks=False)
             tail = self.kv.export_tail(seq.block_table) if self.release_on_handoff else b""
+            state = self.kv.states.export(seq.block_table) if self.kv.states is not None else b""
             handle = self.kv.make_handle(seq.block_table, release=self.release_on_handoff)
             log.debug("prefill %s: done, %d tokens (%d cached), handing off", seq.request_id, seq.num_tokens,
                       seq.num_cached_tokens)
-            results.append(PrefillResult(seq, event, handle, tail))
+            results.append(PrefillResult(seq, event, handle, tail, state))
         return results
 
     def abort(self, seq: Sequence) -> None:

@@ -27,14 +27,12 @@ def check_checkpoint(model_dir: str | Path, chat_template: str | None = None, te
         check_processor(_image_processor(model_dir), cfg.vision)
 
 
-def check_linear_attention(engine: Any, mode: str = "aggregated") -> None:
+def check_linear_attention(engine: Any) -> None:
     """What a model with linear-attention layers (Qwen3-Next) does not run with yet, refused in one line
-    before it loads: its per-sequence state is neither split across ranks nor handed off between stages."""
+    before it loads: its per-sequence state is not split across ranks, and a recurrence cannot take back a
+    rejected draft."""
     from strata.pipeline.models.config_errors import ModelConfigError
 
-    if mode != "aggregated":
-        raise ModelConfigError("a model with linear-attention layers serves in one stage (mode: aggregated): its "
-                               "per-sequence state does not cross the prefill -> decode hand-off yet")
     if engine.tp > 1:
         raise ModelConfigError("a model with linear-attention layers runs with tp=1 only (its state is not split "
                                "across a tensor-parallel group yet)")

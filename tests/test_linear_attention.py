@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_preemption_recomputes_the_same, build, greedy, spilling_engine, transformers_greedy
+from helpers import (assert_preemption_recomputes_the_same, build, greedy, spilling_engine, tokens_through_handoff,
+                     transformers_greedy)
 from strata.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step,
                                        l2_normalize)
 from strata.kvstore.hashing import hash_chain
@@ -215,9 +216,7 @@ def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it
     _culprit_fails_alone(engine, requests, want)
 
 
-def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path, tmp_path: Path) -> None:
-    from strata.stages.factory import build_prefill_service
-
+def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path) -> None:
     with pytest.raises(ModelConfigError, match="tp=1 only"):
         build(qwen3_next, tp=2)
     with pytest.raises(ModelConfigError, match="kv_cache_dtype auto"):
@@ -226,16 +225,43 @@ def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next
         build(qwen3_next, compile=True)
     with pytest.raises(ModelConfigError, match="without speculation"):
         build(qwen3_next, speculative={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ModelConfigError, match="mode: aggregated"):
-        build_prefill_service(qwen3_next, EngineConfig(host_kv_blocks=64, host_kv_dir=str(tmp_path / "h")))
 
 
-def test_serve_refuses_a_disaggregated_linear_attention_model_before_starting(qwen3_next: Path, tmp_path: Path,
-                                                                              capsys) -> None:
-    from test_cli import strata_in_process
+@pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[2]], ids=["blocks-and-tail", "tail-only"])
+def test_the_state_crosses_the_hand_off(prompt: str, qwen3_next: Path, tmp_path: Path) -> None:
+    """Prefilled by one service, decoded by another over the host tier: the state after the prompt crosses
+    in the hand-off message beside the tail block (and the full blocks by hash), and the answer is the
+    in-process engine's."""
+    engine = build(qwen3_next)
+    want = engine.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
+    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
+    shipped: list[int] = []
+    got = tokens_through_handoff(qwen3_next, config, engine, [], prompt, greedy(10, ignore_eos=True),
+                                 check=lambda request, handoff: shipped.append(len(handoff.linear_state)))
+    assert got == want and shipped == [engine.kv.states.pool.bytes_per_sequence()]
 
-    path = tmp_path / "serve.json"
-    path.write_text('{"mode": "disaggregated", "engine": {"host_kv_blocks": 64}}')
-    res = strata_in_process(capsys, "serve", "--model", str(qwen3_next), "--config", str(path), "--port", "1")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "mode: aggregated" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+def test_a_hand_off_without_its_state_is_refused(qwen3_next: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    import msgspec
+
+    from strata.kvstore import HandleError
+    from strata.stages.factory import build_decode_service, build_prefill_service
+
+    engine = build(qwen3_next)
+    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
+    prefill, decode = build_prefill_service(qwen3_next, config), build_decode_service(qwen3_next, config)
+
+    async def run() -> None:
+        handoff = await prefill.prefill(engine.prepare("h", greedy(4, ignore_eos=True), [], prompt=PROMPTS[1]))
+        async for _ in decode.generate(msgspec.structs.replace(handoff, linear_state=b"")):
+            pass
+
+    try:
+        with pytest.raises(HandleError, match="carries no state"):
+            asyncio.run(run())
+        assert decode.decoder.kv.states.pool.stats()["in_use"] == 0
+    finally:
+        prefill.close()
+        decode.close()

@@ -159,13 +159,18 @@ def test_an_old_message_version_is_refused_with_a_clear_error() -> None:
     with pytest.raises(WireError, match=r"expected a request message version 2, got \('request', 1\)"):
         Request.from_msgpack(old_request)
     old_handoff = msgpack.packb({"kind": "handoff", "v": 1, "id": "r", "tokens": [1, 2]})
-    with pytest.raises(WireError, match=r"expected a handoff message version 3, got \('handoff', 1\)"):
+    with pytest.raises(WireError, match=r"expected a handoff message version 4, got \('handoff', 1\)"):
         Handoff.from_msgpack(old_handoff)
     state = Sequence("r", [1, 2], SamplingParams(), 16).to_handoff(TokenEvent("r", 2), None)
     v2 = msgpack.unpackb(state.to_msgpack())
     v2.update(v=2, kv_handle=b"a hand-packed handle")  # the previous release's hand-off: the handle as bytes
-    with pytest.raises(WireError, match=r"expected a handoff message version 3, got \('handoff', 2\)"):
+    with pytest.raises(WireError, match=r"expected a handoff message version 4, got \('handoff', 2\)"):
         Handoff.from_msgpack(msgpack.packb(v2))
+    v3 = msgpack.unpackb(state.to_msgpack())
+    v3.pop("linear_state", None)
+    v3.update(v=3)  # the previous release's: no linear-attention state (a hybrid's decode would start from zeros)
+    with pytest.raises(WireError, match=r"expected a handoff message version 4, got \('handoff', 3\)"):
+        Handoff.from_msgpack(msgpack.packb(v3))
     newer = Request("r", [1], SamplingParams()).to_msgpack().replace(b"\xa1v\x02", b"\xa1v\x03")
     with pytest.raises(WireError, match=r"version 2, got \('request', 3\)"):
         Request.from_msgpack(newer)

@@ -182,7 +182,7 @@ def check_tensor_parallel(config: ServeConfig, model_dir: str | Path) -> None:
 
 def check_stage_engines(config: ServeConfig) -> None:
     """Refuse, before any cluster starts, what the model's layers or the speculative method cannot run with:
-    a linear-attention model's state crosses no hand-off and no tensor-parallel split; MTP needs the layer."""
+    a linear-attention model's state crosses no tensor-parallel split; MTP needs the layer."""
     from strata.pipeline.models.model_config import load_model_config
     from strata.pipeline.models.mtp import check_mtp_engine, with_mtp
     from strata.stages.preflight import check_linear_attention
@@ -192,7 +192,7 @@ def check_stage_engines(config: ServeConfig) -> None:
     for stage in LANGUAGE_STAGES:
         engine = config.engine.model_copy(update={"tp": config.tp(stage)})
         if cfg.text.linear is not None:
-            check_linear_attention(engine, config.mode)
+            check_linear_attention(engine)
         if spec is not None and spec.method == "mtp":
             check_mtp_engine(engine.tp, engine.kv_cache_dtype)
     if spec is not None:

@@ -8,7 +8,8 @@ embeddings (a recompute after preemption needs them), the prefix-cache figure an
 and back field by field, by name, so a field added here reaches decode with no other change than
 the ``Sequence`` attribute of the same name. KV is not in here: ``kv_handle`` (a
 :class:`~kvstore.KVHandle`, declared in the KV store and encoded with the rest) names it there, and
-``tail_kv`` carries the partial last block.
+``tail_kv`` carries the partial last block, and ``linear_state`` a linear-attention model's per-sequence
+state after the prompt (``kvstore.StateCache.export``), which no block holds.
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ class SequenceState(msgspec.Struct):
 class Handoff(msgspec.Struct, tag_field="kind", tag="handoff"):
     """One prefilled request, ready for a decode stage to continue."""
 
-    VERSION: ClassVar[int] = 3  # v3: the KV handle declared, not bytes within bytes; v2: declared state
+    VERSION: ClassVar[int] = 4  # v4: a hybrid's linear state; v3: the KV handle declared; v2: declared state
 
     state: SequenceState
     first: TokenEvent  # prefill's token event (its token is the last of state.token_ids)
     kv_handle: KVHandle | None = None  # None: the first token already finished the request
     tail_kv: bytes = b""  # the partial last block's KV (every layer), so decode does not recompute it
     source: str = ""  # the node whose host tier holds the full blocks ("": this node's)
-    v: Literal[3] = 3
+    linear_state: bytes = b""  # a linear-attention model's state after the prompt (every linear layer)
+    v: Literal[4] = 4
 
     @property
     def request_id(self) -> str:

@@ -114,9 +114,10 @@ class Sequence:
                 setattr(seq, name, list(value) if isinstance(value, list) else value)
         return seq
 
-    def to_handoff(self, first: TokenEvent, kv_handle: KVHandle | None, tail_kv: bytes = b"") -> Handoff:
+    def to_handoff(self, first: TokenEvent, kv_handle: KVHandle | None, tail_kv: bytes = b"",
+                   linear_state: bytes = b"") -> Handoff:
         """What decode needs to continue exactly where this (prefilled) sequence stands."""
-        return Handoff(self.state(), first, kv_handle, tail_kv)
+        return Handoff(self.state(), first, kv_handle, tail_kv, linear_state=linear_state)
 
     @classmethod
     def from_handoff(cls, handoff: Handoff, block_size: int) -> "Sequence":
