@@ -38,7 +38,7 @@ from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
-from strata.stages.kv_budget import kv_dtype, kv_layout, with_kv_budget
+from strata.stages.kv_budget import kv_dtype, kv_layout, state_slot_counts, with_kv_budget
 from strata.stages.preflight import check_linear_attention
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
@@ -210,9 +210,8 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
 def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype) -> StateCache:
     """Two slots per running sequence (the one a step reads, the one it writes) and, with prefix caching,
     one snapshot slot per sequence that may run (``kvstore.state_cache``)."""
-    running = config.max_num_seqs + 1
-    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-    pool = StatePool(state_kinds(text, dtype), sum(text.linear_layers), 2 * running, config.device, snapshots)
+    running, snapshots = state_slot_counts(config)
+    pool = StatePool(state_kinds(text, dtype), sum(text.linear_layers), running, config.device, snapshots)
     return StateCache(pool, snapshots=config.enable_prefix_caching)
 
 

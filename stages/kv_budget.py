@@ -47,14 +47,31 @@ def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> E
         weights = checkpoint_elements(model_dir) * _ITEMSIZE[config.dtype] // config.tp
         size = int(max(0, free_memory(config.device) - weights) * share)
     per_block, windowed = _block_bytes(rank_layout, config)
-    blocks = (size - windowed) // per_block
+    states = state_pool_bytes(text, config)
+    blocks = (size - windowed - states) // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no KV block: a block of "
                          f"{rank_layout.block_size} tokens takes {per_block} bytes here"
-                         + (f", after {windowed} bytes of sliding-window slots" if windowed else ""))
+                         + (f", after {windowed} bytes of sliding-window slots" if windowed else "")
+                         + (f", after {states} bytes of linear-attention state slots" if states else ""))
     log.info("KV pool: %d blocks (%d tokens, %.1f MiB) from kv_cache_memory %s", blocks,
              blocks * rank_layout.block_size, blocks * per_block / 2**20, config.kv_cache_memory)
     return config.model_copy(update={"num_kv_blocks": blocks, "kv_cache_memory": None})
+
+
+def state_slot_counts(config: EngineConfig) -> tuple[int, int]:
+    """A linear-attention model's state slots: (running: two per sequence that may run, the one a step reads
+    and the one it writes; snapshots: one per such sequence with prefix caching, ``kvstore.state_cache``)."""
+    running = config.max_num_seqs + 1
+    return 2 * running, running - 1 if config.enable_prefix_caching else 0
+
+
+def state_pool_bytes(text: TextConfig, config: EngineConfig) -> int:
+    """What those slots take, whatever the KV pool's size (0 for a model without linear layers)."""
+    if text.linear is None:
+        return 0
+    running, snapshots = state_slot_counts(config)
+    return (running + snapshots) * sum(text.linear_layers) * text.linear.state_bytes(_ITEMSIZE[config.dtype])
 
 
 def _block_bytes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:

@@ -176,3 +176,20 @@ def test_bench_vs_vllm_hands_vllm_a_llava_under_the_tower_names_it_reads(llama_d
     assert all(theirs[k.replace("vision_tower.", "vision_tower.vision_model.", 1)].equal(ours[k]) for k in tower)
     assert json.loads((copy / "config.json").read_text()) == json.loads((llama_dir / "config.json").read_text())
     assert vllm_names(copy, tmp_path / "again") == copy  # already under vLLM's names: used as it is
+
+
+def test_bench_mtp_times_drafting_and_checks_answers(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "mtp", "--layers", "2", "--batch", "1", "--max-tokens", "6",
+                             "--rounds", "1")
+    row = result["batch 1"]
+    assert row["plain_tok_s"] > 0 and row["mtp_tok_s"] > 0 and row["step_cost_ratio"] > 0
+    assert "answers identical" in printed and "it pays above" in printed
+
+
+def test_bench_linear_compares_a_hybrid_with_full_attention(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "linear", "--contexts", "64", "256", "--rounds", "1",
+                             "--prefill-rows", "80")
+    assert set(result["tpot_ms"]) == {"64", "256"} and result["layer_step_ms"]["gated_deltanet"] > 0
+    assert result["prefill"]["strata_tok_s"] > 0
+    hybrid, full = result["memory_bytes"]["hybrid"], result["memory_bytes"]["full attention"]
+    assert hybrid["1000K"] < full["1000K"] / 3 and "outputs equal" in printed

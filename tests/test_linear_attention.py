@@ -265,3 +265,15 @@ def test_a_hand_off_without_its_state_is_refused(qwen3_next: Path, tmp_path: Pat
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_kv_memory_budget_pays_for_the_state_slots_first(qwen3_next: Path) -> None:
+    """``kv_cache_memory`` buys blocks after the fixed state slots: the pool built holds what the budget
+    left, and the state pool's bytes are what the budget set aside for it."""
+    from strata.stages.kv_budget import state_pool_bytes
+
+    engine = build(qwen3_next, kv_cache_memory="4MiB")
+    pool = engine.kv.states.pool
+    held = sum(t.numel() * t.element_size() for t in pool.tensors.values())
+    assert held == state_pool_bytes(engine.model_config.text, engine.config)
+    assert engine.kv.pool.kv.nbytes() <= 4 * 2**20 - held < engine.kv.pool.kv.nbytes() + engine.kv.pool.kv.block_nbytes()

@@ -348,3 +348,25 @@ def test_gpt_oss_120b_grows_only_its_full_layers_with_the_context(tmp_path: Path
     config.write_text(json.dumps({**BUILTIN_SHAPES["gpt-oss-120b"], "layer_types": ["full_attention"] * 36}))
     all_full = plan_memory(config, 128_000, 1, 80 * GiB)
     assert all_full.kv_bytes_per_token == 2 * at_128k.kv_bytes_per_token and all_full.window_kv_bytes == 0
+
+
+def test_a_linear_attention_hybrid_costs_its_full_layers_per_token_and_a_fixed_state(text_models) -> None:
+    """Qwen3-Next-80B: only its 12 full-attention layers cache per token; its 36 Gated DeltaNet layers keep a
+    state per sequence (read, write and snapshot copies) that is the same at 128K and at 1M, and the engine's
+    state pool holds exactly one such copy per slot."""
+    from helpers import build
+    from strata.pipeline.models.model_config import load_model_config
+    from strata.planning.kv_bytes import STATE_COPIES, linear_state_bytes
+
+    at_128k = plan_memory("qwen3-next-80b", 128_000, 1, 80 * GiB)
+    at_1m = plan_memory("qwen3-next-80b", 1_000_000, 1, 80 * GiB)
+    assert at_128k.num_params == 79_674_391_296  # Qwen: 80 B
+    assert at_128k.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2
+    per_copy = 36 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv inputs (bf16), fp32 matrix
+    assert at_128k.state_bytes_per_sequence == at_1m.state_bytes_per_sequence == STATE_COPIES * per_copy
+    assert at_1m.kv_bytes_needed == 62_500 * at_1m.bytes_per_block + at_1m.state_bytes_per_sequence
+    assert "on 12 of 48 layers (the others linear)" in format_plan(at_1m)
+    assert at_1m.kv_bytes_needed < plan_memory("deepseek-v3", 1_000_000, 1, 80 * GiB).kv_bytes_needed / 2
+    tiny = text_models["qwen3_next"]
+    engine = build(tiny)
+    assert STATE_COPIES * engine.kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)

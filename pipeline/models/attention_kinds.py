@@ -61,10 +61,11 @@ class GatedDeltaNetConfig:
         return (hidden * (2 * nk * dk + 2 * nv * dv) + hidden * 2 * nv + self.conv_dim * self.conv_kernel + 2 * nv
                 + dv + nv * dv * hidden)
 
-    def state_bytes(self) -> int:
-        """One sequence's state in one layer: the convolution's last inputs (model dtype, counted at 4 bytes)
-        and the fp32 recurrent matrix per value head."""
-        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_head_dim * self.v_head_dim)
+    def state_bytes(self, elem_bytes: int = 4) -> int:
+        """One sequence's state in one layer: the convolution's last inputs (model dtype, ``elem_bytes`` a
+        value) and the fp32 recurrent matrix per value head."""
+        return (self.conv_dim * (self.conv_kernel - 1) * elem_bytes
+                + 4 * self.num_v_heads * self.k_head_dim * self.v_head_dim)
 
 
 def resolve_gated_deltanet(tc: dict[str, Any]) -> GatedDeltaNetConfig:

@@ -7,7 +7,8 @@ Ray nodes vs recompute), ``tensor_parallel`` (a tp group vs one process on the s
 decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-then-prefill), ``vision``
 (native-resolution images: the encoder's packed batch vs one by one, TTFT by image count), ``structured``
 (the sampler's step with grammar-constrained rows), ``speculative`` (prompt lookup vs plain decoding), ``mtp_cost``
-(an MTP draft's cost per step, and the acceptance at which it pays), ``flow`` (a real server's request flow, traced: bytes and
+(an MTP draft's cost per step, and the acceptance at which it pays), ``linear_attention`` (a hybrid's decode
+against context, Gated DeltaNet against full attention), ``flow`` (a real server's request flow, traced: bytes and
 time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill), ``quant_linear`` (one
 quantized linear: the CPU kernels vs tiles vs fp32), ``fallback`` (the transformers fallback vs Strata's own
 model code); ``serve`` is
@@ -24,7 +25,8 @@ from strata.commands import register
 
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
-    from strata.bench import (cross_node, fallback, flow, mixed_step, mla, mtp_cost, offline, quant, quant_linear,
+    from strata.bench import (cross_node, fallback, flow, linear_attention, mixed_step, mla, mtp_cost, offline, quant,
+                              quant_linear,
                               serve_overhead, soak, speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
     from strata.loadtest import bench as load_bench
 
@@ -51,6 +53,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
          "acceptance, identical greedy answers", speculative),
         ("mtp", "MTP drafts vs plain decoding on a tiny DeepSeek-V3: a step's cost ratio and the acceptance at which "
          "MTP pays, identical greedy answers", mtp_cost),
+        ("linear", "linear attention in a hybrid: decode TPOT against context, a layer's decode step against full "
+         "attention, chunked prefill against transformers, memory per sequence at 128K and 1M", linear_attention),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),

@@ -46,7 +46,8 @@ def random_weights(n: int, k: int, seed: int = 0) -> dict[str, QuantWeight]:
     return {"fp8": fp8, "int4": int4, "mxfp4": mx}
 
 
-def _median_ms(fn: Callable[[], object], calls: int) -> float:
+def median_ms(fn: Callable[[], object], calls: int) -> float:
+    """Median wall time of ``calls`` calls of ``fn`` (after one warm-up call), in milliseconds."""
     fn()
     times = []
     for _ in range(calls):
@@ -71,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for m in args.rows:
         x = torch.randn(m, k)
-        fp32 = _median_ms(lambda: F.linear(x, dense), args.calls)
+        fp32 = median_ms(lambda: F.linear(x, dense), args.calls)
         cells = []
         for name, w in weights.items():
-            engine = _median_ms(lambda: quant_linear(x, w), args.calls)
-            tiles = _median_ms(lambda: tiled_linear(x, w), args.calls)
+            engine = median_ms(lambda: quant_linear(x, w), args.calls)
+            tiles = median_ms(lambda: tiled_linear(x, w), args.calls)
             cells.append(f"{engine:.2f} / {tiles:.2f} / {fp32:.2f} ({fp32 / engine:.2f}x)")
             results.append({"rows": m, "format": name, "engine_ms": engine, "tiles_ms": tiles, "fp32_ms": fp32})
-        dense_engine = _median_ms(lambda: linear(x, dense), args.calls)
+        dense_engine = median_ms(lambda: linear(x, dense), args.calls)
         cells.append(f"{dense_engine:.2f} / {fp32:.2f} ({fp32 / dense_engine:.2f}x)")
         results.append({"rows": m, "format": "fp32", "engine_ms": dense_engine, "fp32_ms": fp32})
         print(f"{m:>5}" + "".join(f"{c:>34}" for c in cells), flush=True)

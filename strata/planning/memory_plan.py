@@ -24,8 +24,8 @@ from strata.pipeline.models.model_config import (
     VisionConfig,
     parse_model_config,
 )
-from strata.kvstore.window_slots import slots_for_window
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
+from strata.planning.kv_bytes import _sliding_layers, kv_bytes_per_token, linear_state_bytes, window_kv_bytes
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -177,34 +177,6 @@ def count_params(shape: ModelShape) -> int:
     return text_params(shape.text)
 
 
-def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
-    """What one token caches over the layers whose cache grows with the context: K and V, 2 x layers x kv_heads
-    x head_dim x dtype bytes; MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
-    Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
-    (then, as the engine does, they are counted as full)."""
-    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - len(_sliding_layers(tc)))
-
-
-def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
-                    blocks_needed: int) -> int:
-    """Device bytes of the sliding-window layers' slots (``kvstore.window_slots``): ``concurrency`` windows
-    and one step's tokens, whatever the context (never more than ``blocks_needed`` blocks' worth)."""
-    per_block = _per_layer_token(tc, elem_bytes) * block_size
-    return sum(per_block * tc.layer_windows.count(w)
-               * min(blocks_needed, slots_for_window(w, block_size, concurrency, chunk_tokens))
-               for w in set(_sliding_layers(tc)))
-
-
-def _per_layer_token(tc: TextConfig, elem_bytes: int) -> int:
-    return tc.kv_parts * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
-
-
-def _sliding_layers(tc: TextConfig) -> list[int]:
-    """Each sliding layer's window, when some layers attend over the whole context (a hybrid)."""
-    windows = [w for w in tc.layer_windows if w is not None]
-    return windows if len(windows) < tc.num_layers else []
-
-
 def activation_bytes(shape: ModelShape, elem_bytes: int, chunk_tokens: int, staging_tokens: int, concurrency: int) -> int:
     """Estimate (not a measurement) of the peak transient memory of one step.
 
@@ -275,6 +247,7 @@ class MemoryPlan:
     weight_formats: str = ""  # which roles a quantized checkpoint stores in which format ("" when dense)
     kv_cache_dtype: str = "auto"  # auto: the KV cache stores ``dtype``; fp8: e4m3, one byte a value
     window_kv_bytes: int = 0  # sliding-window layers' device slots, all sequences (fixed; in kv_bytes_needed)
+    state_bytes_per_sequence: int = 0  # linear-attention layers' state, one sequence (fixed, on the device)
 
     @property
     def ranks_per_node(self) -> int:
@@ -376,19 +349,22 @@ def _plan(
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
     windowed = window_kv_bytes(tc, kv_elem, block_size, concurrency, chunk_tokens, blocks_needed)
     rank_windowed = windowed * rank_block // per_block if per_block else windowed
+    states = linear_state_bytes(tc, elem)  # one sequence's; the device holds them for every running one
     p: dict[str, Any] = dict(
         config_path=str(config_path), model_type=tc.model_type, multimodal=shape.vision is not None,
         num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
         block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
         weights_bytes=weights, kv_bytes_per_token=per_token, bytes_per_block=per_block,
-        blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block + windowed, window_kv_bytes=windowed,
+        blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block + windowed + concurrency * states,
+        window_kv_bytes=windowed, state_bytes_per_sequence=states,
         activation_bytes=activation_bytes(worker_shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
         staging_bytes=staging_blocks * per_block,
         working_set_blocks=(math.ceil(chunk_tokens / block_size) + 1) * concurrency,
         device_mem_bytes=device_mem_bytes, host_mem_bytes=host_mem_bytes, disk_bytes=disk_bytes,
         host_blocks=host_mem_bytes // per_block, disk_blocks=disk_bytes // per_block,
     )
-    free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"] - rank_windowed
+    free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"] - rank_windowed \
+        - concurrency * states
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
     if tc.mla is not None:
@@ -399,6 +375,8 @@ def _plan(
         sliding = _sliding_layers(tc)
         kv_kind += f", on {tc.num_layers - len(sliding)} of {tc.num_layers} layers ({len(sliding)} slide over " \
                    f"{'/'.join(str(w) for w in sorted(set(sliding)))} tokens)"
+    if states:
+        kv_kind += f", on {tc.num_layers - sum(tc.linear_layers)} of {tc.num_layers} layers (the others linear)"
     experts_per_rank = 0
     if tc.num_experts:
         lo, hi = ShardPlan(tc, 0, tp).experts

@@ -19,6 +19,8 @@ def format_plan(plan: MemoryPlan) -> str:
         ("KV per block", format_bytes(plan.bytes_per_block), "1", f"{bs:,}"),
         *([("sliding-window KV (fixed, on device)", format_bytes(plan.window_kv_bytes), "", "")]
           if plan.window_kv_bytes else []),
+        *([("linear-attention state per sequence (fixed, on device, x3: read, write, snapshot)",
+            format_bytes(plan.state_bytes_per_sequence), "", "")] if plan.state_bytes_per_sequence else []),
         (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
         (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
         ("staging buffer", format_bytes(plan.staging_bytes), f"{plan.staging_blocks:,}", f"{plan.staging_blocks * bs:,}"),

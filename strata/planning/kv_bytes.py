@@ -1,0 +1,53 @@
+"""What a model caches, per token and per sequence: the planner's side of the KV layout and the state pool.
+
+Full-attention layers cache per token; sliding-window layers a fixed window of slots (``kvstore.window_slots``);
+linear-attention layers (Qwen3-Next's Gated DeltaNet) no tokens at all, but a fixed state per sequence
+(``kvstore.state_pool``): two running copies (the one a step reads, the one it writes) and, with prefix
+caching, a snapshot slot.
+"""
+
+from __future__ import annotations
+
+from strata.kvstore.window_slots import slots_for_window
+from strata.pipeline.models.text_config import TextConfig
+
+STATE_COPIES = 3  # per sequence: the state a step reads, the one it writes, its snapshot (``kvstore.state_cache``)
+
+
+def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
+    """What one token caches over the layers whose cache grows with the context: K and V, 2 x layers x kv_heads
+    x head_dim x dtype bytes; MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
+    Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
+    (then, as the engine does, they are counted as full); linear-attention layers a state per sequence
+    (:func:`linear_state_bytes`)."""
+    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(_sliding_layers(tc)))
+
+
+def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
+                    blocks_needed: int) -> int:
+    """Device bytes of the sliding-window layers' slots (``kvstore.window_slots``): ``concurrency`` windows
+    and one step's tokens, whatever the context (never more than ``blocks_needed`` blocks' worth)."""
+    per_block = _per_layer_token(tc, elem_bytes) * block_size
+    return sum(per_block * tc.layer_windows.count(w)
+               * min(blocks_needed, slots_for_window(w, block_size, concurrency, chunk_tokens))
+               for w in set(_sliding_layers(tc)))
+
+
+def _per_layer_token(tc: TextConfig, elem_bytes: int) -> int:
+    return tc.kv_parts * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
+
+
+def _sliding_layers(tc: TextConfig) -> list[int]:
+    """Each sliding layer's window, when some layers attend over the whole context (a hybrid)."""
+    windows = [w for w in tc.layer_windows if w is not None]
+    return windows if len(windows) < tc.num_layers else []
+
+
+
+
+def linear_state_bytes(tc: TextConfig, elem_bytes: int) -> int:
+    """One sequence's linear-attention state over every linear layer, as the engine holds it
+    (``STATE_COPIES`` copies); 0 for a model without such layers."""
+    if tc.linear is None:
+        return 0
+    return STATE_COPIES * sum(tc.linear_layers) * tc.linear.state_bytes(elem_bytes)
