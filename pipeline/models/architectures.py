@@ -59,6 +59,7 @@ class TextFamily:
     expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
     positions: PositionKind = position_kinds.ROPE  # 1-D, or M-RoPE's three axes (``position_kinds``)
     linear_layers: LinearLayerRule | None = None  # which layers are Gated DeltaNet linear attention (Qwen3-Next)
+    linear_split_projections: bool = False  # its q/k/v, z, b and a come from four projections (Qwen3.5)
     norm_offset: bool = False  # RMSNorm weights are stored as w and scale by 1 + w, in fp32 (Qwen3-Next)
     shared_expert_key: str | None = None  # one shared expert this wide, behind a sigmoid gate (Qwen3-Next)
 
@@ -101,6 +102,13 @@ for _family in (
     TextFamily("qwen3_next", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type, norm_offset=True,
                norm_scale_fp32=True, router=router_kinds.SOFTMAX_QWEN, sparse_layers=sparse_step,
                experts_keys=("num_experts",), shared_expert_key="shared_expert_intermediate_size"),
+    # Qwen3.5: Qwen3-Next's layers with the linear layers' projections kept apart, dense or every layer sparse
+    TextFamily("qwen3_5_text", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type,
+               linear_split_projections=True, norm_offset=True, norm_scale_fp32=True),
+    TextFamily("qwen3_5_moe_text", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type,
+               linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
+               router=router_kinds.SOFTMAX_QWEN_VL, experts_keys=("num_experts",),
+               shared_expert_key="shared_expert_intermediate_size"),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled,
                positions=position_kinds.MROPE),
@@ -288,6 +296,9 @@ register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CA
                                         renames=MINIMAX_M2_RENAMES))
 register_architecture(ModelArchitecture("Qwen3NextForCausalLM", "qwen3_next", CAUSAL_LM_NAMES, text_family="qwen3_next",
                                         renames=QWEN3_NEXT_RENAMES))
+register_architecture(ModelArchitecture("Qwen3_5ForCausalLM", "qwen3_5_text", CAUSAL_LM_NAMES, text_family="qwen3_5_text"))
+register_architecture(ModelArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", CAUSAL_LM_NAMES,
+                                        text_family="qwen3_5_moe_text", renames=QWEN3_NEXT_RENAMES))
 
 
 class UnknownArchitecture(ValueError):

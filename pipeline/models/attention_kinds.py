@@ -49,6 +49,7 @@ class GatedDeltaNetConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv / _z / _b / _a; Qwen3-Next: per key head in _qkvz / _ba
 
     @property
     def conv_dim(self) -> int:
@@ -68,11 +69,11 @@ class GatedDeltaNetConfig:
                 + 4 * self.num_v_heads * self.k_head_dim * self.v_head_dim)
 
 
-def resolve_gated_deltanet(tc: dict[str, Any]) -> GatedDeltaNetConfig:
-    """Qwen3-Next's ``linear_*`` keys; a value-head count the key heads do not divide is refused."""
+def resolve_gated_deltanet(tc: dict[str, Any], split_projections: bool = False) -> GatedDeltaNetConfig:
+    """Qwen3-Next's and Qwen3.5's ``linear_*`` keys; a value-head count the key heads do not divide is refused."""
     lin = GatedDeltaNetConfig(size(tc, "linear_num_key_heads"), size(tc, "linear_num_value_heads"),
                               size(tc, "linear_key_head_dim"), size(tc, "linear_value_head_dim"),
-                              size(tc, "linear_conv_kernel_dim", 4))
+                              size(tc, "linear_conv_kernel_dim", 4), split_projections)
     if lin.num_v_heads % lin.num_k_heads:
         raise ModelConfigError(f"config.json: linear_num_value_heads ({lin.num_v_heads}) must be a multiple of "
                                f"linear_num_key_heads ({lin.num_k_heads})")

@@ -63,8 +63,14 @@ class GatedDeltaNet(nn.Module):
         self.lin = lin
         self.linear_index = cfg.linear_index(layer_idx)
         h, nk, nv, dk, dv = cfg.hidden_size, lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
-        self.in_proj_qkvz = nn.Linear(h, 2 * nk * dk + 2 * nv * dv, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)
+        if lin.split_projections:  # Qwen3.5: q|k|v, z, b and a each from their own projection
+            self.in_proj_qkv = nn.Linear(h, lin.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, nv * dv, bias=False)
+            self.in_proj_b = nn.Linear(h, nv, bias=False)
+            self.in_proj_a = nn.Linear(h, nv, bias=False)
+        else:  # Qwen3-Next: q, k, v and z per key head in one projection, b and a per key head in another
+            self.in_proj_qkvz = nn.Linear(h, 2 * nk * dk + 2 * nv * dv, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)
         self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(nv))
         self.A_log = nn.Parameter(torch.zeros(nv))
@@ -88,9 +94,8 @@ class GatedDeltaNet(nn.Module):
         nk, nv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
         r = nv // nk
         h = rms_norm(x, ln.weight, ln.eps)
-        q, k, v, z = linear(h, self.in_proj_qkvz.weight).view(t, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
-        b, a = linear(h, self.in_proj_ba.weight).view(t, nk, 2 * r).split([r, r], -1)
-        mixed = self._convolve(torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), states)
+        mixed, z, b, a = self._project(h)
+        mixed = self._convolve(mixed, states)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = l2_normalize(q.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1) * dk**-0.5
         k = l2_normalize(k.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1)
@@ -99,6 +104,17 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, nv).float() + self.dt_bias)
         core = self._recur(q, k, v, g, beta, states).to(x.dtype)
         return self._gated_norm(core, z.reshape(t, nv, dv)).reshape(t, nv * dv)
+
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q|k|v for the convolution [T, conv_dim], z, b, a) in the layout either release stores them."""
+        lin, t = self.lin, h.shape[0]
+        if lin.split_projections:
+            return (linear(h, self.in_proj_qkv.weight), linear(h, self.in_proj_z.weight),
+                    linear(h, self.in_proj_b.weight), linear(h, self.in_proj_a.weight))
+        nk, dk, dv, r = lin.num_k_heads, lin.k_head_dim, lin.v_head_dim, lin.num_v_heads // lin.num_k_heads
+        q, k, v, z = linear(h, self.in_proj_qkvz.weight).view(t, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = linear(h, self.in_proj_ba.weight).view(t, nk, 2 * r).split([r, r], -1)
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), z, b, a
 
     def _convolve(self, mixed: torch.Tensor, states: LinearStates) -> torch.Tensor:
         conv = states.pool.layer("conv", self.linear_index)

@@ -237,7 +237,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     moe, sparse = _moe(tc, family, layers + nextn)
     moe_layers, nextn_moe = sparse[:layers], sparse[layers:]
     linear_layers = family.linear_layers(tc, layers) if family.linear_layers is not None else ()
-    linear = resolve_gated_deltanet(tc) if any(linear_layers) else None
+    linear = resolve_gated_deltanet(tc, family.linear_split_projections) if any(linear_layers) else None
     if linear_layers and all(linear_layers):
         raise ModelConfigError("config.json: every layer is linear attention; a hybrid needs full-attention layers")
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))

@@ -23,7 +23,7 @@ from typing import Any
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
-                      "minimax_m2", "qwen3_next")
+                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -86,6 +86,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    # Qwen3.5 (text): the same layers with the linear projections apart; dense, and every layer sparse
+    "qwen3_5_text": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_moe_text": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32),
 }
 
 
