@@ -109,6 +109,14 @@ for _family in (
                linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
                router=router_kinds.SOFTMAX_QWEN_VL, experts_keys=("num_experts",),
                shared_expert_key="shared_expert_intermediate_size"),
+    # ... and their decoders under Qwen3.5's vision tower: positions 3-D (interleaved M-RoPE) for image tokens
+    TextFamily("qwen3_5_vl_text", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type,
+               linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
+               positions=position_kinds.MROPE_INTERLEAVED),
+    TextFamily("qwen3_5_moe_vl_text", attention=attention_kinds.GQA_GATED, linear_layers=linear_by_type,
+               linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
+               router=router_kinds.SOFTMAX_QWEN_VL, experts_keys=("num_experts",),
+               shared_expert_key="shared_expert_intermediate_size", positions=position_kinds.MROPE_INTERLEAVED),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled,
                positions=position_kinds.MROPE),
@@ -129,6 +137,8 @@ GPT_OSS_RENAMES: tuple[NameRule, ...] = ((r"^model\.layers\.(\d+)\.mlp\.router\.
 # Qwen3-Next's one gated shared expert is the MoE block's shared MLP
 QWEN3_NEXT_RENAMES: tuple[NameRule, ...] = (
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", "text", r"layers.\1.mlp.shared_experts."),)
+QWEN3_5_VL_RENAMES: tuple[NameRule, ...] = (  # the same, under Qwen3.5's vision tower
+    (r"^model\.language_model\.layers\.(\d+)\.mlp\.shared_expert\.", "text", r"layers.\1.mlp.shared_experts."),)
 MINIMAX_M2_RENAMES: tuple[NameRule, ...] = (
     (r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.e_score_correction_bias$", "text",
      r"layers.\1.mlp.gate.e_score_correction_bias"),)
@@ -224,6 +234,9 @@ class ModelArchitecture:
     projector: ProjectorKind | None = None  # LLaVA's two linears (which may tile), or a 2x2 patch merger
     text_family: str | None = None  # fixed decoder family; None: the text config's own model_type
     renames: tuple[NameRule, ...] = ()  # (regex, part, replacement): a release's own names, tried first
+    # a decoder family this architecture reads another way: Qwen3.5's text config says qwen3_5_text, which
+    # under its vision tower has 3-D positions (``qwen3_5_vl_text``)
+    family_by_type: tuple[tuple[str, str], ...] = ()
     # When the LM head is the embedding, as transformers decides for this class: "either" (the top-level
     # tie_word_embeddings or the text config's: LLaVA, Qwen2.5-VL, OneVision) or "top" (only the composite's
     # own setting, ``tie_default`` when absent: Kimi-K2.5, Qwen3-VL)
@@ -297,6 +310,12 @@ register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CA
 register_architecture(ModelArchitecture("Qwen3NextForCausalLM", "qwen3_next", CAUSAL_LM_NAMES, text_family="qwen3_next",
                                         renames=QWEN3_NEXT_RENAMES))
 register_architecture(ModelArchitecture("Qwen3_5ForCausalLM", "qwen3_5_text", CAUSAL_LM_NAMES, text_family="qwen3_5_text"))
+for _cls, _type, _family in (("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_vl_text"),
+                             ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe_vl_text")):
+    register_architecture(ModelArchitecture(_cls, _type, QWEN_VL_NAMES, text_config_key="text_config",
+                                            vision=vision_kinds.QWEN3_5_VIT, projector=vision_kinds.PATCH_MERGER,
+                                            text_family=_family, tie="top", renames=QWEN3_5_VL_RENAMES,
+                                            family_by_type=((f"{_type}_text", _family),)))
 register_architecture(ModelArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", CAUSAL_LM_NAMES,
                                         text_family="qwen3_5_moe_text", renames=QWEN3_NEXT_RENAMES))
 

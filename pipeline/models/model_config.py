@@ -122,6 +122,7 @@ def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     # with model_type kimi_k2); one we do not know is refused, never read as the class's family.
     flat = tc is raw and arch.text_config_key is not None  # a composite's decoder fields at the top level
     family = arch.text_family if flat else (tc.get("model_type") or arch.text_family)
+    family = dict(arch.family_by_type).get(family, family)
     text = parse_text_config(tc, family)
     if tc is not raw:  # a composite: its own setting decides too (saved with no lm_head when true)
         top = bool(raw.get("tie_word_embeddings", arch.tie_default))

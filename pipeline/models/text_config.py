@@ -281,5 +281,5 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         norm_offset=family.norm_offset,
         attention_gate=attention.output_gate,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
-        **family.positions.resolve(tc, mla.qk_rope_head_dim if mla else int(head_dim)),
+        **family.positions.resolve(tc, rotated),  # M-RoPE's sections share out the rotated dims
     )

@@ -100,7 +100,7 @@ class QwenVisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
-def parse_qwen_vision_config(vc: dict[str, Any], variant: str) -> QwenVisionConfig:
+def parse_qwen_vision_config(vc: dict[str, Any], variant: str, deepstack: bool = True) -> QwenVisionConfig:
     rope = vc.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ModelConfigError(f"vision rope_type {rope.get('rope_type')!r} is not supported (only axial)")
@@ -114,9 +114,9 @@ def parse_qwen_vision_config(vc: dict[str, Any], variant: str) -> QwenVisionConf
     hidden = size(vc, "hidden_size", 1152 if qwen3 else 1280, where=W)
     depth = checked_size(vc.get("depth", vc.get("num_hidden_layers", 27 if qwen3 else 32)), "depth", maximum=MAX_LAYERS,
                          where=W)
-    deepstack = tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
-    if any(not 0 <= i < depth for i in deepstack):
-        raise ModelConfigError(f"deepstack_visual_indexes {list(deepstack)} must be blocks of the {depth}-block tower")
+    levels = tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 and deepstack else ()
+    if any(not 0 <= i < depth for i in levels):
+        raise ModelConfigError(f"deepstack_visual_indexes {list(levels)} must be blocks of the {depth}-block tower")
     return QwenVisionConfig(
         variant=variant,
         hidden_size=hidden,
@@ -133,7 +133,7 @@ def parse_qwen_vision_config(vc: dict[str, Any], variant: str) -> QwenVisionConf
         hidden_act=act,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         num_position_embeddings=positions,
-        deepstack_visual_indexes=deepstack,
+        deepstack_visual_indexes=levels,
     )
 
 

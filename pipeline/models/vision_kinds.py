@@ -105,9 +105,10 @@ class QwenViTTower:
 
     variant: str  # "qwen2.5" | "qwen3"
     name: str = "Qwen-VL ViT"
+    deepstack: bool = True  # Qwen3-VL's DeepStack levels (Qwen3.5's tower is Qwen3-VL's without them)
 
     def settings(self, raw: dict[str, Any], projector: ProjectorKind) -> dict[str, Any]:
-        vision = parse_qwen_vision_config(raw.get("vision_config") or {}, self.variant)
+        vision = parse_qwen_vision_config(raw.get("vision_config") or {}, self.variant, self.deepstack)
         return dict(vision=vision, image_token_id=int(raw.get("image_token_id", 151655)))
 
     def rows(self, raw: dict[str, Any], projector: ProjectorKind, activations: Collection[str]) -> list[Row]:
@@ -121,8 +122,9 @@ class QwenViTTower:
             tower = (f"Qwen3-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 16)}, 2-D {rope} RoPE, "
                      f"learned position grid, {act}")
             features = (f"{merge}x{merge} patch merge + DeepStack from blocks {list(vc.get('deepstack_visual_indexes', []))}"
-                        " into the first decoder layers")
-            merger = f"{projector.name}: LayerNorm, 2-layer GELU MLP (and one per DeepStack level)"
+                        " into the first decoder layers") if self.deepstack else f"{merge}x{merge} patch merge"
+            merger = f"{projector.name}: LayerNorm, 2-layer GELU MLP" + (
+                " (and one per DeepStack level)" if self.deepstack else "")
         else:
             tower = (f"Qwen2.5-VL ViT, {vc.get('depth', '?')} blocks, patch {vc.get('patch_size', 14)}, 2-D {rope} RoPE, "
                      f"{vc.get('window_size', 112)} px windows (full in {list(vc.get('fullatt_block_indexes', []))})")
@@ -142,6 +144,7 @@ CLIP = ClipTower()
 MOONVIT = MoonViTTower()
 QWEN2_5_VIT = QwenViTTower("qwen2.5")
 QWEN3_VIT = QwenViTTower("qwen3")
+QWEN3_5_VIT = QwenViTTower("qwen3", deepstack=False)  # Qwen3.5
 
 
 def anyres_tiling(raw: dict[str, Any]) -> tuple[tuple[tuple[int, int], ...], int]:

@@ -92,8 +92,10 @@ def _tied(raw: dict[str, Any], tc: dict[str, Any], arch: ModelArchitecture | Non
 
 
 def _family(tc: dict[str, Any], arch: ModelArchitecture | None) -> TextFamily | None:
+    """The decoder family the loader parses ``tc`` with (``model_config``'s rule)."""
     if tc.get("model_type") in TEXT_FAMILIES:
-        return TEXT_FAMILIES[tc["model_type"]]
+        name = tc["model_type"]
+        return TEXT_FAMILIES[dict(arch.family_by_type).get(name, name) if arch is not None else name]
     return TEXT_FAMILIES.get(arch.text_family) if arch is not None and arch.text_family else None
 
 

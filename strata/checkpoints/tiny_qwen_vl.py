@@ -61,6 +61,13 @@ QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
 def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0, moe: bool = False, max_pixels: int = 256 * 256,
                         min_pixels: int = 32 * 32) -> Path:
     """Qwen3-VL (``moe``: Qwen3-VL-MoE, softmax top-2 of 4 experts, layer 1 dense) and its processor."""
+    return _qwen3_vision_model("Qwen3VLMoe" if moe else "Qwen3VL", {**QWEN3_TEXT, **(QWEN3_MOE if moe else {})},
+                               QWEN3_VISION, out_dir, seed, max_pixels, min_pixels)
+
+
+def _qwen3_vision_model(prefix: str, text: dict[str, Any], vision: dict[str, Any], out_dir: str | Path, seed: int,
+                        max_pixels: int, min_pixels: int) -> Path:
+    """A transformers ``{prefix}ForConditionalGeneration`` of these configs, with the Qwen3-VL processor."""
     import transformers
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
@@ -70,12 +77,11 @@ def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0, moe: bool = False, m
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512, 4096)
-    prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
     ids = dict(bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS),
                pad_token_id=SPECIAL_TOKENS.index(PAD))
-    text = {**QWEN3_TEXT, **(QWEN3_MOE if moe else {}), "vocab_size": len(tok), **ids}
+    text = {**text, "vocab_size": len(tok), **ids}
     config = getattr(transformers, f"{prefix}Config")(
-        text_config=text, vision_config={**QWEN3_VISION, "out_hidden_size": text["hidden_size"]},
+        text_config=text, vision_config={**vision, "out_hidden_size": text["hidden_size"]},
         image_token_id=tok.convert_tokens_to_ids(IMAGE), tie_word_embeddings=False)
     save_tiny_vlm(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, out_dir, seed, text)
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16, merge_size=2,
@@ -85,3 +91,23 @@ def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0, moe: bool = False, m
                      chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
     write_sha256sums(out_dir)
     return out_dir
+
+
+# Qwen3.5: Qwen3-VL's tower without DeepStack over a Qwen3-Next-style hybrid (3 linear layers, then a gated
+# attention layer); interleaved M-RoPE over a quarter of each 32-dim head: 4 frequencies, 2 temporal, 1 height, 1 width
+QWEN3_5_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
+                    initializer_range=INIT_RANGE, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=32)
+
+
+def build_tiny_qwen3_5(out_dir: str | Path, seed: int = 0, moe: bool = False, max_pixels: int = 256 * 256,
+                       min_pixels: int = 32 * 32) -> Path:
+    """Qwen3.5 (``moe``: Qwen3.5-MoE, every layer top-2 of 4 experts with a gated shared expert) and its
+    processor (Qwen3-VL's, as Qwen ships it)."""
+    vision = {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"}
+    return _qwen3_vision_model("Qwen3_5Moe" if moe else "Qwen3_5", {**QWEN3_5_TEXT, **(QWEN3_5_MOE if moe else {})},
+                               vision, out_dir, seed, max_pixels, min_pixels)
