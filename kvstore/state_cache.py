@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from strata.kvstore.block_table import BlockTable
+from strata.kvstore.handle import HandleError
 from strata.kvstore.state_pool import StatePool
 
 
@@ -71,11 +72,16 @@ class StateCache:
         return b"".join(t[table.state_slot].contiguous().view(torch.uint8).numpy().tobytes()
                         for t in self.pool.tensors.values())
 
+    def check(self, data: bytes) -> None:
+        """HandleError unless ``data`` is the size of this model's state (:meth:`export`)."""
+        if len(data) != self.pool.bytes_per_sequence():
+            raise HandleError(f"the hand-off's linear-attention state has {len(data)} bytes; this model's has "
+                              f"{self.pool.bytes_per_sequence()}")
+
     def install(self, table: BlockTable, data: bytes) -> bool:
         """Give the table (holding no state) slots whose state is ``data`` from :meth:`export` of the same
         model; False with nothing claimed when no slot is free. Bytes of another size are refused."""
-        if len(data) != self.pool.bytes_per_sequence():
-            raise ValueError(f"a linear-attention state of {len(data)} bytes, expected {self.pool.bytes_per_sequence()}")
+        self.check(data)
         if not self.claim(table):
             return False
         flat, start = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0

@@ -139,6 +139,8 @@ class TieredKVCache:
         """
         if self.states is not None and state is None:  # a hybrid's prefix ends where a snapshot of its state does
             hashes = hashes[: self.states.longest(hashes, len(self.matcher.locate(hashes)))]
+        elif self.states is not None:
+            self.states.check(state)  # before any block is adopted
         match = self.matcher.match(table, hashes, keep_free)
         if self.states is not None and (match.num_blocks or state is not None) and not (
                 match.num_blocks == len(hashes) and (self.states.install(table, state) if state is not None

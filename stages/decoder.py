@@ -30,8 +30,10 @@ class Decoder:
         handle = kv_handle.check(self.kv.fingerprint)
         if handle.num_tokens != seq.num_tokens - 1:
             raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
-        if self.kv.states is not None and not linear_state:
-            raise HandleError("the hand-off of a linear-attention model carries no state")
+        if self.kv.states is not None:
+            if not linear_state:
+                raise HandleError("the hand-off of a linear-attention model carries no state")
+            self.kv.states.check(linear_state)
         table = self.kv.adopt(handle)
         if table is None or (self.kv.states is not None and not self.kv.states.install(table, linear_state)):
             if table is not None:  # no state slot free here: its blocks go, the sequence is recomputed

@@ -241,7 +241,7 @@ def test_the_state_crosses_the_hand_off(prompt: str, qwen3_next: Path, tmp_path:
     assert got == want and shipped == [engine.kv.states.pool.bytes_per_sequence()]
 
 
-def test_a_hand_off_without_its_state_is_refused(qwen3_next: Path, tmp_path: Path) -> None:
+def test_a_hand_off_without_its_state_or_with_a_cut_one_is_refused(qwen3_next: Path, tmp_path: Path) -> None:
     import asyncio
 
     import msgspec
@@ -258,10 +258,17 @@ def test_a_hand_off_without_its_state_is_refused(qwen3_next: Path, tmp_path: Pat
         async for _ in decode.generate(msgspec.structs.replace(handoff, linear_state=b"")):
             pass
 
+    async def truncated() -> None:
+        handoff = await prefill.prefill(engine.prepare("t", greedy(4, ignore_eos=True), [], prompt=PROMPTS[1]))
+        async for _ in decode.generate(msgspec.structs.replace(handoff, linear_state=handoff.linear_state[:-4])):
+            pass
+
     try:
         with pytest.raises(HandleError, match="carries no state"):
             asyncio.run(run())
-        assert decode.decoder.kv.states.pool.stats()["in_use"] == 0
+        with pytest.raises(HandleError, match="linear-attention state has"):
+            asyncio.run(truncated())
+        assert decode.decoder.kv.states.pool.stats()["in_use"] == 0 and decode.decoder.kv.pool.stats()["in_use"] == 0
     finally:
         prefill.close()
         decode.close()
