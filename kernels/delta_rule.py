@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.cpu_kernels import cpu_kernels
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the FLA library's form, which checkpoints were trained with)."""
@@ -52,6 +54,17 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     delta = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta.unsqueeze(-1)
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return torch.einsum("bhkv,bhk->bhv", s, q), s
+
+
+def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          pool: torch.Tensor, read: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+    """:func:`delta_rule_step` over a layer's view of the state pool ``pool`` [slots, H, K, V] (fp32): each
+    sequence's state read from slot ``read[b]``, the new one written to ``write[b]``; returns out [B, H, V] fp32.
+    The C++ kernel (``csrc/delta_rule_cpu.cpp``) reads and writes the slots in place, where built; else torch."""
+    if pool.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        return kernels.delta_rule_step(*(t.float().contiguous() for t in (q, k, v, g, beta)), pool, read, write)
+    out, pool[write] = delta_rule_step(q, k, v, g, beta, pool[read])
+    return out
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

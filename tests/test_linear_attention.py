@@ -55,6 +55,32 @@ def test_the_chunked_delta_rule_is_transformers_and_continues_across_any_cut() -
     torch.testing.assert_close(torch.cat(steps), want[0], rtol=0, atol=2e-6)
 
 
+def test_the_cpu_decode_step_kernel_equals_the_torch_step_over_pool_slots() -> None:
+    """The C++ step reads each sequence's state from one slot of a layer's (strided) pool view and writes the
+    new one to another, as the torch step does through a gather and a scatter; the slots it read are left
+    as they were."""
+    from strata.kernels.cpu_kernels import cpu_kernels
+    from strata.kernels.delta_rule import delta_rule_step_slots
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ toolchain here")
+    gen = torch.Generator().manual_seed(4)
+    tensors = torch.randn(6, 3, 4, 16, 12, generator=gen)  # [slots, layers, heads, K, V]: layer 1's view strides
+    pool = tensors[:, 1]
+    b = 3
+    q, k = l2_normalize(torch.randn(b, 4, 16, generator=gen)), l2_normalize(torch.randn(b, 4, 16, generator=gen))
+    v, g, beta = torch.randn(b, 4, 12, generator=gen), -torch.rand(b, 4, generator=gen), torch.rand(b, 4, generator=gen)
+    read, write = torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])
+    before, other_layers = pool.clone(), tensors[:, [0, 2]].clone()
+    want, want_state = delta_rule_step(q, k, v, g, beta, before[read])
+    out = kernels.delta_rule_step(q, k, v, g, beta, pool, read, write)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[write], want_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[read], before[read]) and torch.equal(tensors[:, [0, 2]], other_layers)
+    torch.testing.assert_close(delta_rule_step_slots(q, k, v, g, beta, pool, read, write), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_causal_convolution_continues_from_its_state() -> None:
     """Rows through the convolution in two calls, or one at a time, equal one call over all of them
     (transformers' causal_conv1d_fn, zero-padded as a new sequence starts)."""

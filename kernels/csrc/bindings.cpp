@@ -27,8 +27,12 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rope_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed);
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
+at::Tensor delta_rule_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                           const at::Tensor& beta, at::Tensor pool, const at::Tensor& read, const at::Tensor& write);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("delta_rule_step", &delta_rule_step,
+        "one gated-delta-rule decode step per sequence, state read from one pool slot and written to another (CPU)");
   m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");
   m.def("small_linear", &small_linear, "x W^T + b for a few rows of x, streaming W (CPU)");
   m.def("amx_bf16_available", &amx_bf16_available, "whether AMX bf16 tiles can run here (asks Linux once)");

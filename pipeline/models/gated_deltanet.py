@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import linear, rms_norm
-from strata.kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step, l2_normalize
+from strata.kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step_slots, l2_normalize
 from strata.kvstore.state_pool import StateKind, StatePool
 from strata.pipeline.models.text_config import TextConfig
 
@@ -128,8 +128,7 @@ class GatedDeltaNet(nn.Module):
     def _recur(self, q, k, v, g, beta, states: LinearStates) -> torch.Tensor:
         rec = states.pool.layer("recurrent", self.linear_index)
         if states.decode:
-            out, rec[states.write_index] = delta_rule_step(q, k, v, g, beta, rec[states.read_index])
-            return out
+            return delta_rule_step_slots(q, k, v, g, beta, rec, states.read_index, states.write_index)
         return self._per_sequence(rec, states, (q, k, v, g, beta),
                                   lambda rows, state: delta_rule_chunked(*rows, state, CHUNK))
 

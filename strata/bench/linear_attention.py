@@ -6,7 +6,8 @@ Four figures, each printed with what it compared:
   prefilled to each ``--contexts`` length, then 16 tokens decoded: the linear layers cost the same at every
   length, so the hybrid's TPOT grows only by its one attention layer's share;
 * **one decode step of one layer** at Qwen3-Next-80B's shapes: a Gated DeltaNet step (32 value heads of a
-  128 x 128 state) against full attention (16 query heads over 2 KV heads of 256) at each context length;
+  128 x 128 state; the torch reference and the C++ kernel) against full attention (16 query heads over 2 KV
+  heads of 256) at each context length;
 * **chunked prefill**: ``kernels.delta_rule.delta_rule_chunked`` against transformers' torch reference
   (``torch_chunk_gated_delta_rule``) on the same rows, tok/s (the outputs are checked equal first);
 * **memory per sequence** at 128K and 1M from the planner: Qwen3-Next-80B against the same model with
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.bench.quant_linear import median_ms
-from strata.kernels.delta_rule import delta_rule_chunked, delta_rule_step, l2_normalize
+from strata.kernels.cpu_kernels import cpu_kernels
+from strata.kernels.delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_slots, l2_normalize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +57,9 @@ def _layer_steps(contexts: list[int], rounds: int) -> dict[str, float]:
     v, g, beta = torch.randn(1, hv, dv, generator=gen), -torch.rand(1, hv, generator=gen), torch.rand(1, hv, generator=gen)
     state = torch.zeros(1, hv, dk, dv)
     out = {"gated_deltanet": median_ms(lambda: delta_rule_step(q, k, v, g, beta, state), rounds)}
+    pool, read, write = torch.zeros(2, hv, dk, dv), torch.tensor([0]), torch.tensor([1])
+    if cpu_kernels() is not None:  # the C++ step, reading and writing pool slots in place
+        out["gated_deltanet_cpp"] = median_ms(lambda: delta_rule_step_slots(q, k, v, g, beta, pool, read, write), rounds)
     for n in contexts:
         query = torch.randn(1, 16, 1, 256, generator=gen)
         keys, values = torch.randn(1, 2, n, 256, generator=gen), torch.randn(1, 2, n, 256, generator=gen)
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  context {n:>7,}: TPOT {ms:7.2f} ms  ({ms / base:.2f}x the shortest)")
     rows["layer_step_ms"] = steps = _layer_steps(sorted(args.contexts), args.rounds)
     print("# one decode step of one layer at Qwen3-Next-80B's shapes (fp32, median of "
-          f"{args.rounds}): Gated DeltaNet {steps['gated_deltanet']:.3f} ms at any context; full attention " +
+          f"{args.rounds}): Gated DeltaNet {steps['gated_deltanet']:.3f} ms at any context (torch; C++ "
+          f"{steps.get('gated_deltanet_cpp', float('nan')):.3f} ms); full attention " +
           ", ".join(f"{steps[f'attention_{n}']:.3f} ms at {n:,}" for n in sorted(args.contexts)))
     rows["prefill"] = pre = _prefill(args.prefill_rows, args.rounds)
     print(f"# chunked delta rule, {args.prefill_rows:,} rows x 32 heads of 128 x 128: Strata "
