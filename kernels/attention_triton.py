@@ -15,7 +15,6 @@ imported), which runs the same kernel code in Triton's interpreter.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -23,26 +22,13 @@ import torch
 
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.attention_metadata import AttentionMetadata
+from strata.kernels.triton_import import triton_importable, triton_kernel
 
 BLOCK_M = 16  # query rows per program
 
-_triton = None
-
 
 def _load():
-    """Import Triton and the kernel on first use (Triton is optional: CUDA hosts have it)."""
-    global _triton
-    if _triton is None:
-        import triton
-
-        from strata.kernels.attention_triton_kernel import paged_attention_kernel
-
-        _triton = (triton, paged_attention_kernel)
-    return _triton
-
-
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return triton_kernel("attention_triton_kernel", "paged_attention_kernel")
 
 
 def interpreting() -> bool:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu_kernels import cpu_kernels
+from strata.kernels.delta_rule_triton import triton_delta_rule_step
+from strata.kernels.triton_import import triton_importable
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -60,9 +62,12 @@ def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           pool: torch.Tensor, read: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
     """:func:`delta_rule_step` over a layer's view of the state pool ``pool`` [slots, H, K, V] (fp32): each
     sequence's state read from slot ``read[b]``, the new one written to ``write[b]``; returns out [B, H, V] fp32.
-    The C++ kernel (``csrc/delta_rule_cpu.cpp``) reads and writes the slots in place, where built; else torch."""
+    The C++ kernel (``csrc/delta_rule_cpu.cpp``) on CPU and the Triton one (``delta_rule_triton``) on CUDA read
+    and write the slots in place; else the torch step, through a gather and a scatter."""
     if pool.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         return kernels.delta_rule_step(*(t.float().contiguous() for t in (q, k, v, g, beta)), pool, read, write)
+    if pool.device.type == "cuda" and triton_importable():
+        return triton_delta_rule_step(q, k, v, g, beta, pool, read, write)
     out, pool[write] = delta_rule_step(q, k, v, g, beta, pool[read])
     return out
 

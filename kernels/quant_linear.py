@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu_kernels import cpu_kernels
-from strata.kernels.quant_linear_triton import supports, triton_importable, triton_quant_linear
+from strata.kernels.quant_linear_triton import supports, triton_quant_linear
+from strata.kernels.triton_import import triton_importable
 from strata.kernels.quant_weight import GGML_KINDS, FP8BlockWeight, GGMLBlockWeight, Int4GroupWeight, MXFP4Weight, QuantWeight
 
 TILE_ELEMENTS = 1 << 20  # weights dequantized per tile: 4 MB in fp32, L2/L3-sized

@@ -18,8 +18,6 @@ Hopper's blockwise variant, which this machine cannot test.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from strata.kernels.quant_weight import (
@@ -31,27 +29,14 @@ from strata.kernels.quant_weight import (
     MXFP4Weight,
     QuantWeight,
 )
+from strata.kernels.triton_import import triton_kernel
 
 FP8_BLOCK, FP8_ROW, INT4, MXFP4, GGML = range(5)  # the kernel's FORMAT
 BLOCK_N, BLOCK_K = 64, 64
 
-_kernel = None
-
-
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
 
 def _load():
-    """Import Triton and the kernel on first use (Triton is optional: CUDA hosts have it)."""
-    global _kernel
-    if _kernel is None:
-        import triton
-
-        from strata.kernels.quant_linear_triton_kernel import quant_matmul_kernel
-
-        _kernel = (triton, quant_matmul_kernel)
-    return _kernel
+    return triton_kernel("quant_linear_triton_kernel", "quant_matmul_kernel")
 
 
 def supports(weight: QuantWeight) -> bool:
