@@ -4,12 +4,11 @@ Each running sequence holds two slots of ``StatePool``: the one a step reads and
 when the step succeeds (``ModelRunner``), so a step that fails (a poisoned row, a lost spilled block) leaves
 every state as it was and the step can run again, chunk by chunk or whole.
 
-Prefix reuse. 
-The attention layers' blocks of a prefix are only half of it: a linear layer's state after those tokens is
-the other half, and it cannot be rebuilt from blocks. So a prefix is adopted only up to a block boundary
-where a snapshot of the state exists, keyed by the hash of the block that ends there (the hash chain
-covers every token before it), and the state is restored with the blocks; a partial hit never restores
-one without the other.
+Prefix reuse. The attention layers' blocks of a prefix are only half of it: a linear layer's state after
+those tokens is the other half, and it cannot be rebuilt from blocks. So a prefix is adopted only up to a
+block boundary where a snapshot of the state exists, keyed by the hash of the block that ends there (the
+hash chain covers every token before it), and the state is restored with the blocks; a partial hit never
+restores one without the other.
 
 Few snapshots are kept, as SGLang's radix cache keeps them (a state where a request ended), not one per
 block as vLLM's aligned mode does: each running sequence owns one slot holding its state at the latest
