@@ -24,13 +24,6 @@ class StateKind:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty(0, dtype=self.dtype).element_size()
-
 
 class StatePool:
     """Slots of per-sequence state for ``num_layers`` linear layers: ``num_slots`` for running sequences,

@@ -409,3 +409,16 @@ def streamed_weights() -> list[QuantWeight]:
             int4_weight_case(64, 256, 128, False, 8), int4_weight_case(40, 264, 24, False, 12), int4_weight_case(40, 392, 96, True, 13),
             mxfp4_weight_case(80, 96, 14), mxfp4_weight_case(48, 512, 15),
             *(ggml_weight_case(kind, 40, 160, seed=21 + i)[0] for i, kind in enumerate(("q4_0", "q4_1", "q8_0")))]
+
+
+def strata_in_process(capsys: Any, *args: str) -> subprocess.CompletedProcess:
+    """``main(args)`` (the ``strata`` command line, in this process) with its exit code and what it printed
+    (``capsys``: pytest's capture fixture), in the shape of a finished child process."""
+    from strata.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["strata", *args], code, out.out, out.err)

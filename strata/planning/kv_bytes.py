@@ -20,7 +20,7 @@ def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
     Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
     (then, as the engine does, they are counted as full); linear-attention layers a state per sequence
     (:func:`linear_state_bytes`)."""
-    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(_sliding_layers(tc)))
+    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(sliding_layers(tc)))
 
 
 def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
@@ -30,14 +30,14 @@ def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrenc
     per_block = _per_layer_token(tc, elem_bytes) * block_size
     return sum(per_block * tc.layer_windows.count(w)
                * min(blocks_needed, slots_for_window(w, block_size, concurrency, chunk_tokens))
-               for w in set(_sliding_layers(tc)))
+               for w in set(sliding_layers(tc)))
 
 
 def _per_layer_token(tc: TextConfig, elem_bytes: int) -> int:
     return tc.kv_parts * tc.kv_cache_heads * tc.kv_cache_dim * elem_bytes
 
 
-def _sliding_layers(tc: TextConfig) -> list[int]:
+def sliding_layers(tc: TextConfig) -> list[int]:
     """Each sliding layer's window, when some layers attend over the whole context (a hybrid)."""
     windows = [w for w in tc.layer_windows if w is not None]
     return windows if len(windows) < tc.num_layers else []

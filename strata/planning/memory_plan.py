@@ -25,7 +25,7 @@ from strata.pipeline.models.model_config import (
     parse_model_config,
 )
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
-from strata.planning.kv_bytes import _sliding_layers, kv_bytes_per_token, linear_state_bytes, window_kv_bytes
+from strata.planning.kv_bytes import sliding_layers, kv_bytes_per_token, linear_state_bytes, window_kv_bytes
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -372,7 +372,7 @@ def _plan(
     else:
         kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"
     if windowed:
-        sliding = _sliding_layers(tc)
+        sliding = sliding_layers(tc)
         kv_kind += f", on {tc.num_layers - len(sliding)} of {tc.num_layers} layers ({len(sliding)} slide over " \
                    f"{'/'.join(str(w) for w in sorted(set(sliding)))} tokens)"
     if states:
