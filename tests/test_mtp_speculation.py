@@ -206,3 +206,20 @@ def test_what_mtp_cannot_run_is_refused_in_one_line(mtp_models: dict[str, Path],
         SpeculativeConfig(method="mtp", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="ngram settings"):
         SpeculativeConfig(method="mtp", num_speculative_tokens=1, prompt_lookup_max=3)
+
+
+def test_a_failing_drafter_costs_drafts_never_an_answer(mtp_models: dict[str, Path], monkeypatch) -> None:
+    """The MTP layer raising on every step (a bug, a bad row): each step logs it and verifies no draft, and
+    every request still gets plain decoding's answer, with no block left held."""
+    model = mtp_models["deepseek_v3"]
+    requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
+    want = _outputs(build(model), requests)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the drafter broke")
+
+    monkeypatch.setattr(LanguageModel, "draft", broken)
+    spec = build(model, speculative=MTP)
+    outs = spec.generate(requests)
+    assert [o.output_token_ids for o in outs] == want and all(o.error is None for o in outs)
+    assert spec.core.speculation.verifications == 0 and spec.kv.pool.stats()["in_use"] == 0
