@@ -22,8 +22,8 @@ def _load():
 
 def triton_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            pool: torch.Tensor, read: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.delta_rule.delta_rule_step_slots` in one launch: q/k [B, H, K], v [B, H, V], g/beta
-    [B, H], pool [slots, H, K, V] fp32 (each slot's state contiguous), read/write [B] slots -> out [B, H, V]."""
+    """:func:`kernels.delta_rule.delta_rule_step_slots` in one launch: q/k [B, H, K], v [B, H, V], beta [B, H],
+    g [B, H] or [B, H, K] (KDA), pool [slots, H, K, V] fp32 (each slot's state contiguous), read/write [B] slots -> out [B, H, V]."""
     triton, kernel = _load()
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
     b, h, dk = q.shape
@@ -34,5 +34,5 @@ def triton_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if b:
         grid = (b * h, triton.cdiv(dv, BLOCK_V))
         kernel[grid](q, k, v, g, beta, pool, read.contiguous(), write.contiguous(), out, h, dk, dv, pool.stride(0),
-                     BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V)
+                     BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V, PER_CHANNEL=g.dim() == 3)
     return out

@@ -24,7 +24,7 @@ from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, c
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.fallback_config import check_fallback_engine
-from strata.pipeline.models.gated_deltanet import state_kinds
+from strata.pipeline.models.linear_mixer import state_kinds
 from strata.pipeline.models.model_config import load_model_config, with_model_impl
 from strata.pipeline.models.text_config import TextConfig
 from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,

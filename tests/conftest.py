@@ -20,6 +20,7 @@ if "STRATA_DIGEST_CACHE" not in os.environ:  # weight digests of the session's t
 from strata.kernels import available_backends  # noqa: E402
 from strata.checkpoints.tiny_model import ARCHITECTURES, TinyModelSpec, build_tiny_model, make_demo_image  # noqa: E402
 from strata.checkpoints.tiny_text_models import TEXT_ARCHITECTURES, build_tiny_text_model  # noqa: E402
+from serve_process import stop_later  # noqa: E402
 
 # Text-only checkpoints: every registered family, plus variants that change what real checkpoints change.
 TEXT_VARIANTS = {
@@ -95,8 +96,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     for name in _servers_of(item):
         if _LAST_USER.get(name) == item.nodeid and (server := _RUNNING.pop(name, None)) is not None:
-            server.begin_stop()
-            _STOPPING.append(server)
+            stop_later(server)
 
 
 @pytest.fixture(scope="module", params=available_backends("cpu"))
@@ -196,7 +196,6 @@ SERVE_TEST_CONFIG = {
 }
 
 
-_STOPPING: list = []  # servers told to stop at their fixture's teardown; waited for at the end
 
 
 def _serve(name: str, llama_dir: Path, workdir: Path, config: dict):
@@ -208,12 +207,13 @@ def _serve(name: str, llama_dir: Path, workdir: Path, config: dict):
         _RUNNING[name] = server
         yield server
     finally:
-        server.begin_stop()  # both servers shut down side by side
-        _STOPPING.append(server)
+        stop_later(server)  # both servers shut down side by side
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for server in _STOPPING:
+    from serve_process import STOPPING
+
+    for server in STOPPING:
         server.stop()
 
 
@@ -289,8 +289,7 @@ def qwen_vl_server(tmp_path_factory: pytest.TempPathFactory):
         _RUNNING["qwen_vl_server"] = server
         yield server
     finally:
-        server.begin_stop()
-        _STOPPING.append(server)
+        stop_later(server)
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

@@ -20,6 +20,16 @@ def listening_sockets() -> set[tuple[str, str]]:
     return rows
 
 
+STOPPING: list[LocalServer] = []  # servers told to stop at their fixture's teardown; waited for at the session's end
+
+
+def stop_later(server: LocalServer) -> None:
+    """Ctrl-C now, wait at the session's end (conftest): a Ray cluster's shutdown overlaps the next tests
+    instead of holding them up."""
+    server.begin_stop()
+    STOPPING.append(server)
+
+
 class ServeProcess(LocalServer):
     def __init__(self, model_dir: Path, workdir: Path, config: dict, env: dict[str, str] | None = None) -> None:
         # Compile (or find) the CPU kernels here, before the server starts: its replicas then load the

@@ -136,7 +136,7 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(kimi_dir: Path
     part, which is refused with a 400."""
     import openai
     from helpers import MODEL_NAME
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     engine = build(kimi_dir)
     cases = [[patterned_image(SIZES["large-224"])], [patterned_image(SIZES["wide-300x120"], 1), patterned_image(SIZES["square-64"], 2)]]
@@ -154,7 +154,7 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(kimi_dir: Path
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": video}], max_tokens=4)
     finally:
-        server.stop()
+        stop_later(server)
 
 
 def test_the_planner_counts_the_tower_the_merger_and_image_tokens(kimi_dir: Path) -> None:

@@ -1,7 +1,7 @@
-"""Gated DeltaNet linear attention (Qwen3-Next) with its per-sequence state cache: the torch kernels against
-transformers' reference functions, the state pool's slots, and the engine through chunks, batches,
-preemption, spills and refusals. Greedy tokens against transformers' generate, `strata ops` and `strata align`
-for the family are in test_text_models.py."""
+"""Linear attention with its per-sequence state cache, Gated DeltaNet (Qwen3-Next) and KDA (Kimi-Linear): the
+torch kernels against transformers' reference functions, the state pool's slots, and the engine through
+chunks, batches, preemption, spills, prefix hits, hand-offs and refusals. Greedy tokens against transformers'
+generate, `strata ops` and `strata align` for the families are in test_text_models.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from helpers import (assert_preemption_recomputes_the_same, build, greedy, spilling_engine, tokens_through_handoff,
                      transformers_greedy)
 from strata.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step,
-                                       l2_normalize)
+                                       l2_normalize, l2_normalize_div)
 from strata.kvstore.hashing import hash_chain
 from strata.kvstore.state_pool import StateKind, StatePool
 from strata.pipeline.contract.config import EngineConfig
@@ -44,21 +44,59 @@ def test_the_chunked_delta_rule_is_transformers_and_continues_across_any_cut() -
     qn, kn = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
     out, final = delta_rule_chunked(qn, kn, v, g, beta, state)
     assert torch.equal(out, want[0]) and torch.equal(final, want_state[0])
-    first, mid = delta_rule_chunked(qn[:23], kn[:23], v[:23], g[:23], beta[:23], state)
-    rest, end = delta_rule_chunked(qn[23:], kn[23:], v[23:], g[23:], beta[23:], mid)
-    torch.testing.assert_close(torch.cat([first, rest]), want[0], rtol=0, atol=2e-6)
-    torch.testing.assert_close(end, want_state[0], rtol=0, atol=2e-6)
+    _cut_and_stepped_agree((qn, kn, v, g, beta), state, want[0], want_state[0], want[0])
+
+
+def _cut_and_stepped_agree(rows: tuple[torch.Tensor, ...], state: torch.Tensor, want: torch.Tensor,
+                           want_state: torch.Tensor, stepped: torch.Tensor) -> None:
+    """The rows cut at 23 (mid-block) continue the state to ``want`` / ``want_state``, and decode steps one
+    row at a time give ``stepped``, each to fp32 rounding."""
+    first, mid = delta_rule_chunked(*(x[:23] for x in rows), state)
+    rest, end = delta_rule_chunked(*(x[23:] for x in rows), mid)
+    torch.testing.assert_close(torch.cat([first, rest]), want, rtol=0, atol=2e-6)
+    torch.testing.assert_close(end, want_state, rtol=0, atol=2e-6)
     s, steps = state[None], []
-    for i in range(70):
-        o, s = delta_rule_step(qn[i : i + 1], kn[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], s)
+    for i in range(rows[0].shape[0]):
+        o, s = delta_rule_step(*(x[i : i + 1] for x in rows), s)
         steps.append(o)
-    torch.testing.assert_close(torch.cat(steps), want[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(torch.cat(steps), stepped, rtol=0, atol=2e-6)
 
 
-def test_the_cpu_decode_step_kernel_equals_the_torch_step_over_pool_slots() -> None:
+def test_the_per_channel_delta_rule_is_kimi_linears_and_continues_across_any_cut() -> None:
+    """KDA's decay per key channel: one pass equals transformers' chunked reference and the decode steps its
+    recurrent one, to fp32 rounding (its reference solves the block by forward substitution, ours by a
+    triangular solve); cut at 23, the state continues; a steep decay stays finite. A decay averaged over the
+    channels is far off."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import (chunk_kimi_delta_attention,
+                                                                      recurrent_kimi_delta_attention)
+
+    q, k, v, _, beta, state = _inputs(70, v=16)
+    g = -torch.rand(70, 4, 16, generator=torch.Generator().manual_seed(5))
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    want, want_state = chunk_kimi_delta_attention(*args, initial_state=state[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    stepped, _ = recurrent_kimi_delta_attention(*args, initial_state=state[None], output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    qn, kn = l2_normalize_div(q) * q.shape[-1] ** -0.5, l2_normalize_div(k)
+    out, final = delta_rule_chunked(qn, kn, v, g, beta, state)
+    torch.testing.assert_close(out, want[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(final, want_state[0], rtol=0, atol=1e-6)
+    _cut_and_stepped_agree((qn, kn, v, g, beta), state, want[0], want_state[0], stepped[0])
+    averaged, _ = delta_rule_chunked(qn, kn, v, g.mean(-1), beta, state)
+    assert (averaged - want[0]).abs().max() > 1e-2
+    steep = g * 40  # a block's decay falls to e^-1280 per channel: e^(-d) alone would overflow fp32
+    want, _ = chunk_kimi_delta_attention(q[None], k[None], v[None], steep[None], beta[None], initial_state=state[None],
+                                         use_qk_l2norm_in_kernel=True)
+    out, _ = delta_rule_chunked(qn, kn, v, steep, beta, state)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_the_cpu_decode_step_kernel_equals_the_torch_step_over_pool_slots(per_channel: bool) -> None:
     """The C++ step reads each sequence's state from one slot of a layer's (strided) pool view and writes the
     new one to another, as the torch step does through a gather and a scatter; the slots it read are left
-    as they were."""
+    as they were. Gated DeltaNet's decay per head and KDA's per key channel alike."""
     from strata.kernels.cpu_kernels import cpu_kernels
     from strata.kernels.delta_rule import delta_rule_step_slots
 
@@ -70,7 +108,8 @@ def test_the_cpu_decode_step_kernel_equals_the_torch_step_over_pool_slots() -> N
     pool = tensors[:, 1]
     b = 3
     q, k = l2_normalize(torch.randn(b, 4, 16, generator=gen)), l2_normalize(torch.randn(b, 4, 16, generator=gen))
-    v, g, beta = torch.randn(b, 4, 12, generator=gen), -torch.rand(b, 4, generator=gen), torch.rand(b, 4, generator=gen)
+    v, beta = torch.randn(b, 4, 12, generator=gen), torch.rand(b, 4, generator=gen)
+    g = -torch.rand(*((b, 4, 16) if per_channel else (b, 4)), generator=gen)  # KDA: a decay per key channel
     read, write = torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])
     before, other_layers = pool.clone(), tensors[:, [0, 2]].clone()
     want, want_state = delta_rule_step(q, k, v, g, beta, before[read])
@@ -122,37 +161,43 @@ def qwen3_next(text_models) -> Path:
     return text_models["qwen3_next"]
 
 
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def hybrid(request, text_models) -> Path:
+    """Each hybrid in turn: Gated DeltaNet beside gated GQA (Qwen3-Next), KDA beside MLA (Kimi-Linear)."""
+    return text_models[request.param]
+
+
 @pytest.mark.parametrize("chunk", [5, 16])
-def test_prefill_chunks_cut_through_the_recurrence(chunk: int, qwen3_next: Path) -> None:
+def test_prefill_chunks_cut_through_the_recurrence(chunk: int, hybrid: Path) -> None:
     """Chunks of 5 and 16 tokens (inside and across the delta rule's blocks), three sequences mixing prefill
     and decode in one step: every answer is transformers', and every state slot is back after."""
-    engine = build(qwen3_next, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
+    engine = build(hybrid, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
     outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
     for prompt, out in zip(PROMPTS, outs):
-        assert out.output_token_ids == transformers_greedy(qwen3_next, prompt, 12), prompt
+        assert out.output_token_ids == transformers_greedy(hybrid, prompt, 12), prompt
     assert engine.kv.states.pool.stats()["in_use"] == 0
     engine.kv.states.check_invariants()
 
 
-def test_preempted_sequences_restart_their_state(qwen3_next: Path) -> None:
-    assert_preemption_recomputes_the_same(qwen3_next, PROMPTS)
+def test_preempted_sequences_restart_their_state(hybrid: Path) -> None:
+    assert_preemption_recomputes_the_same(hybrid, PROMPTS)
 
 
-def test_spilled_attention_blocks_and_the_state_together(qwen3_next: Path, tmp_path: Path) -> None:
+def test_spilled_attention_blocks_and_the_state_together(hybrid: Path, tmp_path: Path) -> None:
     """A prompt longer than the device pool: the full-attention layer's older blocks stream from the host
     tier while the linear layers' state stays on the device; the answer is the engine's without tiers."""
     prompt = " ".join(["the harbour light"] * 60)
-    want = build(qwen3_next).generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
-    engine = spilling_engine(qwen3_next, tmp_path / "host")
+    want = build(hybrid).generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
+    engine = spilling_engine(hybrid, tmp_path / "host")
     out = engine.generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
     assert out.output_token_ids == want.output_token_ids and engine.kv.spills.peak > 4
 
 
-def test_a_prefix_hit_restores_the_state_with_the_blocks(qwen3_next: Path) -> None:
+def test_a_prefix_hit_restores_the_state_with_the_blocks(hybrid: Path) -> None:
     """The prompt's state at its last block boundary is published when its prefill ends, and the whole
     sequence's when it finishes: the same prompt again, and a next turn that extends prompt and answer,
     adopt blocks and state up to those boundaries and answer as a fresh engine does."""
-    engine, fresh = build(qwen3_next), build(qwen3_next)
+    engine, fresh = build(hybrid), build(hybrid)
     params = greedy(8, ignore_eos=True)
     first = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
     again = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
@@ -254,15 +299,15 @@ def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[2]], ids=["blocks-and-tail", "tail-only"])
-def test_the_state_crosses_the_hand_off(prompt: str, qwen3_next: Path, tmp_path: Path) -> None:
+def test_the_state_crosses_the_hand_off(prompt: str, hybrid: Path, tmp_path: Path) -> None:
     """Prefilled by one service, decoded by another over the host tier: the state after the prompt crosses
     in the hand-off message beside the tail block (and the full blocks by hash), and the answer is the
     in-process engine's."""
-    engine = build(qwen3_next)
+    engine = build(hybrid)
     want = engine.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
     config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
     shipped: list[int] = []
-    got = tokens_through_handoff(qwen3_next, config, engine, [], prompt, greedy(10, ignore_eos=True),
+    got = tokens_through_handoff(hybrid, config, engine, [], prompt, greedy(10, ignore_eos=True),
                                  check=lambda request, handoff: shipped.append(len(handoff.linear_state)))
     assert got == want and shipped == [engine.kv.states.pool.bytes_per_sequence()]
 

@@ -140,7 +140,7 @@ def test_ops_covers_it_and_the_planner_counts_every_parameter(ov_dir: Path) -> N
 def test_tp2_and_the_openai_client_through_strata_serve_equal_the_engine(ov_dir: Path, tmp_path: Path) -> None:
     import openai
     from helpers import MODEL_NAME
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     engine = build(ov_dir)
     cases = [[patterned_image(SIZES["large-224"])], [patterned_image(SIZES["wide-300x120"], 1),
@@ -162,4 +162,4 @@ def test_tp2_and_the_openai_client_through_strata_serve_equal_the_engine(ov_dir:
             assert reply.choices[0].message.content == exp.text
             assert reply.usage.prompt_tokens == exp.num_prompt_tokens
     finally:
-        server.stop()
+        stop_later(server)

@@ -370,3 +370,32 @@ def test_a_linear_attention_hybrid_costs_its_full_layers_per_token_and_a_fixed_s
     tiny = text_models["qwen3_next"]
     engine = build(tiny)
     assert STATE_COPIES * engine.kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
+def test_a_hybrids_param_count_matches_its_transformers_built_checkpoint(arch: str, text_models, tmp_path: Path) -> None:
+    """The planner counts linear-attention layers (Gated DeltaNet's and KDA's own projections, convolutions,
+    decay and gate parameters) as transformers writes them."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(text_models[arch] / "config.json", config_only / "config.json")
+    plan = plan_memory(config_only, context_tokens=256, concurrency=2, device_mem_bytes=GiB, dtype="float32")
+    assert plan.num_params == _numel_in_shards(text_models[arch])
+
+
+def test_kimi_linear_at_a_million_tokens_caches_its_seven_mla_layers(text_models) -> None:
+    """Kimi-Linear-48B as released (its ``linear_attn_config``, counted from 1): 7 NoPE MLA layers cache a
+    576-value latent per token, 20 KDA layers keep a state per sequence; 1M tokens cost less than an eighth of
+    DeepSeek-V3's dense MLA, and the tiny engine's state pool holds one copy per slot."""
+    from helpers import build
+    from strata.pipeline.models.model_config import load_model_config
+    from strata.planning.kv_bytes import STATE_COPIES, linear_state_bytes
+
+    at_1m = plan_memory("kimi-linear-48b", 1_000_000, 1, 80 * GiB)
+    assert at_1m.kv_bytes_per_token == 7 * 576 * 2
+    per_copy = 20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4)  # conv inputs of q, k, v (bf16), fp32 matrix
+    assert at_1m.state_bytes_per_sequence == STATE_COPIES * per_copy
+    assert "on 7 of 27 layers (the others linear)" in format_plan(at_1m)
+    assert at_1m.kv_bytes_needed < plan_memory("deepseek-v3", 1_000_000, 1, 80 * GiB).kv_bytes_needed / 8
+    tiny = text_models["kimi_linear"]
+    assert STATE_COPIES * build(tiny).kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)

@@ -182,7 +182,7 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(qwen3_dirs: di
     of other sizes, streamed and not."""
     import openai
     from helpers import MODEL_NAME
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     model = qwen3_dirs["moe"]
     engine = build(model)
@@ -201,7 +201,7 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(qwen3_dirs: di
                                                     stream=True)
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
     finally:
-        server.stop()
+        stop_later(server)
 
 
 @pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "llava_onevision", "qwen3_vl", "kimi_k25"])

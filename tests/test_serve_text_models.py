@@ -27,7 +27,7 @@ def deepseek_dir(quantized_models):
 
 @pytest.fixture(scope="module")
 def deepseek_server(deepseek_dir, tmp_path_factory: pytest.TempPathFactory):
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     workdir = tmp_path_factory.mktemp("serve-deepseek")
     config = {"mode": "disaggregated", "engine": {"max_model_len": 1024, "host_kv_blocks": 1024,
@@ -38,7 +38,7 @@ def deepseek_server(deepseek_dir, tmp_path_factory: pytest.TempPathFactory):
         server.wait_ready()
         yield server
     finally:
-        server.stop()
+        stop_later(server)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
 
 @pytest.fixture(scope="module")
 def minimax_server(tmp_path_factory: pytest.TempPathFactory):
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     from strata.checkpoints.tiny_text_models import build_tiny_text_model
 
@@ -110,7 +110,7 @@ def minimax_server(tmp_path_factory: pytest.TempPathFactory):
         server.wait_ready()
         yield server
     finally:
-        server.stop()
+        stop_later(server)
 
 
 def test_minimax_m2_tool_calls_are_read_by_the_declared_types(minimax_server) -> None:
@@ -170,26 +170,29 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
     assert not "".join(d.content or "" for d in streamed)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next_server(text_models, tmp_path_factory: pytest.TempPathFactory):
-    from serve_process import ServeProcess
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def hybrid_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
+    """Each linear-attention hybrid served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA +
+    NoPE MLA); ``server.model`` is its checkpoint."""
+    from serve_process import ServeProcess, stop_later
 
-    server = ServeProcess(text_models["qwen3_next"], tmp_path_factory.mktemp("serve-qwen3-next"),
+    server = ServeProcess(text_models[request.param], tmp_path_factory.mktemp(f"serve-{request.param}"),
                           {"engine": {"max_model_len": 1024}})
+    server.model = text_models[request.param]
     try:
         server.wait_ready()
         yield server
     finally:
-        server.stop()
+        stop_later(server)
 
 
-def test_qwen3_next_is_served_as_the_engine_answers(qwen3_next_server, text_models) -> None:
+def test_a_hybrid_is_served_as_the_engine_answers(hybrid_server) -> None:
     """A linear-attention hybrid through the real server (one stage, its state in the replica's pool): two
     chats at once, streamed, get the in-process engine's answers; /metrics counts them."""
     import concurrent.futures
 
-    client = openai.OpenAI(base_url=qwen3_next_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    expected = build(text_models["qwen3_next"]).generate(
+    client = openai.OpenAI(base_url=hybrid_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = build(hybrid_server.model).generate(
         [{"messages": [{"role": "user", "content": p}], "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
 
     def stream(prompt: str) -> str:
@@ -200,5 +203,5 @@ def test_qwen3_next_is_served_as_the_engine_answers(qwen3_next_server, text_mode
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         assert list(pool.map(stream, PROMPTS)) == [e.text for e in expected]
-    metrics = httpx.get(qwen3_next_server.base_url + "/metrics", timeout=30).text
+    metrics = httpx.get(hybrid_server.base_url + "/metrics", timeout=30).text
     assert "vllm:generation_tokens" in metrics

@@ -1,5 +1,5 @@
 """Text-only LLMs of every registered family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
-DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2, Qwen3-Next, Qwen3.5 dense and MoE) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
+DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2, Qwen3-Next, Qwen3.5 dense and MoE, Kimi-Linear) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
 `strata ops` covers them, `strata align` passes in fp32 and bf16, images are refused with a 400-style
 error, MLA's latent blocks spill, reload, hand off and are reused like any other blocks."""
 
@@ -20,7 +20,7 @@ PROMPTS = ["What is the capital of France? The quick brown fox jumps over the la
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
             "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2", "qwen3_next",
-            "qwen3_5_text", "qwen3_5_moe_text"]
+            "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -45,7 +45,7 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
     names = {c["name"] for c in result["components"]}
     assert "vision_tower" not in names and {"attention", "rope", "mlp", "lm_head"} <= names
     attention = next(c for c in result["components"] if c["name"] == "attention")
-    assert attention["need"].startswith("MLA") == arch.startswith("deepseek")
+    assert attention["need"].startswith("MLA") == arch.startswith(("deepseek", "kimi"))
     # ops prints the loader's own plan: the tensors it says a load reads are the ones the load reads
     assert result["weights"]["reads"] == load_language_model(text_models[arch])[1].tensors_read > 0
 
@@ -59,6 +59,9 @@ OPS_LINES = {  # what ops says is what the loader parsed: the family's rules app
                    "mlp": "sigmoid scores, bias-corrected choice, renormalised"},
     "qwen3_next": {"attention": "a sigmoid gate per head on the output", "linear": "Gated DeltaNet on 3 of 4 layers",
                    "norm": "scaling by 1 + w", "mlp": "1 shared behind a sigmoid gate"},
+    "kimi_linear": {"attention": "MLA (4 heads over one 40-value latent", "rope": "none: attention takes no positions",
+                    "linear": "KDA (Kimi Delta Attention) on 3 of 4 layers", "mlp": "(4 groups, best 2), renormalised, "
+                    "scaling 2.5, 1 shared; 1 of 4 layers dense"},
 }
 
 
@@ -86,6 +89,32 @@ def test_minimax_m2_as_released_counts_its_rotary_dims(text_models, tmp_path: Pa
     assert build(copy).generate(reqs)[0].output_token_ids == transformers_greedy(source, PROMPTS[0], 10)
 
 
+def test_kimi_linear_as_released_reads_its_linear_attn_config(text_models, tmp_path: Path) -> None:
+    """Moonshot's config.json keeps the KDA geometry and the layer lists in ``linear_attn_config`` (layers
+    counted from 1) and has no per-layer type lists; the answer is the one transformers' own save gives. Lists
+    that leave a layer out are refused in one line."""
+    import shutil
+
+    from strata.pipeline.models.config_errors import ModelConfigError
+
+    source = text_models["kimi_linear"]
+    copy = tmp_path / "kimi_linear"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    assert config["layer_types"][2] == "full_attention"
+    for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        del config[key]
+    config["linear_attn_config"] = {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "head_dim": 16, "num_heads": 4,
+                                    "short_conv_kernel_size": 4}
+    (copy / "config.json").write_text(json.dumps(config))
+    reqs = [{"prompt": PROMPTS[0], "params": greedy(10, ignore_eos=True)}]
+    assert build(copy).generate(reqs)[0].output_token_ids == transformers_greedy(source, PROMPTS[0], 10)
+    config["linear_attn_config"]["kda_layers"] = [1, 2]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="must split layers 1..4 between them"):
+        build(copy)
+
+
 # In bf16 a random router can near-tie: on "deepseek_v3-plain" one token of 48 picks another expert in
 # the last layer than transformers does (its hidden state differs by bf16 rounding), an error of 19 on
 # that token and under 0.9 on every other. That is routing being discontinuous, not a numerics bug: the
@@ -96,8 +125,10 @@ def test_minimax_m2_as_released_counts_its_rotary_dims(text_models, tmp_path: Pa
 # gpt-oss's (top-2 of 4 experts) likewise: in bf16 transformers itself routes one token of 48 to another expert
 # than in fp32 (decoder.1, an error of 8.7 there), where ours keeps the fp32 choice; every other token is within
 # bf16's rounding. The bf16 RMSNorm order it differs in otherwise is held bit-exact in test_attention_sinks.
+# Kimi-Linear's likewise: its random sigmoid router scores every expert near 0.5, and transformers in bf16 routes
+# 2, 5 and 11 of 48 rows of layers 1-3 to other experts than in fp32 (a top-2 margin of 3.5e-5 at layer 3).
 BF16_FAMILIES = [a for a in FAMILIES if a not in ("deepseek_v3-plain", "glm4_moe", "glm4_moe-qknorm", "gpt_oss",
-                                                   "gpt_oss-square")]
+                                                   "gpt_oss-square", "kimi_linear")]
 
 
 # Qwen3.5's tiny checkpoints leave align's fp32 bound on its prompt (their greedy tokens above are transformers'):

@@ -185,7 +185,7 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(fallback_model
     one are the engine's, token for token."""
     import openai
     from helpers import MODEL_NAME
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, stop_later
 
     model_dir = fallback_models["glm4"]
     expected = build(model_dir).generate([{"prompt": PROMPTS[0], "params": greedy(12, ignore_eos=True)}])[0]
@@ -202,4 +202,4 @@ def test_the_openai_client_through_strata_serve_equals_the_engine(fallback_model
                                                 extra_body={"ignore_eos": True}, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
     finally:
-        server.stop()
+        stop_later(server)

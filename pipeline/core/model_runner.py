@@ -18,7 +18,7 @@ from strata.kvstore.state_pool import StatePool
 from strata.pipeline.core.prompt_logprobs import wants_prompt_rows
 from strata.pipeline.core.scheduler import ScheduledChunk
 from strata.pipeline.models.decoder import LanguageModel
-from strata.pipeline.models.gated_deltanet import LinearStates
+from strata.pipeline.models.linear_mixer import LinearStates
 from strata.pipeline.models.mrope import MRopeLayout
 
 

@@ -34,10 +34,12 @@ from strata.pipeline.models.layer_rules import (
     LinearLayerRule,
     every_layer,
     first_k_dense,
+    kda_layers,
     linear_by_type,
     no_window,
     one_window,
     sparse_step,
+    typed_mlp_layers,
     typed_windows,
     typed_windows_if_enabled,
 )
@@ -58,10 +60,20 @@ class TextFamily:
     experts_keys: tuple[str, ...] = ("num_local_experts",)  # where configs keep the routed expert count
     expert_size_key: str = "moe_intermediate_size"  # where configs keep one routed expert's width
     positions: PositionKind = position_kinds.ROPE  # 1-D, or M-RoPE's three axes (``position_kinds``)
-    linear_layers: LinearLayerRule | None = None  # which layers are Gated DeltaNet linear attention (Qwen3-Next)
+    linear_layers: LinearLayerRule | None = None  # which layers are linear attention (Qwen3-Next, Kimi-Linear)
+    linear_kind: str = "gated_deltanet"  # which: "gated_deltanet" or "kda" (``attention_kinds.LINEAR_KINDS``)
     linear_split_projections: bool = False  # its q/k/v, z, b and a come from four projections (Qwen3.5)
     norm_offset: bool = False  # RMSNorm weights are stored as w and scale by 1 + w, in fp32 (Qwen3-Next)
     shared_expert_key: str | None = None  # one shared expert this wide, behind a sigmoid gate (Qwen3-Next)
+    # (the release's key, the key the parse reads), as transformers' ``attribute_map``: Kimi-Linear counts its
+    # experts and context under names of its own
+    config_aliases: tuple[tuple[str, str], ...] = ()
+
+    def config_view(self, tc: dict[str, Any]) -> dict[str, Any]:
+        """The text config with this family's aliased keys under the names the parse reads."""
+        if not self.config_aliases:
+            return tc
+        return {**{ours: tc[theirs] for theirs, ours in self.config_aliases if theirs in tc and ours not in tc}, **tc}
 
 
 TEXT_FAMILIES: dict[str, TextFamily] = {}
@@ -117,6 +129,14 @@ for _family in (
                linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
                router=router_kinds.SOFTMAX_QWEN_VL, experts_keys=("num_experts",),
                shared_expert_key="shared_expert_intermediate_size", positions=position_kinds.MROPE_INTERLEAVED),
+    # Kimi-Linear: KDA linear attention in 3 of every 4 layers, MLA without positions (NoPE) in the 4th,
+    # DeepSeek-V3's router and shared expert
+    TextFamily("kimi_linear", attention=attention_kinds.MLA, positions=position_kinds.NOPE, linear_layers=kda_layers,
+               linear_kind="kda", router=router_kinds.SIGMOID_GROUPED, sparse_layers=typed_mlp_layers,
+               shared_experts=True, experts_keys=("num_experts",),
+               config_aliases=(("num_experts_per_token", "num_experts_per_tok"), ("moe_renormalize", "norm_topk_prob"),
+                               ("num_expert_group", "n_group"), ("num_shared_experts", "n_shared_experts"),
+                               ("model_max_length", "max_position_embeddings"))),
     # the Qwen-VL decoders: their text family's components, positions 3-D (M-RoPE) for image tokens
     TextFamily("qwen2_5_vl_text", attention=attention_kinds.GQA_QKV_BIAS, windows=typed_windows_if_enabled,
                positions=position_kinds.MROPE),
@@ -309,6 +329,7 @@ register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CA
                                         renames=MINIMAX_M2_RENAMES))
 register_architecture(ModelArchitecture("Qwen3NextForCausalLM", "qwen3_next", CAUSAL_LM_NAMES, text_family="qwen3_next",
                                         renames=QWEN3_NEXT_RENAMES))
+register_architecture(ModelArchitecture("KimiLinearForCausalLM", "kimi_linear", CAUSAL_LM_NAMES, text_family="kimi_linear"))
 register_architecture(ModelArchitecture("Qwen3_5ForCausalLM", "qwen3_5_text", CAUSAL_LM_NAMES, text_family="qwen3_5_text"))
 for _cls, _type, _family in (("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_vl_text"),
                              ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe_vl_text")):

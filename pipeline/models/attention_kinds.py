@@ -40,9 +40,10 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class GatedDeltaNetConfig:
-    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): per sequence a fixed-size state, no per-token KV.
-    Each key head serves ``num_v_heads // num_k_heads`` value heads; the causal convolution runs over q, k
-    and v together (``conv_dim`` channels)."""
+    """Linear attention with a gated delta rule: per sequence a fixed-size state, no per-token KV. Gated
+    DeltaNet (Qwen3-Next, Qwen3.5): each key head serves ``num_v_heads // num_k_heads`` value heads, one
+    decay per head and token. KDA (Kimi-Linear, ``kda``): as many key as value heads of one width, a decay
+    per key channel. Either way the causal convolution runs over q, k and v together (``conv_dim`` channels)."""
 
     num_k_heads: int
     num_v_heads: int
@@ -50,15 +51,25 @@ class GatedDeltaNetConfig:
     v_head_dim: int
     conv_kernel: int
     split_projections: bool = False  # Qwen3.5: in_proj_qkv / _z / _b / _a; Qwen3-Next: per key head in _qkvz / _ba
+    kda: bool = False  # Kimi Delta Attention: q/k/v projections and convolutions apart, low-rank decay and gate
+
+    @property
+    def name(self) -> str:
+        return "KDA (Kimi Delta Attention)" if self.kda else "Gated DeltaNet"
 
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
     def params(self, hidden: int) -> int:
-        """One layer's parameters: in_proj_qkvz and _ba, the convolution, A_log and dt_bias, the gated norm,
-        out_proj."""
+        """One layer's parameters. Gated DeltaNet: in_proj_qkvz and _ba, the convolution, A_log and dt_bias,
+        the gated norm, out_proj. KDA: q/k/v_proj and their convolutions, the decay's f_a/f_b_proj, dt_bias
+        and A_log, b_proj, the gate's g_a/g_b_proj, the gated norm, o_proj."""
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
+        if self.kda:
+            width = nv * dv
+            return (3 * hidden * width + self.conv_dim * self.conv_kernel + 2 * (hidden * dk + dk * width)
+                    + width + nv + hidden * nv + dv + width * hidden)
         return (hidden * (2 * nk * dk + 2 * nv * dv) + hidden * 2 * nv + self.conv_dim * self.conv_kernel + 2 * nv
                 + dv + nv * dv * hidden)
 
@@ -78,6 +89,20 @@ def resolve_gated_deltanet(tc: dict[str, Any], split_projections: bool = False) 
         raise ModelConfigError(f"config.json: linear_num_value_heads ({lin.num_v_heads}) must be a multiple of "
                                f"linear_num_key_heads ({lin.num_k_heads})")
     return lin
+
+
+def resolve_kimi_delta(tc: dict[str, Any]) -> GatedDeltaNetConfig:
+    """Kimi-Linear's KDA geometry: the release's ``linear_attn_config`` (``num_heads``, ``head_dim``,
+    ``short_conv_kernel_size``), or the flat ``linear_*`` keys transformers saves."""
+    nested = tc.get("linear_attn_config") or {}
+    heads = size(nested, "num_heads") if "num_heads" in nested else size(tc, "linear_num_heads")
+    dim = size(nested, "head_dim") if "head_dim" in nested else size(tc, "linear_head_dim")
+    kernel = (size(nested, "short_conv_kernel_size") if "short_conv_kernel_size" in nested
+              else size(tc, "linear_conv_kernel_dim", 4))
+    return GatedDeltaNetConfig(heads, heads, dim, dim, kernel, kda=True)
+
+
+LINEAR_KINDS = {"gated_deltanet": resolve_gated_deltanet, "kda": lambda tc, split: resolve_kimi_delta(tc)}
 
 
 @dataclass(frozen=True)

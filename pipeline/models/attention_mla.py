@@ -45,6 +45,7 @@ class MLAAttention(nn.Module):
         self.nope, self.rope, self.rank, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
         self.scale = cfg.attention_scale
         self.interleave = cfg.rope_interleave
+        self.positional = cfg.rope  # False (Kimi-Linear): the "RoPE" parts of q and k are used as they come
         h, q_dim = cfg.hidden_size, cfg.num_heads * m.qk_head_dim
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
@@ -75,6 +76,8 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        if not self.positional:
+            return x
         if self._pairs is not None:
             x = x.index_select(-1, self._pairs.to(x.device))
         return rotate_heads(x, cos, sin_signed)

@@ -38,6 +38,7 @@ from strata.kernels.layer_ops import silu_mul
 from strata.kernels.norm import rms_norm_spanning
 from strata.pipeline.models.attention_mla import MLAAttention
 from strata.pipeline.models.gated_deltanet import GatedDeltaNet
+from strata.pipeline.models.kimi_delta import KimiDeltaAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
 from strata.pipeline.models.model_config import TextConfig
 from strata.pipeline.models.moe import SparseMoE, interleaved_experts_to_stacked
@@ -229,7 +230,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm.of(cfg, cfg.hidden_size)
-        if cfg.is_linear_layer(layer_idx):  # a Gated DeltaNet layer: per-sequence state, no KV
+        if cfg.is_linear_layer(layer_idx) and cfg.linear.kda:  # KDA: per-sequence state, stored as self_attn
+            self.self_attn = KimiDeltaAttention(cfg, layer_idx)
+        elif cfg.is_linear_layer(layer_idx):  # a Gated DeltaNet layer: per-sequence state, no KV
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
             self.self_attn: Attention | MLAAttention = ATTENTION_MODULES[cfg.attention.module](cfg, layer_idx)
@@ -240,7 +243,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     @property
-    def mixer(self) -> "Attention | MLAAttention | GatedDeltaNet":
+    def mixer(self) -> "Attention | MLAAttention | GatedDeltaNet | KimiDeltaAttention":
         """What mixes tokens in this layer: its attention, or its linear attention."""
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 

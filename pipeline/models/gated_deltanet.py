@@ -4,56 +4,23 @@ One projection gives q, k, v (per key head, its share of value heads) and z (the
 gives b and a (per value head: the write strength beta = sigmoid(b) and the decay g = -exp(A_log) *
 softplus(a + dt_bias)). q, k and v pass through a depthwise causal convolution with SiLU, q and k are
 L2-normalised, the gated delta rule (``kernels.delta_rule``) reads and updates each sequence's state,
-and an RMSNorm of the output gated by SiLU(z) goes to ``out_proj``. The state (the convolution's last
-inputs and the recurrent matrix) lives in the step's slots of ``kvstore.StatePool``: a decode step runs
-every sequence's token at once, a prefill chunk runs its sequence's rows in the chunked form, continuing
-from where the previous chunk left the state.
+and an RMSNorm of the output gated by SiLU(z) goes to ``out_proj``. The state handling is the linear
+layers' shared part (``models.linear_mixer``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import linear, rms_norm
-from strata.kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step_slots, l2_normalize
-from strata.kvstore.state_pool import StateKind, StatePool
+from strata.kernels.delta_rule import l2_normalize
+from strata.pipeline.models.linear_mixer import LinearMixer, LinearStates
 from strata.pipeline.models.text_config import TextConfig
 
-CHUNK = 64  # rows solved at once by the chunked delta rule
 
-
-def state_kinds(cfg: TextConfig, dtype: torch.dtype) -> tuple[StateKind, ...]:
-    """What each linear layer keeps per sequence: the convolution's last inputs (model dtype) and the
-    recurrent matrix per value head (fp32, as the reference keeps it)."""
-    lin = cfg.linear
-    assert lin is not None
-    return (StateKind("conv", (lin.conv_dim, lin.conv_kernel - 1), dtype),
-            StateKind("recurrent", (lin.num_v_heads, lin.k_head_dim, lin.v_head_dim), torch.float32))
-
-
-@dataclass
-class LinearStates:
-    """The step's sequences as linear layers see them: the slot each one's state is read from and the one
-    the step writes (``kvstore.state_cache``: swapped once the step succeeds), its rows in the step, and
-    where its state at a block boundary inside its rows is copied (row, snapshot slot; row -1: none)."""
-
-    pool: StatePool
-    slots: list[int]
-    write_slots: list[int]
-    query_lens: list[int]
-    snapshots: list[tuple[int, int]]
-
-    def __post_init__(self) -> None:
-        self.decode = all(n == 1 for n in self.query_lens)  # one row per sequence: every one steps at once
-        self.read_index = torch.tensor(self.slots, dtype=torch.int64)
-        self.write_index = torch.tensor(self.write_slots, dtype=torch.int64)
-
-
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(LinearMixer):
     """One Gated DeltaNet layer; its parameters keep the checkpoint's names."""
 
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
@@ -84,9 +51,6 @@ class GatedDeltaNet(nn.Module):
         """The output projection, under the name the decoder layer reads (the checkpoint's is ``out_proj``)."""
         return self.out_proj
 
-    def fuse(self) -> None:
-        """Nothing to fuse: its two input projections feed different paths."""
-
     def run(self, x: torch.Tensor, ln: nn.Module, cos, sin_signed, kv, meta, backend, steps) -> torch.Tensor:
         """Input norm and the layer's mixing: [T, value heads * head width], before ``out_proj``."""
         states: LinearStates = meta.states
@@ -95,14 +59,14 @@ class GatedDeltaNet(nn.Module):
         r = nv // nk
         h = rms_norm(x, ln.weight, ln.eps)
         mixed, z, b, a = self._project(h)
-        mixed = self._convolve(mixed, states)
+        mixed = self.convolve(mixed, self.conv1d.weight[:, 0], states)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = l2_normalize(q.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1) * dk**-0.5
         k = l2_normalize(k.reshape(t, nk, dk).float()).repeat_interleave(r, dim=1)
         v = v.reshape(t, nv, dv)
         beta = b.reshape(t, nv).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, nv).float() + self.dt_bias)
-        core = self._recur(q, k, v, g, beta, states).to(x.dtype)
+        core = self.recur(q, k, v, g, beta, states).to(x.dtype)
         return self._gated_norm(core, z.reshape(t, nv, dv)).reshape(t, nv * dv)
 
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,39 +79,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = linear(h, self.in_proj_qkvz.weight).view(t, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
         b, a = linear(h, self.in_proj_ba.weight).view(t, nk, 2 * r).split([r, r], -1)
         return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), z, b, a
-
-    def _convolve(self, mixed: torch.Tensor, states: LinearStates) -> torch.Tensor:
-        conv = states.pool.layer("conv", self.linear_index)
-        weight = self.conv1d.weight[:, 0]
-        if states.decode:
-            out, new = causal_conv_step(mixed, conv[states.read_index], weight)
-            conv[states.write_index] = new
-            return out
-        return self._per_sequence(conv, states, (mixed,), lambda rows, state: causal_conv(rows[0], state, weight))
-
-    def _recur(self, q, k, v, g, beta, states: LinearStates) -> torch.Tensor:
-        rec = states.pool.layer("recurrent", self.linear_index)
-        if states.decode:
-            return delta_rule_step_slots(q, k, v, g, beta, rec, states.read_index, states.write_index)
-        return self._per_sequence(rec, states, (q, k, v, g, beta),
-                                  lambda rows, state: delta_rule_chunked(*rows, state, CHUNK))
-
-    @staticmethod
-    def _per_sequence(pool: torch.Tensor, states: LinearStates, inputs: tuple[torch.Tensor, ...], run) -> torch.Tensor:
-        """Each sequence's rows through ``run(rows, state) -> (out, state)``, from its read slot into its write
-        slot; where a block boundary falls inside its rows, the state there is copied to its snapshot slot."""
-        parts, start = [], 0
-        for read, write, n, (at, snap) in zip(states.slots, states.write_slots, states.query_lens, states.snapshots):
-            state = pool[read]
-            cuts = (0, at, n) if 0 < at < n else (0, n)
-            for lo, hi in zip(cuts, cuts[1:]):
-                out, state = run(tuple(x[start + lo : start + hi] for x in inputs), state)
-                parts.append(out)
-                if hi == at < n:  # a boundary inside the rows (one at their end is copied after the step)
-                    pool[snap] = state
-            pool[write] = state
-            start += n
-        return torch.cat(parts)
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm per value head (normalised in fp32, cast, scaled), then times SiLU(z) in fp32, as the

@@ -28,6 +28,37 @@ def linear_by_type(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
     return tuple((i + 1) % interval != 0 for i in range(layers))
 
 
+def kda_layers(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Kimi-Linear: ``layer_types`` (as transformers saves it), else the release's ``linear_attn_config``
+    lists of ``kda_layers`` and ``full_attn_layers`` (counted from 1), else transformers' default: every
+    4th layer but the first attends fully."""
+    if tc.get("layer_types") is not None:
+        return linear_by_type(tc, layers)
+    nested = tc.get("linear_attn_config") or {}
+    if "kda_layers" in nested and "full_attn_layers" in nested:
+        kda, full = set(nested["kda_layers"]), set(nested["full_attn_layers"])
+        if kda & full or kda | full != set(range(1, layers + 1)):
+            from strata.pipeline.models.config_errors import ModelConfigError
+
+            raise ModelConfigError(f"config.json: linear_attn_config's kda_layers and full_attn_layers must split "
+                                   f"layers 1..{layers} between them")
+        return tuple(i + 1 in kda for i in range(layers))
+    return tuple(not (i and i % 4 == 0) for i in range(layers))
+
+
+def typed_mlp_layers(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Kimi-Linear: ``mlp_layer_types`` (dense / sparse, as transformers saves it), else DeepSeek's
+    ``first_k_dense_replace`` (1 when absent, transformers' default) and ``moe_layer_freq``."""
+    types = tc.get("mlp_layer_types")
+    if types is not None:
+        if len(types) != layers:
+            from strata.pipeline.models.config_errors import ModelConfigError
+
+            raise ModelConfigError(f"config.json: mlp_layer_types has {len(types)} entries for {layers} layers")
+        return tuple(t == "sparse" for t in types)
+    return first_k_dense({"first_k_dense_replace": 1, **tc}, layers)
+
+
 def every_layer(tc: dict[str, Any], layers: int) -> tuple[bool, ...]:
     """Mixtral, gpt-oss, MiniMax-M2: no dense layer."""
     return (True,) * layers

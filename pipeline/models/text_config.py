@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
-from strata.pipeline.models.attention_kinds import GQA, AttentionKind, GatedDeltaNetConfig, MLAConfig, resolve_gated_deltanet
+from strata.pipeline.models.attention_kinds import GQA, LINEAR_KINDS, AttentionKind, GatedDeltaNetConfig, MLAConfig
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
 from strata.pipeline.models.expert_kinds import SWIGLU, ExpertKind
@@ -91,12 +91,13 @@ class TextConfig:
     nextn_layers: int = 0
     nextn_moe: tuple[bool, ...] = ()
     mtp_layers: int = 0
-    # linear attention (Qwen3-Next): which layers are Gated DeltaNet, and its geometry; their state is per
-    # sequence (``kvstore.state_pool``), so only the other layers cache KV
+    # linear attention (Qwen3-Next, Kimi-Linear): which layers are Gated DeltaNet or KDA, and its geometry; their
+    # state is per sequence (``kvstore.state_pool``), so only the other layers cache KV
     linear: GatedDeltaNetConfig | None = None
     linear_layers: tuple[bool, ...] = ()
     norm_offset: bool = False  # RMSNorm weights are stored as w, scale by 1 + w (Qwen3-Next)
     attention_gate: bool = False  # a sigmoid gate per head on the attention output (Qwen3-Next)
+    rope: bool = True  # False: attention takes no positions (Kimi-Linear's MLA, NoPE)
 
     @property
     def uses_mrope(self) -> bool:
@@ -216,6 +217,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     family = TEXT_FAMILIES.get(model_type)
     if family is None:
         raise ModelConfigError(f"unsupported text model_type {model_type!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
+    tc = family.config_view(tc)
     heads = size(tc, "num_attention_heads")
     hidden = size(tc, "hidden_size")
     if tc.get("head_dim"):
@@ -237,7 +239,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     moe, sparse = _moe(tc, family, layers + nextn)
     moe_layers, nextn_moe = sparse[:layers], sparse[layers:]
     linear_layers = family.linear_layers(tc, layers) if family.linear_layers is not None else ()
-    linear = resolve_gated_deltanet(tc, family.linear_split_projections) if any(linear_layers) else None
+    linear = LINEAR_KINDS[family.linear_kind](tc, family.linear_split_projections) if any(linear_layers) else None
     if linear_layers and all(linear_layers):
         raise ModelConfigError("config.json: every layer is linear attention; a hybrid needs full-attention layers")
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
@@ -246,6 +248,9 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     if not 0 < rotated <= (mla.qk_rope_head_dim if mla else head_dim) or rotated % 2:
         raise ModelConfigError(f"config.json: partial_rotary_factor {factor} rotates {rotated} dims of a head: "
                                "need an even count > 0")
+    positions = family.positions.resolve(tc, rotated)  # M-RoPE's sections share out the rotated dims
+    if positions.get("rope") is False and mla is None:
+        raise ModelConfigError(f"{model_type}: attention without positions is implemented for MLA only")
     return TextConfig(
         model_type=model_type,
         vocab_size=size(tc, "vocab_size"),
@@ -281,5 +286,5 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         norm_offset=family.norm_offset,
         attention_gate=attention.output_gate,
         rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
-        **family.positions.resolve(tc, rotated),  # M-RoPE's sections share out the rotated dims
+        **positions,
     )

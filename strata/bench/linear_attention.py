@@ -6,12 +6,13 @@ Four figures, each printed with what it compared:
   prefilled to each ``--contexts`` length, then 16 tokens decoded: the linear layers cost the same at every
   length, so the hybrid's TPOT grows only by its one attention layer's share;
 * **one decode step of one layer** at Qwen3-Next-80B's shapes: a Gated DeltaNet step (32 value heads of a
-  128 x 128 state; the torch reference and the C++ kernel) against full attention (16 query heads over 2 KV
-  heads of 256) at each context length;
-* **chunked prefill**: ``kernels.delta_rule.delta_rule_chunked`` against transformers' torch reference
-  (``torch_chunk_gated_delta_rule``) on the same rows, tok/s (the outputs are checked equal first);
-* **memory per sequence** at 128K and 1M from the planner: Qwen3-Next-80B against the same model with
-  every layer full attention.
+  128 x 128 state; the torch reference and the C++ kernel), and KDA's (Kimi-Linear-48B: the same state, a
+  decay per key channel), against full attention (16 query heads over 2 KV heads of 256) at each context;
+* **chunked prefill**: ``kernels.delta_rule.delta_rule_chunked`` against transformers' torch references
+  (``torch_chunk_gated_delta_rule``; ``chunk_kimi_delta_attention`` on an eighth of the rows, as its
+  reference holds every block's [64, 64, 128] decay at once) on the same rows, tok/s (outputs checked equal);
+* **memory per sequence** at 128K and 1M from the planner: Qwen3-Next-80B and Kimi-Linear-48B, each
+  against the same model with every layer full attention.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 
 from strata.bench.quant_linear import median_ms
 from strata.kernels.cpu_kernels import cpu_kernels
-from strata.kernels.delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_slots, l2_normalize
+from strata.kernels.delta_rule import (delta_rule_chunked, delta_rule_step, delta_rule_step_slots, l2_normalize,
+                                       l2_normalize_div)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,10 +58,13 @@ def _layer_steps(contexts: list[int], rounds: int) -> dict[str, float]:
     q, k = l2_normalize(torch.randn(1, hv, dk, generator=gen)), l2_normalize(torch.randn(1, hv, dk, generator=gen))
     v, g, beta = torch.randn(1, hv, dv, generator=gen), -torch.rand(1, hv, generator=gen), torch.rand(1, hv, generator=gen)
     state = torch.zeros(1, hv, dk, dv)
-    out = {"gated_deltanet": median_ms(lambda: delta_rule_step(q, k, v, g, beta, state), rounds)}
+    per_channel = -torch.rand(1, hv, dk, generator=gen)  # KDA's decay
+    out = {"gated_deltanet": median_ms(lambda: delta_rule_step(q, k, v, g, beta, state), rounds),
+           "kda": median_ms(lambda: delta_rule_step(q, k, v, per_channel, beta, state), rounds)}
     pool, read, write = torch.zeros(2, hv, dk, dv), torch.tensor([0]), torch.tensor([1])
     if cpu_kernels() is not None:  # the C++ step, reading and writing pool slots in place
         out["gated_deltanet_cpp"] = median_ms(lambda: delta_rule_step_slots(q, k, v, g, beta, pool, read, write), rounds)
+        out["kda_cpp"] = median_ms(lambda: delta_rule_step_slots(q, k, v, per_channel, beta, pool, read, write), rounds)
     for n in contexts:
         query = torch.randn(1, 16, 1, 256, generator=gen)
         keys, values = torch.randn(1, 2, n, 256, generator=gen), torch.randn(1, 2, n, 256, generator=gen)
@@ -68,18 +73,23 @@ def _layer_steps(contexts: list[int], rounds: int) -> dict[str, float]:
     return out
 
 
-def _prefill(rows: int, rounds: int) -> dict[str, float]:
-    """tok/s of the chunked delta rule, ours against transformers' reference, 32 heads of 128 x 128."""
+def _prefill(rows: int, rounds: int, per_channel: bool = False) -> dict[str, float]:
+    """tok/s of the chunked delta rule, ours against transformers' reference, 32 heads of 128 x 128; with
+    ``per_channel``, KDA's form against Kimi-Linear's reference."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(1)
     q, k = torch.randn(rows, 32, 128, generator=gen), torch.randn(rows, 32, 128, generator=gen)
-    v, g, beta = torch.randn(rows, 32, 128, generator=gen), -torch.rand(rows, 32, generator=gen), torch.rand(rows, 32, generator=gen)
+    v, beta = torch.randn(rows, 32, 128, generator=gen), torch.rand(rows, 32, generator=gen)
+    g = -torch.rand(*((rows, 32, 128) if per_channel else (rows, 32)), generator=gen)
     state = torch.zeros(32, 128, 128)
-    qn, kn = l2_normalize(q) * 128**-0.5, l2_normalize(k)
+    norm = l2_normalize_div if per_channel else l2_normalize
+    qn, kn = norm(q) * 128**-0.5, norm(k)
+    reference = chunk_kimi_delta_attention if per_channel else torch_chunk_gated_delta_rule
     ours = lambda: delta_rule_chunked(qn, kn, v, g, beta, state)  # noqa: E731
-    ref = lambda: torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],  # noqa: E731
-                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref = lambda: reference(q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],  # noqa: E731
+                            output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(ours()[0], ref()[0][0], rtol=1e-4, atol=1e-4)
     return {"strata_tok_s": rows / (median_ms(ours, rounds) / 1000),
             "transformers_tok_s": rows / (median_ms(ref, rounds) / 1000)}
@@ -89,12 +99,20 @@ def _memory() -> dict[str, dict[str, int]]:
     from strata.planning.memory_plan import plan_memory
     from strata.planning.model_shapes import BUILTIN_SHAPES
 
+    kimi = BUILTIN_SHAPES["kimi-linear-48b"]
+    every_layer_full = {
+        "qwen3-next-80b": {**BUILTIN_SHAPES["qwen3-next-80b"], "layer_types": ["full_attention"] * 48},
+        "kimi-linear-48b": {**kimi, "linear_attn_config": {**kimi["linear_attn_config"], "kda_layers": [],
+                                                           "full_attn_layers": list(range(1, 28))}}}
     out: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        full = Path(tmp) / "config.json"
-        full.write_text(json.dumps({**BUILTIN_SHAPES["qwen3-next-80b"], "layer_types": ["full_attention"] * 48}))
-        for name, model in (("hybrid", "qwen3-next-80b"), ("full attention", str(full))):
-            out[name] = {f"{n // 1000}K": plan_memory(model, n, 1, 2**40).kv_bytes_needed for n in (128_000, 1_000_000)}
+        for model, shape in every_layer_full.items():
+            full = Path(tmp) / model / "config.json"
+            full.parent.mkdir()
+            full.write_text(json.dumps(shape))
+            for name, source in ((f"{model} hybrid", model), (f"{model} all full attention", str(full.parent))):
+                out[name] = {f"{n // 1000}K": plan_memory(source, n, 1, 2**40).kv_bytes_needed
+                             for n in (128_000, 1_000_000)}
     return out
 
 
@@ -118,12 +136,17 @@ def run(args: argparse.Namespace) -> int:
     rows["layer_step_ms"] = steps = _layer_steps(sorted(args.contexts), args.rounds)
     print("# one decode step of one layer at Qwen3-Next-80B's shapes (fp32, median of "
           f"{args.rounds}): Gated DeltaNet {steps['gated_deltanet']:.3f} ms at any context (torch; C++ "
-          f"{steps.get('gated_deltanet_cpp', float('nan')):.3f} ms); full attention " +
+          f"{steps.get('gated_deltanet_cpp', float('nan')):.3f} ms), KDA {steps['kda']:.3f} ms (C++ "
+          f"{steps.get('kda_cpp', float('nan')):.3f} ms); full attention " +
           ", ".join(f"{steps[f'attention_{n}']:.3f} ms at {n:,}" for n in sorted(args.contexts)))
-    rows["prefill"] = pre = _prefill(args.prefill_rows, args.rounds)
-    print(f"# chunked delta rule, {args.prefill_rows:,} rows x 32 heads of 128 x 128: Strata "
-          f"{pre['strata_tok_s']:,.0f} tok/s, transformers' torch reference {pre['transformers_tok_s']:,.0f} tok/s "
-          f"({pre['strata_tok_s'] / pre['transformers_tok_s']:.2f}x; outputs equal)")
+    kda_rows = max(64, args.prefill_rows // 8)
+    rows["prefill"] = {"gated_deltanet": _prefill(args.prefill_rows, args.rounds),
+                       "kda": _prefill(kda_rows, args.rounds, per_channel=True)}
+    for name, n in (("gated_deltanet", args.prefill_rows), ("kda", kda_rows)):
+        pre = rows["prefill"][name]
+        print(f"# chunked delta rule ({name}), {n:,} rows x 32 heads of 128 x 128: Strata "
+              f"{pre['strata_tok_s']:,.0f} tok/s, transformers' torch reference {pre['transformers_tok_s']:,.0f} tok/s "
+              f"({pre['strata_tok_s'] / pre['transformers_tok_s']:.2f}x; outputs equal)")
     rows["memory_bytes"] = mem = _memory()
     print("# KV + state for one sequence (strata plan, bf16): " + "; ".join(
         f"{name} {', '.join(f'{v / 2**30:.2f} GiB at {k}' for k, v in by.items())}" for name, by in mem.items()))

@@ -23,7 +23,6 @@ from strata.kernels.cpu_kernels import library_path
 from strata.kernels.rope import SUPPORTED_ROPE_TYPES
 from strata.pipeline.models.activations import ACTIVATIONS
 from strata.pipeline.models.architectures import (
-    CAUSAL_LM_NAMES,
     TEXT_FAMILIES,
     ModelArchitecture,
     TextFamily,
@@ -141,6 +140,9 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
 
 def _rope(tc: dict[str, Any], parsed: TextConfig | None) -> Component:
     """Positions as the loader parses them (an M-RoPE config needs a family that declares M-RoPE)."""
+    if parsed is not None and not parsed.rope:
+        return Component("rope", "none: attention takes no positions (NoPE); the linear layers carry order",
+                         "pipeline.models.attention_mla (no rotation)")
     rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     mrope = "mrope_section" in rope
     params = parsed.rope_parameters if parsed is not None else rope
@@ -190,11 +192,12 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
            _attention(tc, family, parsed), _rope(tc, parsed)]
     if parsed is not None and parsed.linear is not None:
         lin = parsed.linear
-        out.append(Component("linear attention", f"Gated DeltaNet on {sum(parsed.linear_layers)} of {parsed.num_layers} "
+        out.append(Component("linear attention", f"{lin.name} on {sum(parsed.linear_layers)} of {parsed.num_layers} "
                              f"layers ({lin.num_k_heads} key / {lin.num_v_heads} value heads of {lin.k_head_dim}/"
                              f"{lin.v_head_dim}, conv {lin.conv_kernel}): a per-sequence state, "
                              f"{lin.state_bytes() * sum(parsed.linear_layers) / 2**20:.2f} MiB in fp32",
-                             "pipeline.models.gated_deltanet over kernels.delta_rule (torch) and kvstore.state_pool"))
+                             f"pipeline.models.{'kimi_delta' if lin.kda else 'gated_deltanet'} over kernels.delta_rule "
+                             "(torch, C++ decode step) and kvstore.state_pool"))
     if "layer_norm_eps" in tc or "norm_epsilon" in tc:
         out.append(Component("norm", f"LayerNorm, eps {tc.get('layer_norm_eps', tc.get('norm_epsilon'))}", MISSING))
     else:

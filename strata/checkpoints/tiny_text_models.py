@@ -10,7 +10,7 @@ q LoRA, interleaved yarn RoPE with mscale, sigmoid group-limited routing, shared
 first dense layer, for gpt-oss sinks, alternating sliding and full layers and clamped-SwiGLU experts, and
 for MiniMax-M2 q/k norms over all heads, a quarter of each head rotated and sigmoid routing over every
 expert. The same builder makes the families the transformers fallback serves (``FALLBACK_ARCHITECTURES``)
-and Qwen3-Next, which it refuses. ``overrides`` change any config field (tests build variants with them).
+and Qwen3-Next, which it refuses, and Kimi-Linear. ``overrides`` change any config field (tests build variants with them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
-                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -92,6 +92,14 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    # Kimi-Linear: KDA in 3 of 4 layers, MLA without positions in the 3rd, a first dense layer, then
+    # DeepSeek-V3's group-limited sigmoid routing with a shared expert (transformers saves the release's names)
+    "kimi_linear": dict(num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96, kv_lora_rank=32,
+                        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_head_dim=16,
+                        linear_num_heads=4, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                         "linear_attention"],
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
 }
 
 
