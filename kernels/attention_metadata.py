@@ -53,10 +53,15 @@ class AttentionMetadata:
     # per model layer, the metadata it attends with when cache groups differ (a sliding-window group reads
     # its own slots from its window's start: ``kvstore.window_claims``); None: every layer uses this one
     by_layer: tuple[AttentionMetadata, ...] | None = None
-    states: Any = None  # the step's linear-attention states (``models.gated_deltanet.LinearStates``), if any
+    states: Any = None  # the step's linear-attention states (``models.linear_mixer.LinearStates``), if any
+    prompt_lens: list[int] = field(default_factory=list)  # per sequence, its prompt's length (DSA's top-k rule)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         return self if self.by_layer is None else self.by_layer[layer]
+
+    def prompt_len(self, i: int) -> int:
+        """Sequence ``i``'s prompt length (0 when the runner did not say: every row counts as generated)."""
+        return self.prompt_lens[i] if self.prompt_lens else 0
 
     def kv_offset(self, i: int) -> int:
         return self.kv_offsets[i] if self.kv_offsets else 0

@@ -83,6 +83,17 @@ def block_extras(start: int, end: int, image_spans: Iterable[ImageSpan]) -> tupl
     return tuple(_span_key(s) for s in hits)
 
 
+def prompt_seed(fingerprint: bytes, prompt_len: int) -> bytes:
+    """The chain's seed for a model whose KV of a prefix depends on the length of the prompt it was computed in
+    (DSA: the indexer's top-k ties break by ``torch.topk`` over the whole prompt, ``kernels.sparse_index``):
+    blocks are then shared only between requests whose prompts are as long."""
+    h = _new()
+    _update_field(h, b"strata.kv.prompt-keyed.v1")
+    _update_field(h, fingerprint)
+    _update_field(h, struct.pack("<Q", prompt_len))
+    return h.digest()
+
+
 def hash_chain(
     fingerprint: bytes,
     token_ids: Sequence[int],

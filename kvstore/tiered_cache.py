@@ -66,6 +66,7 @@ class TieredKVCache:
         self.matcher = PrefixMatcher(pool, self.copies, self.spills, self.claims)
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
         self.states: StateCache | None = None  # linear-attention layers' per-sequence state (``state_cache``)
+        self.prompt_keyed = False  # a prefix's KV depends on its prompt's length (DSA): hashes seeded with it
 
     @property
     def can_spill(self) -> bool:

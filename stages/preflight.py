@@ -27,6 +27,29 @@ def check_checkpoint(model_dir: str | Path, chat_template: str | None = None, te
         check_processor(_image_processor(model_dir), cfg.vision)
 
 
+def check_model_engine(text: Any, engine: Any) -> None:
+    """Everything a decoder's own layers refuse to run with, in one line, before it loads: ``text`` is the
+    parsed ``TextConfig``, ``engine`` the engine settings (one stage's, with its tp)."""
+    if text.linear is not None:
+        check_linear_attention(engine)
+    if text.dsa is not None:
+        check_sparse_attention(engine)
+
+
+def check_sparse_attention(engine: Any) -> None:
+    """What DSA (DeepSeek-V3.2) does not run with yet: its indexer is not split across ranks, its keys and the
+    latents it gathers are not scaled for an FP8 cache, and the MTP layer's own indexer is not wired."""
+    from strata.pipeline.models.config_errors import ModelConfigError
+
+    if engine.tp > 1:
+        raise ModelConfigError("a model with sparse attention (DSA) runs with tp=1 only (its indexer is not split "
+                               "across a tensor-parallel group yet)")
+    if engine.kv_cache_dtype != "auto":
+        raise ModelConfigError("a model with sparse attention (DSA) needs kv_cache_dtype auto")
+    if engine.speculative is not None and engine.speculative.method == "mtp":
+        raise ModelConfigError("a model with sparse attention (DSA) drafts with ngram only, not its MTP layer yet")
+
+
 def check_linear_attention(engine: Any) -> None:
     """What a model with linear-attention layers (Qwen3-Next) does not run with yet, refused in one line
     before it loads: its per-sequence state is not split across ranks, and a recurrence cannot take back a

@@ -17,7 +17,6 @@ from strata.pipeline.models.model_config import ModelConfig
 from strata.pipeline.models.model_loader import check_tensor_parallel_split, load_parallel_language_model, resolve_dtype
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weights import LoadStats
-from strata.pipeline.parallel.shard_plan import ShardPlan
 from strata.pipeline.parallel.tp_group import GroupAddress, TPGroup
 
 log = logging.getLogger(__name__)

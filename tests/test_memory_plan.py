@@ -372,10 +372,11 @@ def test_a_linear_attention_hybrid_costs_its_full_layers_per_token_and_a_fixed_s
     assert STATE_COPIES * engine.kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
-def test_a_hybrids_param_count_matches_its_transformers_built_checkpoint(arch: str, text_models, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32"])
+def test_a_frontier_param_count_matches_its_transformers_built_checkpoint(arch: str, text_models,
+                                                                          tmp_path: Path) -> None:
     """The planner counts linear-attention layers (Gated DeltaNet's and KDA's own projections, convolutions,
-    decay and gate parameters) as transformers writes them."""
+    decay and gate parameters) and DSA's indexer as transformers writes them."""
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     shutil.copy(text_models[arch] / "config.json", config_only / "config.json")
@@ -399,3 +400,13 @@ def test_kimi_linear_at_a_million_tokens_caches_its_seven_mla_layers(text_models
     assert at_1m.kv_bytes_needed < plan_memory("deepseek-v3", 1_000_000, 1, 80 * GiB).kv_bytes_needed / 8
     tiny = text_models["kimi_linear"]
     assert STATE_COPIES * build(tiny).kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)
+
+
+def test_deepseek_v32_caches_an_indexer_key_beside_each_latent() -> None:
+    """DeepSeek-V3.2 at its real shape: 61 layers of a 576-value latent plus a 128-value indexer key per token;
+    its parameters are V3's plus the 61 indexers."""
+    v32, v3 = plan_memory("deepseek-v3.2", 1_000_000, 1, 80 * GiB), plan_memory("deepseek-v3", 1_000_000, 1, 80 * GiB)
+    assert v32.kv_bytes_per_token == 61 * (576 + 128) * 2 and v3.kv_bytes_per_token == 61 * 576 * 2
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert v32.num_params == v3.num_params + 61 * indexer
+    assert "+ DSA indexer key 128 per layer" in format_plan(v32)

@@ -182,17 +182,16 @@ def check_tensor_parallel(config: ServeConfig, model_dir: str | Path) -> None:
 
 def check_stage_engines(config: ServeConfig) -> None:
     """Refuse, before any cluster starts, what the model's layers or the speculative method cannot run with:
-    a linear-attention model's state crosses no tensor-parallel split; MTP needs the layer."""
+    a linear-attention model's state and DSA's indexer cross no tensor-parallel split; MTP needs the layer."""
     from strata.pipeline.models.model_config import load_model_config
     from strata.pipeline.models.mtp import check_mtp_engine, with_mtp
-    from strata.stages.preflight import check_linear_attention
+    from strata.stages.preflight import check_model_engine
 
     cfg = load_model_config(config.model_dir)
     spec = config.engine.speculative
     for stage in LANGUAGE_STAGES:
         engine = config.engine.model_copy(update={"tp": config.tp(stage)})
-        if cfg.text.linear is not None:
-            check_linear_attention(engine)
+        check_model_engine(cfg.text, engine)
         if spec is not None and spec.method == "mtp":
             check_mtp_engine(engine.tp, engine.kv_cache_dtype)
     if spec is not None:

@@ -53,6 +53,7 @@ class StepInputs:
     state_writes: list[int] = field(default_factory=list)  # ... and the slot its new state goes to
     # per sequence: (row, slot) its state at a block boundary is copied to after that many of its rows; -1: none
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)  # per sequence (DSA's top-k rule reads it)
 
 
 class StepExecutor:
@@ -82,6 +83,7 @@ class StepExecutor:
                                                      self.block_size, self.device, w.offsets)
                              for w in inputs.windows)]
             meta.by_layer = tuple(metas[i] for i in self.layer_meta)
+        meta.prompt_lens = inputs.prompt_lens
         if self.states is not None:
             meta.states = LinearStates(self.states, inputs.state_slots, inputs.state_writes, inputs.query_lens,
                                        inputs.state_snapshots)
@@ -209,6 +211,7 @@ class ModelRunner:
             s.tables.append(table.block_ids)
             s.offsets.append(table.first_resident_token)
             s.num_spilled.append(table.num_spilled)
+            s.prompt_lens.append(seq.num_prompt_tokens)
             if self.kv.states is not None:
                 s.state_slots.append(table.state_slot)
                 s.state_writes.append(table.state_spare)

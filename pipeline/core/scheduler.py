@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.kvstore import TieredKVCache
+from strata.kvstore.hashing import prompt_seed
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.sequence import Sequence, SequenceStatus
 
@@ -58,6 +59,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.fingerprint = kv.fingerprint
+        self.prompt_keyed = kv.prompt_keyed  # DSA: blocks are named by their prompt's length too (``hashing.prompt_seed``)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Blocks to leave free when admitting new prompts (e.g. one per sequence decoding
@@ -151,7 +153,7 @@ class Scheduler:
             if not seq.prefetched and seq.num_computed_tokens == 0 and seq.block_table.is_empty() \
                     and seq.params.prompt_logprobs is None:
                 seq.prefetched = True
-                self.kv.prefetch(seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens)))
+                self.kv.prefetch(seq.full_block_hashes(self._seed(seq), self.kv.matchable_blocks(seq.num_tokens)))
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Room for ``n`` more tokens of ``seq``, preempting the newest unscheduled sequence (or
@@ -182,10 +184,15 @@ class Scheduler:
             return None
         return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
+    def _seed(self, seq: Sequence) -> bytes:
+        """The seed of ``seq``'s block-hash chain: the model's fingerprint, with its prompt's length when the
+        model's KV depends on it."""
+        return prompt_seed(self.fingerprint, seq.num_prompt_tokens) if self.prompt_keyed else self.fingerprint
+
     def _match_prefix(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt row computed (``core.prompt_logprobs``)
-        hashes = seq.full_block_hashes(self.fingerprint, self.kv.matchable_blocks(seq.num_tokens))
+        hashes = seq.full_block_hashes(self._seed(seq), self.kv.matchable_blocks(seq.num_tokens))
         if seq.lost_blocks:  # never again past a block this sequence found lost
             hashes = hashes[: next((i for i, h in enumerate(hashes) if h in seq.lost_blocks), len(hashes))]
         # Keep device room for the first chunk; matched blocks beyond that stay in their tier.
@@ -214,6 +221,6 @@ class Scheduler:
         table = seq.block_table
         full = table.num_full_blocks(end)
         publish = self.config.enable_prefix_caching and full > table.num_published
-        self.kv.commit(table, end, seq.full_block_hashes(self.fingerprint, full) if publish else ())
+        self.kv.commit(table, end, seq.full_block_hashes(self._seed(seq), full) if publish else ())
         if self.kv.states is not None and chunk.samples and not seq.output_token_ids:
             self.kv.states.publish(table)  # the prompt's state at its last block boundary: the next alike finds it

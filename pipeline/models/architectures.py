@@ -68,6 +68,7 @@ class TextFamily:
     # (the release's key, the key the parse reads), as transformers' ``attribute_map``: Kimi-Linear counts its
     # experts and context under names of its own
     config_aliases: tuple[tuple[str, str], ...] = ()
+    rope_interleave: bool | None = None  # MLA's RoPE pairs: fixed by the family (DeepSeek-V3.2), else the config's key
 
     def config_view(self, tc: dict[str, Any]) -> dict[str, Any]:
         """The text config with this family's aliased keys under the names the parse reads."""
@@ -129,6 +130,11 @@ for _family in (
                linear_split_projections=True, norm_offset=True, norm_scale_fp32=True,
                router=router_kinds.SOFTMAX_QWEN_VL, experts_keys=("num_experts",),
                shared_expert_key="shared_expert_intermediate_size", positions=position_kinds.MROPE_INTERLEAVED),
+    # DeepSeek-V3.2: DeepSeek-V3 with DSA (MLA over the top-k tokens a lightning indexer picks), RoPE pairs
+    # always interleaved, dense and sparse layers listed per layer
+    TextFamily("deepseek_v32", attention=attention_kinds.MLA_DSA, router=router_kinds.SIGMOID_GROUPED,
+               sparse_layers=typed_mlp_layers, shared_experts=True, experts_keys=("n_routed_experts",),
+               rope_interleave=True),
     # Kimi-Linear: KDA linear attention in 3 of every 4 layers, MLA without positions (NoPE) in the 4th,
     # DeepSeek-V3's router and shared expert
     TextFamily("kimi_linear", attention=attention_kinds.MLA, positions=position_kinds.NOPE, linear_layers=kda_layers,
@@ -321,7 +327,7 @@ for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMo
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3"),
-                    ("Glm4MoeForCausalLM", "glm4_moe")):
+                    ("Glm4MoeForCausalLM", "glm4_moe"), ("DeepseekV32ForCausalLM", "deepseek_v32")):
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
 register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_LM_NAMES, text_family="gpt_oss",
                                         renames=GPT_OSS_RENAMES))

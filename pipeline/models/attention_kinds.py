@@ -39,6 +39,21 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): ``n_heads`` small heads of ``head_dim``
+    score every cached token for each query (ReLU-gated dot products, weighted per head), and MLA attends
+    only over the ``topk`` best. Each token caches one indexer key of ``head_dim`` values beside its latent."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+    def params(self, hidden: int, q_lora_rank: int) -> int:
+        """One layer's indexer: wq_b (from the q LoRA), wk, its LayerNorm (weight and bias), weights_proj."""
+        return q_lora_rank * self.n_heads * self.head_dim + hidden * self.head_dim + 2 * self.head_dim + hidden * self.n_heads
+
+
+@dataclass(frozen=True)
 class GatedDeltaNetConfig:
     """Linear attention with a gated delta rule: per sequence a fixed-size state, no per-token KV. Gated
     DeltaNet (Qwen3-Next, Qwen3.5): each key head serves ``num_v_heads // num_k_heads`` value heads, one
@@ -116,6 +131,7 @@ class ResolvedAttention:
     sinks: bool
     mla: MLAConfig | None
     output_gate: bool = False
+    dsa: DSAConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -131,11 +147,12 @@ class AttentionKind:
     qk_norm_key: str | None = None  # the norm is on only where this config key is true (GLM-4.5's ``use_qk_norm``)
     sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
     output_gate: bool = False  # q_proj also gives each head a gate; the output is scaled by its sigmoid (Qwen3-Next)
+    indexer: bool = False  # MLA over the top-k tokens a lightning indexer picks (DeepSeek-V3.2's DSA)
 
     @property
     def latent(self) -> bool:
         """K and V are one cached latent (MLA), attended in the weight-absorbed form."""
-        return self.module == "mla"
+        return self.module in ("mla", "mla_dsa")
 
     def resolve(self, tc: dict[str, Any]) -> ResolvedAttention:
         """This kind's settings from a text config; a combination its module does not compute is refused."""
@@ -149,10 +166,18 @@ class AttentionKind:
             mla = MLAConfig(q_lora_rank=checked_size(q_rank, "q_lora_rank") if q_rank else None,
                             kv_lora_rank=size(tc, "kv_lora_rank"), qk_nope_head_dim=size(tc, "qk_nope_head_dim"),
                             qk_rope_head_dim=size(tc, "qk_rope_head_dim"), v_head_dim=size(tc, "v_head_dim"))
+        dsa = None
+        if self.indexer:
+            if mla is None or mla.q_lora_rank is None:
+                raise ModelConfigError("config.json: DSA's indexer reads the q LoRA: q_lora_rank is required")
+            dsa = DSAConfig(size(tc, "index_n_heads"), size(tc, "index_head_dim"), size(tc, "index_topk"))
+            if dsa.head_dim < mla.qk_rope_head_dim:
+                raise ModelConfigError(f"config.json: index_head_dim ({dsa.head_dim}) is narrower than the "
+                                       f"qk_rope_head_dim ({mla.qk_rope_head_dim}) it rotates")
         return ResolvedAttention(attention_bias=bias,
                                  o_bias=not self.qkv_bias and self.bias_on_o and bool(tc.get("attention_bias", False)),
                                  qk_norm=norm, qk_norm_over_heads=norm and self.qk_norm == "over-heads",
-                                 sinks=self.sinks, mla=mla, output_gate=self.output_gate)
+                                 sinks=self.sinks, mla=mla, output_gate=self.output_gate, dsa=dsa)
 
     def split(self, cfg: Any, proj: str, kind: str) -> tuple[int, str, int] | None:
         """How a tensor-parallel group splits this layer's ``proj`` (its ``kind``, weight or bias): (dim, the
@@ -192,8 +217,12 @@ class AttentionKind:
     def describe(self, cfg: Any) -> str:
         """Its ``strata ops`` line for a parsed config (windows and per-layer types are the family's rows)."""
         if cfg.mla is not None:
-            return (f"MLA ({cfg.num_heads} heads over one {cfg.mla.latent_dim}-value latent per token: compressed "
-                    "KV + shared RoPE key)")
+            detail = (f"MLA ({cfg.num_heads} heads over one {cfg.mla.latent_dim}-value latent per token: compressed "
+                      "KV + shared RoPE key)")
+            if cfg.dsa is not None:
+                detail += (f", sparse (DSA): an indexer of {cfg.dsa.n_heads} heads of {cfg.dsa.head_dim} picks the top "
+                           f"{cfg.dsa.topk} tokens, its key cached per token")
+            return detail
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         label = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else self.name)
         detail = f"{label} ({heads} query / {kv_heads} KV heads)"
@@ -214,3 +243,4 @@ GQA_SINKS = AttentionKind("GQA", "gqa", sinks=True)  # gpt-oss
 GQA_QK_NORM_OVER_HEADS = AttentionKind("GQA", "gqa", qk_norm="over-heads")  # MiniMax-M2
 GQA_GATED = AttentionKind("GQA", "gqa", qk_norm="per-head", output_gate=True)  # Qwen3-Next's full layers
 MLA = AttentionKind("MLA", "mla")  # DeepSeek-V3, Kimi-K2
+MLA_DSA = AttentionKind("MLA", "mla_dsa", indexer=True)  # DeepSeek-V3.2

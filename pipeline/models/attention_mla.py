@@ -82,13 +82,15 @@ class MLAAttention(nn.Module):
             x = x.index_select(-1, self._pairs.to(x.device))
         return rotate_heads(x, cos, sin_signed)
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, q_resid: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """From the normed hidden state: (q_nope [T, H, nope], q_pe [T, H, rope] rotated, latent [T, 1, rank+rope])."""
+        """From the normed hidden state: (q_nope [T, H, nope], q_pe [T, H, rope] rotated, latent [T, 1, rank+rope]).
+        ``q_resid``: the q LoRA's normed output when the caller computed it (DSA's indexer reads it too)."""
         t = h.shape[0]
         if hasattr(self, "q_a_proj"):
-            q = linear(rms_norm(linear(h, self.q_a_proj.weight), self.q_a_layernorm.weight, LATENT_NORM_EPS),
-                       self.q_b_proj.weight)
+            if q_resid is None:
+                q_resid = rms_norm(linear(h, self.q_a_proj.weight), self.q_a_layernorm.weight, LATENT_NORM_EPS)
+            q = linear(q_resid, self.q_b_proj.weight)
         else:
             q = linear(h, self.q_proj.weight)
         q = q.view(t, self.num_heads, self.nope + self.rope)

@@ -3,6 +3,7 @@
 Every group caches the attention kind's geometry (K and V per KV head, or MLA's one latent). Full-attention
 layers form the first group and each sliding window its own, so a model whose layers all attend alike
 (every model before gpt-oss) has one group, and gpt-oss has two: its full layers and its 128-token windows.
+DeepSeek-V3.2 adds a group of its own for DSA's indexer keys (one small vector per token and layer).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ def cache_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]
     for layer, window in enumerate(text.kv_layer_windows + (None,) * text.mtp_layers):  # KV-layout indices
         by_window.setdefault(window, []).append(layer)
     order = sorted(by_window, key=lambda w: (w is not None, w or 0))
-    return tuple(CacheGroup(tuple(by_window[w]), text.kv_cache_heads, text.kv_cache_dim, dtype, text.kv_parts, w)
-                 for w in order)
+    groups = tuple(CacheGroup(tuple(by_window[w]), text.kv_cache_heads, text.kv_cache_dim, dtype, text.kv_parts, w)
+                   for w in order)
+    if text.dsa is not None:  # DSA's indexer keys: one small vector per token and attention layer, after the latents
+        first = text.cached_layers
+        groups += (CacheGroup(tuple(range(first, first + text.index_layers)), 1, text.dsa.head_dim, dtype, 1),)
+    return groups
 
 
 def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:

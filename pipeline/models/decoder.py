@@ -37,6 +37,7 @@ from strata.kernels import (
 from strata.kernels.layer_ops import silu_mul
 from strata.kernels.norm import rms_norm_spanning
 from strata.pipeline.models.attention_mla import MLAAttention
+from strata.pipeline.models.attention_dsa import DSAAttention
 from strata.pipeline.models.gated_deltanet import GatedDeltaNet
 from strata.pipeline.models.kimi_delta import KimiDeltaAttention
 from strata.pipeline.models.mlp import DenseMLP, fuse_rows
@@ -223,7 +224,8 @@ class Attention(nn.Module):
 
 
 # the module that computes each attention kind (``attention_kinds.AttentionKind.module``)
-ATTENTION_MODULES: dict[str, type[Attention] | type[MLAAttention]] = {"gqa": Attention, "mla": MLAAttention}
+ATTENTION_MODULES: dict[str, type[Attention] | type[MLAAttention]] = {"gqa": Attention, "mla": MLAAttention,
+                                                                      "mla_dsa": DSAAttention}
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
-from strata.pipeline.models.attention_kinds import GQA, LINEAR_KINDS, AttentionKind, GatedDeltaNetConfig, MLAConfig
+from strata.pipeline.models.attention_kinds import (GQA, LINEAR_KINDS, AttentionKind, DSAConfig, GatedDeltaNetConfig,
+                                                   MLAConfig)
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
 from strata.pipeline.models.expert_kinds import SWIGLU, ExpertKind
@@ -98,6 +99,7 @@ class TextConfig:
     norm_offset: bool = False  # RMSNorm weights are stored as w, scale by 1 + w (Qwen3-Next)
     attention_gate: bool = False  # a sigmoid gate per head on the attention output (Qwen3-Next)
     rope: bool = True  # False: attention takes no positions (Kimi-Linear's MLA, NoPE)
+    dsa: DSAConfig | None = None  # sparse MLA over an indexer's top-k (DeepSeek-V3.2): an indexer key cached per token
 
     @property
     def uses_mrope(self) -> bool:
@@ -115,6 +117,16 @@ class TextConfig:
         """Layers that keep per-token KV: the decoder's (not its linear-attention ones), and the MTP layers
         this load drafts with."""
         return self.num_layers - sum(self.linear_layers) + self.mtp_layers
+
+    @property
+    def index_layers(self) -> int:
+        """Layers that cache a DSA indexer key per token (each attention layer of the decoder), KV-layout
+        layers after the attention layers' (``cache_groups``)."""
+        return self.num_layers - sum(self.linear_layers) if self.dsa is not None else 0
+
+    def index_kv_index(self, layer: int) -> int:
+        """The KV-layout layer holding model layer ``layer``'s indexer keys."""
+        return self.cached_layers + self.kv_index(layer)
 
     def is_linear_layer(self, layer: int) -> bool:
         return layer < self.num_layers and bool(self.linear_layers) and self.linear_layers[layer]
@@ -285,6 +297,8 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         linear_layers=linear_layers if linear is not None else (),
         norm_offset=family.norm_offset,
         attention_gate=attention.output_gate,
-        rope_interleave=bool(tc.get("rope_interleave", False)) if mla else False,
+        rope_interleave=(family.rope_interleave if family.rope_interleave is not None
+                         else bool(tc.get("rope_interleave", False))) if mla else False,
+        dsa=attention.dsa,
         **positions,
     )

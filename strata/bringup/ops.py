@@ -117,6 +117,10 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
         latent = tc["kv_lora_rank"] + (tc.get("qk_rope_head_dim") or 0)
         return Component("attention", f"MLA ({heads} heads over one {latent}-value latent per token: compressed "
                          "KV + shared RoPE key)", MISSING)
+    if parsed is not None and parsed.dsa is not None:
+        return Component("attention", parsed.attention.describe(parsed),
+                         "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents) with "
+                         "kernels.sparse_index (torch); indexer keys a cache group of their own")
     if parsed is not None and parsed.mla is not None:
         return Component("attention", parsed.attention.describe(parsed),
                          f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}")

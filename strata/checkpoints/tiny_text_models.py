@@ -23,7 +23,8 @@ from typing import Any
 from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS, BOS, EOS, PAD, train_tokenizer, write_sha256sums
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
-                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
+                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
+                      "deepseek_v32")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -100,6 +101,13 @@ _FAMILY: dict[str, dict[str, Any]] = {
                                                          "linear_attention"],
                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
+    # DeepSeek-V3.2: DeepSeek-V3 with DSA; an indexer of 2 heads keeps 8 tokens, far fewer than a prompt holds,
+    # and with two ReLU'd heads a quarter of the scores are exactly 0, so the top-8 boundary often falls in a tie
+    "deepseek_v32": dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8,
+                         index_head_dim=16, index_n_heads=2),
 }
 
 

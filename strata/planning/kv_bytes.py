@@ -19,8 +19,9 @@ def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
     x head_dim x dtype bytes; MLA's one latent, layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
     Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
     (then, as the engine does, they are counted as full); linear-attention layers a state per sequence
-    (:func:`linear_state_bytes`)."""
-    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(sliding_layers(tc)))
+    (:func:`linear_state_bytes`). DSA (DeepSeek-V3.2) adds its indexer key per token and layer."""
+    index = tc.dsa.head_dim * elem_bytes * tc.index_layers if tc.dsa is not None else 0
+    return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(sliding_layers(tc))) + index
 
 
 def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
@@ -41,8 +42,6 @@ def sliding_layers(tc: TextConfig) -> list[int]:
     """Each sliding layer's window, when some layers attend over the whole context (a hybrid)."""
     windows = [w for w in tc.layer_windows if w is not None]
     return windows if len(windows) < tc.num_layers else []
-
-
 
 
 def linear_state_bytes(tc: TextConfig, elem_bytes: int) -> int:

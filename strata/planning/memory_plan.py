@@ -368,7 +368,8 @@ def _plan(
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
     if tc.mla is not None:
-        kv_kind = f"MLA latent {tc.mla.kv_lora_rank}+{tc.mla.qk_rope_head_dim} per layer"
+        kv_kind = f"MLA latent {tc.mla.kv_lora_rank}+{tc.mla.qk_rope_head_dim}" + \
+            (f" + DSA indexer key {tc.dsa.head_dim}" if tc.dsa is not None else "") + " per layer"
     else:
         kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"
     if windowed:

@@ -81,6 +81,14 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
 }
 BUILTIN_SHAPES["kimi-k2-thinking"] = {**BUILTIN_SHAPES["kimi-k2"], "quantization_config": KIMI_INT4_EXPERTS}
 BUILTIN_SHAPES["moe-1t"] = BUILTIN_SHAPES["kimi-k2"]
+BUILTIN_SHAPES["deepseek-v3.2"] = {  # DeepSeek-V3.2(-Exp) as released: V3's shape plus DSA's lightning indexer
+    **BUILTIN_SHAPES["deepseek-v3"],
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
 BUILTIN_SHAPES["gpt-oss-120b"] = {  # as OpenAI publishes its config.json: 36 layers, every other one a 128-token window
     "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",

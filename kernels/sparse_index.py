@@ -1,0 +1,61 @@
+"""DeepSeek Sparse Attention's selection, in torch (the reference): the lightning indexer's scores and the
+top-k each query keeps.
+
+For query row i and cached token j the indexer scores
+
+    I[i, j] = sum_h w[i, h] * relu(scale * q[i, h] . k[j])
+
+with a few small heads (``q`` [rows, heads, dim], one key per token), and the query attends only over the
+``topk`` best-scoring tokens at or before its position. Which tokens win a tie is part of the answer: many
+scores are exactly 0 (every head's ReLU closed), so the top-k boundary often falls inside a tie. The rule
+here is transformers': ``torch.topk`` over the row as its forward builds it, the whole prompt long for a
+prompt row (later tokens at -inf) and the context so far for a generated one, then whatever falls after the
+row's position dropped. ``torch.topk`` breaks ties by its own algorithm, which depends on the row's length
+and contents, so the same row is handed to it: the tests check tied rows against transformers' generate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """I [rows, tokens] in fp32 from ``q`` [rows, heads, dim], ``keys`` [tokens, dim] and ``weights``
+    [rows, heads] (already scaled by heads^-0.5), in the reference's order of operations."""
+    scores = F.relu(torch.matmul(q.float(), keys.float().t()) * scale)  # [rows, heads, tokens]
+    return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
+
+
+def select_topk(scores: torch.Tensor, positions: list[int], prompt_len: int, topk: int) -> torch.Tensor:
+    """Which of the ``tokens`` each row attends: bool [rows, tokens] from ``scores`` [rows, tokens] of rows at
+    absolute ``positions`` (ascending) of a sequence whose prompt is ``prompt_len`` tokens. A row's top-k is
+    taken over ``max(prompt_len, position + 1)`` entries, later ones at -inf (see the module's docstring)."""
+    rows, tokens = scores.shape
+    chosen = torch.zeros(rows, tokens, dtype=torch.bool, device=scores.device)
+    by_length: dict[int, list[int]] = {}
+    for r, p in enumerate(positions):
+        by_length.setdefault(max(prompt_len, p + 1), []).append(r)
+    for length, members in by_length.items():
+        idx = torch.tensor(members, device=scores.device)
+        row_pos = torch.tensor([positions[r] for r in members], device=scores.device)
+        full = scores.new_full((len(members), length), float("-inf"))
+        seen = min(length, tokens)
+        full[:, :seen] = scores[idx, :seen]
+        full[torch.arange(length, device=scores.device)[None, :] > row_pos[:, None]] = float("-inf")  # causal
+        picked = full.topk(min(topk, length), dim=-1).indices
+        mask = torch.zeros(len(members), max(length, tokens), dtype=torch.bool, device=scores.device)
+        mask.scatter_(1, picked, True)
+        mask &= torch.arange(mask.shape[1], device=scores.device)[None, :] <= row_pos[:, None]
+        chosen[idx] = mask[:, :tokens]
+    return chosen
+
+
+def sparse_latent_attention(q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor, rank: int,
+                            scale: float) -> torch.Tensor:
+    """MLA in the weight-absorbed form over gathered latents: ``q`` [rows, heads, rank + rope] against
+    ``latents`` [n, rank + rope] (keys: whole; values: the first ``rank``), each row over the latents its
+    ``mask`` [rows, n] selects. Returns [rows, heads, rank] in q's dtype; softmax in fp32."""
+    s = torch.einsum("rhd,nd->rhn", q.float(), latents.float()) * scale
+    s = s.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("rhn,nd->rhd", s, latents[:, :rank].float()).to(q.dtype)

@@ -1,0 +1,114 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2): MLA over the tokens a lightning indexer picks, read from the
+tiers on demand.
+
+Per token and layer the cache holds MLA's latent (group 0) and the indexer's key (a cache group of its own,
+``models.cache_groups``): ``wk`` of the normed hidden state, LayerNorm'd, its first ``qk_rope_head_dim``
+values rotated (half-split RoPE, unlike MLA's interleaved pairs). A query's indexer heads come from the q
+LoRA (``wq_b`` of ``q_a_layernorm(q_a_proj(x))``), rotated alike, and weighted per head by
+``weights_proj(x)``. For each sequence of the step the indexer scores every cached token
+(``kernels.sparse_index``: every indexer key is read, the small ones), keeps the top ``index_topk`` per
+query row, and the attention then reads only the latents of the chosen tokens: from the device blocks, or
+for a spilled prefix only the spilled blocks that hold a chosen token. Attention runs in the weight-absorbed
+form, as MLA's (``attention_mla``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.kernels import AttentionBackend, AttentionMetadata, linear, rms_norm, rotate_heads, write_cache
+from strata.kernels.sparse_index import index_scores, select_topk, sparse_latent_attention
+from strata.pipeline.models.attention_mla import LATENT_NORM_EPS, MLAAttention
+from strata.pipeline.models.text_config import TextConfig
+
+INDEXER_NORM_EPS = 1e-6  # the indexer's key LayerNorm
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's parameters, under the release's names."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        d, m = cfg.dsa, cfg.mla
+        assert d is not None and m is not None and m.q_lora_rank
+        self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
+        self.wq_b = nn.Linear(m.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
+
+    def key(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """The key each new token caches: [T, 1, head_dim]."""
+        k = F.layer_norm(linear(h, self.wk.weight), (self.head_dim,), self.k_norm.weight, self.k_norm.bias,
+                         INDEXER_NORM_EPS)
+        return rotate_heads(k[:, None].contiguous(), cos, sin_signed)
+
+    def query(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' indexer queries [T, heads, head_dim], their head weights [T, heads] in fp32)."""
+        q = linear(q_resid, self.wq_b.weight).view(h.shape[0], self.n_heads, self.head_dim)
+        weights = linear(h, self.weights_proj.weight).float() * self.n_heads**-0.5
+        return rotate_heads(q.contiguous(), cos, sin_signed), weights
+
+
+class DSAAttention(MLAAttention):
+    """MLA whose queries attend only over their indexer's top-k tokens."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.indexer = Indexer(cfg)
+        self.index_layer = cfg.index_kv_index(layer_idx)  # its KV-layout layer of indexer keys
+
+    def run(self, x: torch.Tensor, ln: nn.Module, cos: torch.Tensor, sin_signed: torch.Tensor, kv: list[torch.Tensor],
+            meta: AttentionMetadata, backend: AttentionBackend, steps: object = None) -> torch.Tensor:
+        """Input norm, projections, latent and indexer-key writes, selection, sparse absorbed attention:
+        [T, H, v_head_dim] before o_proj. (The attention backend is not used: rows read gathered latents.)"""
+        h = rms_norm(x, ln.weight, ln.eps)
+        q_resid = rms_norm(linear(h, self.q_a_proj.weight), self.q_a_layernorm.weight, LATENT_NORM_EPS)
+        q_nope, q_pe, latent = self.project(h, cos, sin_signed, q_resid)
+        cache, keys = kv[self.layer_idx][:, 0], kv[self.index_layer][:, 0]
+        write_cache(cache, latent, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
+        write_cache(keys, self.indexer.key(h, cos, sin_signed), meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
+        iq, weights = self.indexer.query(h, q_resid, cos, sin_signed)
+        w_uk, w_uv = self.absorbed()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        out = q.new_empty(q.shape[0], self.num_heads, self.rank)
+        start = 0
+        for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
+            r = slice(start, start + rows)
+            start += rows
+            positions = list(range(seq_len - rows, seq_len))
+            context = gather_tokens(keys, meta, i, self.index_layer, torch.arange(seq_len))
+            scores = index_scores(iq[r], context[:, 0], weights[r], self.indexer.head_dim**-0.5)
+            chosen = select_topk(scores, positions, meta.prompt_len(i), self.indexer.topk)
+            needed = chosen.any(0).nonzero().flatten()  # the union of the rows' choices: all that is read
+            latents = gather_tokens(cache, meta, i, self.layer_idx, needed)[:, 0]
+            out[r] = sparse_latent_attention(q[r], latents, chosen[:, needed], self.rank, self.scale)
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1).contiguous()
+
+
+def gather_tokens(cache: torch.Tensor, meta: AttentionMetadata, seq: int, layer: int,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Sequence ``seq``'s cached vectors [n, heads, dim] of KV-layout ``layer`` at absolute ``positions``
+    (ascending): from its device blocks, or, before its first resident token, from the lower tiers, loading
+    only the spilled blocks that hold one of them."""
+    bs, offset = meta.block_size, meta.kv_offset(seq)
+    out = cache.new_empty((len(positions),) + tuple(cache.shape[2:]))
+    resident = positions >= offset
+    local = positions[resident] - offset
+    blocks = meta.block_tables[seq, torch.div(local, bs, rounding_mode="floor")].long()
+    out[resident] = cache[blocks, local % bs]
+    spilled = positions[~resident]
+    if len(spilled):
+        source = meta.spilled[seq] if meta.spilled is not None else None
+        if source is None:
+            raise RuntimeError("tokens before the device blocks, but no spilled source for them")
+        rows = torch.nonzero(~resident).flatten()
+        for block in torch.unique(torch.div(spilled, bs, rounding_mode="floor")).tolist():
+            here = torch.div(spilled, bs, rounding_mode="floor") == block
+            k, _ = source.load(layer, block, 1)  # [1, bs, heads, dim], valid until the next load
+            out[rows[here]] = k[0, spilled[here] % bs].to(out.dtype)
+    return out

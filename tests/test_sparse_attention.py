@@ -1,0 +1,139 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2) on a tiny checkpoint built by transformers' own classes, whose
+indexer keeps 8 tokens of prompts four to ten times longer: the selection rule against transformers' at ties,
+the indexer keys as a cache group of their own, and the engine through chunks, preemption, spills (reading
+only the chosen latents' blocks), prefix hits, hand-offs and refusals. Greedy tokens against transformers'
+generate on both backends, `strata ops` and `strata align` are in test_text_models.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (assert_preemption_recomputes_the_same, build, greedy, spilling_engine, tokens_through_handoff,
+                     transformers_greedy)
+from strata.kernels.sparse_index import select_topk
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.models.config_errors import ModelConfigError
+
+PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
+           "Tell me about the tides and the moon. " * 4, "A short one."]
+
+
+@pytest.fixture(scope="module")
+def v32(text_models) -> Path:
+    return text_models["deepseek_v32"]
+
+
+def test_the_top_k_rule_is_transformers_at_ties_and_at_every_chunk_cut() -> None:
+    """Rows of a 40-token prompt whose scores are mostly exact zeros (every ReLU'd head closed): each row's
+    top-8, however many of its keys a prefill chunk has seen so far, is the set transformers' forward picks
+    over the whole prompt with torch.topk; a generated row's is picked over its context. Breaking ties by
+    position instead, as a stable sort would, picks other tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompt, k = 40, 8
+    scores = torch.where(torch.rand(prompt, prompt, generator=gen) < 0.8, 0.0, torch.rand(prompt, prompt, generator=gen))
+    causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+    picked = scores.masked_fill(~causal, float("-inf")).topk(k, dim=-1).indices  # transformers' lines
+    want = torch.zeros(prompt, prompt, dtype=torch.bool).scatter(1, picked, True) & causal
+    for start, end in ((0, 40), (0, 5), (5, 21), (21, 40)):  # one pass, and chunks that cut it
+        got = select_topk(scores[start:end, :end], list(range(start, end)), prompt, k)
+        assert torch.equal(got, want[start:end, :end]), (start, end)
+    positive = (scores > 0).tril().sum(-1)
+    tied_rows = [r for r in range(k, prompt) if positive[r] < k < r + 1]  # the top-8 ends among the zeros
+    assert len(tied_rows) > 10  # the boundary falls inside a tie of zeros on these rows
+    stable = torch.zeros_like(want)
+    for r in range(prompt):
+        stable[r, torch.sort(scores[r, : r + 1], descending=True, stable=True).indices[:k]] = True
+    assert not torch.equal(stable, want)
+    generated = torch.rand(1, 50, generator=gen).masked_fill(torch.rand(1, 50, generator=gen) < 0.6, 0.0)
+    row = select_topk(generated, [49], prompt, k)[0]
+    assert torch.equal(row.nonzero().flatten().sort().values, generated[0].topk(k).indices.sort().values)
+
+
+def test_the_indexer_keys_are_a_cache_group_of_their_own(v32: Path) -> None:
+    """Group 0 holds the 3 layers' latents (32 + 8 values), group 1 their indexer keys (16 values): blocks,
+    tiers, hashes and hand-offs carry both."""
+    layout = build(v32).kv.layout
+    latents, keys = layout.groups
+    assert (latents.layers, latents.head_dim, keys.layers, keys.head_dim) == ((0, 1, 2), 40, (3, 4, 5), 16)
+    assert layout.bytes_per_token() == 3 * (40 + 16) * 4
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_prefill_chunks_cut_through_the_selection(chunk: int, v32: Path) -> None:
+    engine = build(v32, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
+    outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.output_token_ids == transformers_greedy(v32, prompt, 12), prompt
+
+
+def test_preempted_sequences_select_the_same(v32: Path) -> None:
+    assert_preemption_recomputes_the_same(v32, PROMPTS)
+
+
+def test_spilled_latents_are_read_only_where_a_token_was_chosen(v32: Path, tmp_path: Path, monkeypatch) -> None:
+    """A prompt longer than the device pool: its older blocks live in the host tier. Every indexer key is read
+    back (they are what chooses), but of the latents only the blocks holding a chosen token, far fewer than
+    all spilled; the answer is the engine's without tiers."""
+    from strata.kvstore.spilled_reads import SpilledBlocks
+
+    prompt = " ".join(["the harbour light"] * 60)
+    want = build(v32).generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
+    loads: list[tuple[int, int]] = []
+    original = SpilledBlocks.load
+
+    def counted(self, layer: int, first_block: int, num_blocks: int):
+        loads.extend((layer, first_block + i) for i in range(num_blocks))
+        return original(self, layer, first_block, num_blocks)
+
+    monkeypatch.setattr(SpilledBlocks, "load", counted)
+    engine = spilling_engine(v32, tmp_path / "host")
+    out = engine.generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
+    assert out.output_token_ids == want.output_token_ids and engine.kv.spills.peak > 4
+    latent_reads = sum(1 for layer, _ in loads if layer < 3)
+    key_reads = sum(1 for layer, _ in loads if layer >= 3)
+    assert 0 < latent_reads < key_reads / 2
+
+
+def test_a_prefix_hit_selects_as_a_fresh_run(v32: Path) -> None:
+    """The same prompt again adopts its blocks. A longer prompt with the same beginning adopts none: under the
+    top-k rule a prefix's KV depends on the prompt's length (ties break over the whole prompt), so blocks are
+    named by it too (``hashing.prompt_seed``), and that prompt answers as transformers does, not as the cached
+    shorter prompt's KV would make it."""
+    engine, fresh = build(v32), build(v32)
+    params = greedy(8, ignore_eos=True)
+    first = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    again = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    assert again.output_token_ids == first.output_token_ids == fresh.generate(
+        [{"prompt": PROMPTS[1], "params": params}])[0].output_token_ids
+    assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16 > 0
+    longer = engine.generate([{"prompt": PROMPTS[1] + " Again.", "params": params}])[0]
+    assert longer.num_cached_tokens == 0
+    assert longer.output_token_ids == transformers_greedy(v32, PROMPTS[1] + " Again.", 8)
+
+
+def test_the_indexer_keys_cross_the_hand_off(v32: Path, tmp_path: Path) -> None:
+    engine = build(v32)
+    want = engine.generate([{"prompt": PROMPTS[1], "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
+    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
+    assert tokens_through_handoff(v32, config, engine, [], PROMPTS[1], greedy(10, ignore_eos=True)) == want
+
+
+def test_ngram_drafts_select_as_plain_decoding(v32: Path) -> None:
+    """A draft row at position p picks its top-k over the p + 1 tokens before it, as one decode step would."""
+    from helpers import SPECULATIVE
+
+    requests = [{"prompt": p, "params": greedy(40, ignore_eos=True)} for p in PROMPTS]
+    plain = [o.output_token_ids for o in build(v32).generate(requests)]
+    engine = build(v32, speculative=SPECULATIVE)
+    assert [o.output_token_ids for o in engine.generate(requests)] == plain
+    assert engine.core.speculation.drafted > 0
+
+
+def test_what_sparse_attention_cannot_run_with_is_refused_in_one_line(v32: Path) -> None:
+    with pytest.raises(ModelConfigError, match="tp=1 only"):
+        build(v32, tp=2)
+    with pytest.raises(ModelConfigError, match="kv_cache_dtype auto"):
+        build(v32, kv_cache_dtype="fp8")
