@@ -55,6 +55,8 @@ class AttentionMetadata:
     by_layer: tuple[AttentionMetadata, ...] | None = None
     states: Any = None  # the step's linear-attention states (``models.linear_mixer.LinearStates``), if any
     prompt_lens: list[int] = field(default_factory=list)  # per sequence, its prompt's length (DSA's top-k rule)
+    sparse_reads: Any = None  # where sparse attention counts what it read (``kvstore.sparse_reads.SparseReads``)
+    layer_mirror: Any = None  # the device copy of small layers' spilled blocks (``kvstore.layer_mirror``), if any
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         return self if self.by_layer is None else self.by_layer[layer]

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cpp", "small_linear_cpu.cpp", "amx_linear_cpu.cpp", "quant_linear_cpu.cpp", "dequant_gemm_cpu.cpp",
                           "token_bitmask_cpu.cpp",
-                          "layer_ops_cpu.cpp", "delta_rule_cpu.cpp",
+                          "layer_ops_cpu.cpp", "delta_rule_cpu.cpp", "sparse_index_cpu.cpp",
                           "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname): one OpenMP runtime

@@ -19,10 +19,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.cpu_kernels import cpu_kernels
+from strata.kernels.sparse_index_triton import triton_index_scores
+from strata.kernels.triton_import import triton_importable
+
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
     """I [rows, tokens] in fp32 from ``q`` [rows, heads, dim], ``keys`` [tokens, dim] and ``weights``
-    [rows, heads] (already scaled by heads^-0.5), in the reference's order of operations."""
+    [rows, heads] (already scaled by heads^-0.5), in the reference's order of operations. The C++ kernel
+    (``csrc/sparse_index_cpu.cpp``) on CPU and the Triton one (``sparse_index_triton``) on CUDA compute the same
+    sums fused, never holding the [rows, heads, tokens] products."""
+    if q.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        return kernels.index_scores(*(t.float().contiguous() for t in (q, keys, weights)), scale)
+    if q.device.type == "cuda" and triton_importable():
+        return triton_index_scores(q, keys, weights, scale)
+    return index_scores_reference(q, keys, weights, scale)
+
+
+def index_scores_reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`index_scores` in torch, as transformers computes it."""
     scores = F.relu(torch.matmul(q.float(), keys.float().t()) * scale)  # [rows, heads, tokens]
     return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
 

@@ -95,6 +95,7 @@ class SpilledBlocks:
         self.hashes = list(hashes)
         self.num_blocks = len(self.hashes)
         self.segment_blocks = reader.staging_blocks
+        self.block_size = reader.layout.block_size
 
     def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.reader.load(self.hashes[first_block : first_block + num_blocks], layer)

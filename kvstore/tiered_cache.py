@@ -37,6 +37,8 @@ from strata.kvstore.layout import KVLayout, dtype_name
 from strata.kvstore.handle import HandleError, KVHandle
 from strata.kvstore.lower_tiers import LowerTiers
 from strata.kvstore.prefix_match import PrefixMatch, PrefixMatcher
+from strata.kvstore.layer_mirror import SpilledLayerMirror
+from strata.kvstore.sparse_reads import SparseReads
 from strata.kvstore.spill_ledger import SpillLedger
 from strata.kvstore.spilled_reads import SpilledBlocks, SpilledReader
 from strata.kvstore.spiller import Spiller
@@ -67,6 +69,8 @@ class TieredKVCache:
         self._live: dict[int, BlockTable] = {}  # tables holding blocks of this pool: spill candidates
         self.states: StateCache | None = None  # linear-attention layers' per-sequence state (``state_cache``)
         self.prompt_keyed = False  # a prefix's KV depends on its prompt's length (DSA): hashes seeded with it
+        self.sparse_reads: SparseReads | None = None  # what sparse attention read (DSA), counted
+        self.layer_mirror: SpilledLayerMirror | None = None  # DSA's indexer keys of spilled blocks, kept on the device
 
     @property
     def can_spill(self) -> bool:
@@ -257,4 +261,6 @@ class TieredKVCache:
             "spilled_blocks": self.spills.current,
             "peak_spilled_blocks": self.spills.peak,
             "staging_bytes": self.staging_nbytes(),
+            **({"sparse_reads": self.sparse_reads.as_dict()} if self.sparse_reads is not None else {}),
+            **({"layer_mirror": self.layer_mirror.stats()} if self.layer_mirror is not None else {}),
         }

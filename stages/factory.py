@@ -39,6 +39,8 @@ from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
 from strata.stages.kv_budget import kv_dtype, kv_layout, state_slot_counts, with_kv_budget
+from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
+from strata.kvstore.sparse_reads import SparseReads
 from strata.stages.preflight import check_model_engine
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
 from strata.stages.vision_encoder import VisionEncoder
@@ -113,7 +115,9 @@ class LanguageStage:
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
-        self.kv.prompt_keyed = cfg.text.dsa is not None  # DSA's top-k ties: a prefix's KV depends on its prompt
+        if cfg.text.dsa is not None:  # DSA's top-k ties: a prefix's KV depends on its prompt; its reads are counted
+            self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
+            self.kv.layer_mirror = SpilledLayerMirror(index_mirror_bytes(layout, config.max_model_len))
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
             self.kv.states = linear_state_cache(config, cfg.text, dtype)
         self.runner = ModelRunner(model, self.kv, backend, config.device)

@@ -108,6 +108,16 @@ def run_python(*args: str, timeout: float = 300, env: dict[str, str] | None = No
                           cwd=tempfile.gettempdir(), **kw)
 
 
+def kernel_check(script: str, device: str, interpret: bool) -> list[dict]:
+    """A kernel's check ``script`` (``python -c``, the device as its argument, its JSON results on the last line)
+    in a child process: Triton's interpreter (``TRITON_INTERPRET=1``) must be set before Triton is imported."""
+    import json
+
+    res = run_python("-c", script, device, env={"TRITON_INTERPRET": "1"} if interpret else {}, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def run_strata(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The `strata` command line in a child process (``python -m strata``)."""
     return run_python("-m", "strata", *args, timeout=timeout, env=env)

@@ -197,3 +197,15 @@ def test_bench_linear_compares_a_hybrid_with_full_attention(tmp_path: Path, caps
         hybrid, full = memory[f"{model} hybrid"], memory[f"{model} all full attention"]
         assert hybrid["1000K"] < full["1000K"] / ratio
     assert printed.count("outputs equal") == 2
+
+
+def test_bench_sparse_reads_few_spilled_blocks_and_answers_as_all_on_device(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "sparse", "--contexts", "1024", "2048", "--device-blocks", "40",
+                             "--topk", "8", "--check-all-device")
+    assert set(result) == {"1024", "2048"}
+    for row in result.values():
+        step = row["per_step"]
+        assert row["identical_to_all_on_device"] and row["tpot_ms"] > 0
+        assert 0 < step["share_of_spilled_blocks_read"] < 0.5 and step["index_key_bytes_spilled"] == 0  # kept
+    assert result["1024"]["device_pool_bytes"] == result["2048"]["device_pool_bytes"]
+    assert "identical to all-on-device" in printed and "of spilled blocks touched" in printed

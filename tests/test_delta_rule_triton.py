@@ -6,11 +6,9 @@ powers of two and wider than one program's columns, a decay per head (Gated Delt
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from helpers import run_python
+from helpers import kernel_check
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +40,6 @@ print(json.dumps(results))
 """
 
 
-def _run(device: str, env: dict[str, str]) -> list[dict]:
-    res = run_python("-c", _CHECK, device, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def _check(results: list[dict]) -> None:
     assert len(results) == 4
     for r in results:
@@ -56,10 +48,10 @@ def _check(results: list[dict]) -> None:
 
 def test_the_triton_step_equals_the_torch_step_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    _check(_run("cpu", {"TRITON_INTERPRET": "1"}))
+    _check(kernel_check(_CHECK, "cpu", interpret=True))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_triton_step_equals_the_torch_step_on_cuda() -> None:
-    _check(_run("cuda", {}))
+    _check(kernel_check(_CHECK, "cuda", interpret=False))

@@ -52,6 +52,26 @@ def test_the_top_k_rule_is_transformers_at_ties_and_at_every_chunk_cut() -> None
     assert torch.equal(row.nonzero().flatten().sort().values, generated[0].topk(k).indices.sort().values)
 
 
+def test_the_cpu_index_scores_kernel_equals_the_torch_reference() -> None:
+    """The fused C++ scores against transformers' matmul, ReLU and weighting: the exact zeros (every head's ReLU
+    closed: the ties the top-k rule decides) stay exact zeros; token counts end mid-tile."""
+    from strata.kernels.cpu_kernels import cpu_kernels
+    from strata.kernels.sparse_index import index_scores_reference
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ toolchain here")
+    gen = torch.Generator().manual_seed(2)
+    for rows, heads, dim, tokens in ((1, 2, 16, 100), (7, 64, 128, 300), (512, 2, 16, 1000)):
+        q, keys = torch.randn(rows, heads, dim, generator=gen), torch.randn(tokens, dim, generator=gen)
+        weights = torch.randn(rows, heads, generator=gen)
+        want = index_scores_reference(q, keys, weights, dim**-0.5)
+        got = kernels.index_scores(q, keys, weights, dim**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got == 0, want == 0)
+    assert (want == 0).sum() > 100
+
+
 def test_the_indexer_keys_are_a_cache_group_of_their_own(v32: Path) -> None:
     """Group 0 holds the 3 layers' latents (32 + 8 values), group 1 their indexer keys (16 values): blocks,
     tiers, hashes and hand-offs carry both."""
@@ -73,10 +93,13 @@ def test_preempted_sequences_select_the_same(v32: Path) -> None:
     assert_preemption_recomputes_the_same(v32, PROMPTS)
 
 
-def test_spilled_latents_are_read_only_where_a_token_was_chosen(v32: Path, tmp_path: Path, monkeypatch) -> None:
-    """A prompt longer than the device pool: its older blocks live in the host tier. Every indexer key is read
-    back (they are what chooses), but of the latents only the blocks holding a chosen token, far fewer than
-    all spilled; the answer is the engine's without tiers."""
+@pytest.mark.parametrize("mirror", [True, False], ids=["keys-kept-on-device", "keys-streamed"])
+def test_spilled_latents_are_read_only_where_a_token_was_chosen(mirror: bool, v32: Path, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """A prompt longer than the device pool: its older blocks live in the host tier. Of the latents only the
+    blocks holding a chosen token are read back, fewer than the spilled blocks the steps could have read. The
+    indexer keys (what chooses) are read back once per block and kept on the device; with no room kept for
+    them, every step streams them all back. The answer is the engine's without tiers either way."""
     from strata.kvstore.spilled_reads import SpilledBlocks
 
     prompt = " ".join(["the harbour light"] * 60)
@@ -90,11 +113,20 @@ def test_spilled_latents_are_read_only_where_a_token_was_chosen(v32: Path, tmp_p
 
     monkeypatch.setattr(SpilledBlocks, "load", counted)
     engine = spilling_engine(v32, tmp_path / "host")
+    if not mirror:
+        engine.kv.layer_mirror.capacity_bytes = 0
     out = engine.generate([{"prompt": prompt, "params": greedy(12, ignore_eos=True)}])[0]
     assert out.output_token_ids == want.output_token_ids and engine.kv.spills.peak > 4
-    latent_reads = sum(1 for layer, _ in loads if layer < 3)
-    key_reads = sum(1 for layer, _ in loads if layer >= 3)
-    assert 0 < latent_reads < key_reads / 2
+    latent_loads = [load for load in loads if load[0] < 3]
+    key_loads = [load for load in loads if load[0] >= 3]
+    reads = engine.kv.stats()["sparse_reads"]  # what /strata/stats reports
+    assert 0 < reads["spilled_blocks_read"] == len(latent_loads) < reads["spilled_blocks_seen"] / 2
+    assert reads["latent_bytes_spilled"] == len(latent_loads) * 16 * 40 * 4
+    assert reads["index_key_bytes_spilled"] == len(key_loads) * 16 * 16 * 4
+    if mirror:  # each spilled block's keys crossed once per layer
+        assert len(key_loads) == len(set(key_loads)) == 3 * engine.kv.spills.peak
+    else:
+        assert len(key_loads) > 3 * len(set(key_loads))
 
 
 def test_a_prefix_hit_selects_as_a_fresh_run(v32: Path) -> None:
@@ -137,3 +169,37 @@ def test_what_sparse_attention_cannot_run_with_is_refused_in_one_line(v32: Path)
         build(v32, tp=2)
     with pytest.raises(ModelConfigError, match="kv_cache_dtype auto"):
         build(v32, kv_cache_dtype="fp8")
+
+
+class _Spilled:
+    """Spilled blocks over fixed values, with the interface ``kvstore.spilled_reads.SpilledBlocks`` offers: what
+    the mirror reads from, its loads recorded."""
+
+    def __init__(self, hashes: list[bytes], values: torch.Tensor, segment_blocks: int = 2) -> None:
+        self.hashes, self.values, self.segment_blocks, self.block_size = hashes, values, segment_blocks, values.shape[1]
+        self.loads: list[tuple[int, int]] = []
+
+    def load(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.loads.append((first_block, num_blocks))
+        part = self.values[first_block : first_block + num_blocks]
+        return part, part
+
+
+def test_the_device_copy_of_spilled_keys_reads_each_block_once_and_never_answers_for_another_prefix() -> None:
+    from strata.kvstore.layer_mirror import SpilledLayerMirror
+
+    values = torch.randn(7, 4, 1, 3)  # 7 blocks of 4 tokens
+    hashes = [bytes([i]) * 16 for i in range(7)]
+    mirror = SpilledLayerMirror(capacity_bytes=7 * 4 * 3 * 4)  # one 7-block copy fits
+    first = _Spilled(hashes[:5], values[:5])
+    copy, loaded = mirror.tokens(first, 3, 5)
+    assert torch.equal(copy, values[:5].reshape(20, 1, 3)) and first.loads == [(0, 2), (2, 2), (4, 1)]
+    assert loaded == 5 * 4 * 3 * 4
+    assert mirror.tokens(first, 3, 5)[1] == 0 and len(first.loads) == 3  # the same prefix: kept
+    grown = _Spilled(hashes, values)
+    copy, loaded = mirror.tokens(grown, 3, 7)
+    assert grown.loads == [(5, 2)] and loaded == 2 * 4 * 3 * 4 and torch.equal(copy, values.reshape(28, 1, 3))
+    other = _Spilled([b"x" * 16] + hashes[1:5], values[:5])  # another first block: another prefix entirely
+    assert mirror.tokens(other, 3, 5)[1] == 5 * 4 * 3 * 4
+    assert mirror.nbytes <= mirror.capacity_bytes and mirror.stats()["copies"] == 1  # the grown copy was dropped
+    assert mirror.tokens(_Spilled(hashes, values), 4, 7)[1] > 0  # another layer is another copy

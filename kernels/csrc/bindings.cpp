@@ -29,8 +29,11 @@ at::Tensor rope_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
 at::Tensor delta_rule_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, at::Tensor pool, const at::Tensor& read, const at::Tensor& write);
+at::Tensor index_scores(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& weights, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("index_scores", &index_scores,
+        "DSA indexer scores: ReLU'd, head-weighted dot products of query rows with every key, fused (CPU)");
   m.def("delta_rule_step", &delta_rule_step,
         "one gated-delta-rule decode step per sequence, state read from one pool slot and written to another (CPU)");
   m.def("paged_attention", &paged_attention, "paged attention over the block-major KV pool (CPU)");

@@ -14,6 +14,8 @@ import torch
 
 from strata.kernels import AttentionBackend, AttentionMetadata, SpilledKV
 from strata.kvstore import BlockTable, TieredKVCache
+from strata.kvstore.layer_mirror import SpilledLayerMirror
+from strata.kvstore.sparse_reads import SparseReads
 from strata.kvstore.state_pool import StatePool
 from strata.pipeline.core.prompt_logprobs import wants_prompt_rows
 from strata.pipeline.core.scheduler import ScheduledChunk
@@ -61,11 +63,15 @@ class StepExecutor:
     (None on a tensor-parallel worker, whose logits are gathered to the driver)."""
 
     def __init__(self, model: LanguageModel, device_kv: list[torch.Tensor], backend: AttentionBackend, block_size: int,
-                 device: str = "cpu", layer_meta: tuple[int, ...] = (), states: StatePool | None = None) -> None:
+                 device: str = "cpu", layer_meta: tuple[int, ...] = (), states: StatePool | None = None,
+                 sparse_reads: SparseReads | None = None, layer_mirror: SpilledLayerMirror | None = None) -> None:
         """``layer_meta``: which metadata each layer reads (``KVLayout.layer_meta``; empty: one for all);
-        ``states``: the linear-attention layers' per-sequence state, if the model has such layers."""
+        ``states``: the linear-attention layers' per-sequence state, if the model has such layers;
+        ``sparse_reads`` and ``layer_mirror``: where sparse attention counts its reads and keeps its indexer keys'
+        spilled blocks on the device, if the model has it."""
         self.model = model
         self.states = states
+        self.sparse_reads, self.layer_mirror = sparse_reads, layer_mirror
         self.layer_meta = layer_meta
         self.device_kv = device_kv
         self.backend = backend
@@ -83,7 +89,7 @@ class StepExecutor:
                                                      self.block_size, self.device, w.offsets)
                              for w in inputs.windows)]
             meta.by_layer = tuple(metas[i] for i in self.layer_meta)
-        meta.prompt_lens = inputs.prompt_lens
+        meta.prompt_lens, meta.sparse_reads, meta.layer_mirror = inputs.prompt_lens, self.sparse_reads, self.layer_mirror
         if self.states is not None:
             meta.states = LinearStates(self.states, inputs.state_slots, inputs.state_writes, inputs.query_lens,
                                        inputs.state_snapshots)
@@ -120,7 +126,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = kv.layout.block_size
         self.executor = StepExecutor(model, kv.device_kv, backend, self.block_size, device, kv.layout.layer_meta,
-                                     kv.states.pool if kv.states is not None else None)
+                                     kv.states.pool if kv.states is not None else None, kv.sparse_reads,
+                                     kv.layer_mirror)
         self.windows = [(gi, kv.pool.windows[gi]) for gi in kv.layout.window_groups]
         self.compile_seconds = 0.0  # set when the model's dense steps were compiled (EngineConfig.compile)
         self.mrope = model.cfg.uses_mrope

@@ -20,6 +20,7 @@ from torch import nn
 
 from strata.kernels import AttentionBackend, AttentionMetadata, linear, rms_norm, rotate_heads, write_cache
 from strata.kernels.sparse_index import index_scores, select_topk, sparse_latent_attention
+from strata.kvstore.sparse_reads import SparseReads
 from strata.pipeline.models.attention_mla import LATENT_NORM_EPS, MLAAttention
 from strata.pipeline.models.text_config import TextConfig
 
@@ -81,34 +82,79 @@ class DSAAttention(MLAAttention):
             r = slice(start, start + rows)
             start += rows
             positions = list(range(seq_len - rows, seq_len))
-            context = gather_tokens(keys, meta, i, self.index_layer, torch.arange(seq_len))
+            context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
             scores = index_scores(iq[r], context[:, 0], weights[r], self.indexer.head_dim**-0.5)
             chosen = select_topk(scores, positions, meta.prompt_len(i), self.indexer.topk)
             needed = chosen.any(0).nonzero().flatten()  # the union of the rows' choices: all that is read
-            latents = gather_tokens(cache, meta, i, self.layer_idx, needed)[:, 0]
-            out[r] = sparse_latent_attention(q[r], latents, chosen[:, needed], self.rank, self.scale)
+            latents, latent_device, latent_spilled = gather_tokens(cache, meta, i, self.layer_idx, needed)
+            out[r] = sparse_latent_attention(q[r], latents[:, 0], chosen[:, needed], self.rank, self.scale)
+            if meta.sparse_reads is not None:
+                _count(meta.sparse_reads, meta, i, needed, key_device, key_spilled, latent_device, latent_spilled)
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1).contiguous()
 
 
-def gather_tokens(cache: torch.Tensor, meta: AttentionMetadata, seq: int, layer: int,
-                  positions: torch.Tensor) -> torch.Tensor:
+def _count(reads: SparseReads, meta: AttentionMetadata, seq: int, needed: torch.Tensor, key_device: int,
+           key_spilled: int, latent_device: int, latent_spilled: int) -> None:
+    """One selection's reads into the KV cache's counters (``kvstore.sparse_reads``)."""
+    spilled_blocks = meta.kv_offset(seq) // meta.block_size
+    reads.reads += 1
+    reads.index_key_bytes_device += key_device
+    reads.index_key_bytes_spilled += key_spilled
+    reads.latent_bytes_device += latent_device
+    reads.latent_bytes_spilled += latent_spilled
+    reads.spilled_blocks_seen += spilled_blocks
+    reads.spilled_blocks_read += len(torch.unique(torch.div(needed[needed < meta.kv_offset(seq)], meta.block_size,
+                                                            rounding_mode="floor")))
+
+
+def gather_context(cache: torch.Tensor, meta: AttentionMetadata, seq: int, layer: int, seq_len: int
+                   ) -> tuple[torch.Tensor, int, int]:
+    """All ``seq_len`` cached vectors of sequence ``seq`` in KV-layout ``layer`` (its indexer keys), as
+    :func:`gather_tokens` returns them; the spilled prefix from the device copy of it
+    (``meta.layer_mirror``, ``kvstore.layer_mirror``) when there is one, which reads only blocks it lacks."""
+    offset = meta.kv_offset(seq)
+    if not offset or meta.layer_mirror is None or meta.spilled is None or meta.spilled[seq] is None:
+        return gather_tokens(cache, meta, seq, layer, torch.arange(seq_len))
+    spilled, loaded = meta.layer_mirror.tokens(meta.spilled[seq], layer, offset // meta.block_size)
+    resident, device_bytes, _ = gather_tokens(cache, meta, seq, layer, torch.arange(offset, seq_len))
+    kept = spilled.numel() * spilled.element_size() - loaded  # read from the device copy
+    return torch.cat([spilled.to(resident.dtype), resident]), device_bytes + kept, loaded
+
+
+def gather_tokens(cache: torch.Tensor, meta: AttentionMetadata, seq: int, layer: int, positions: torch.Tensor,
+                  ) -> tuple[torch.Tensor, int, int]:
     """Sequence ``seq``'s cached vectors [n, heads, dim] of KV-layout ``layer`` at absolute ``positions``
     (ascending): from its device blocks, or, before its first resident token, from the lower tiers, loading
-    only the spilled blocks that hold one of them."""
+    only the spilled blocks that hold one of them, runs of consecutive blocks a segment at a time. Also returns
+    (bytes read from the device, bytes loaded from the tiers)."""
     bs, offset = meta.block_size, meta.kv_offset(seq)
     out = cache.new_empty((len(positions),) + tuple(cache.shape[2:]))
     resident = positions >= offset
     local = positions[resident] - offset
     blocks = meta.block_tables[seq, torch.div(local, bs, rounding_mode="floor")].long()
     out[resident] = cache[blocks, local % bs]
+    token_bytes = out[0].numel() * out.element_size() if len(out) else 0
     spilled = positions[~resident]
-    if len(spilled):
-        source = meta.spilled[seq] if meta.spilled is not None else None
-        if source is None:
-            raise RuntimeError("tokens before the device blocks, but no spilled source for them")
-        rows = torch.nonzero(~resident).flatten()
-        for block in torch.unique(torch.div(spilled, bs, rounding_mode="floor")).tolist():
-            here = torch.div(spilled, bs, rounding_mode="floor") == block
-            k, _ = source.load(layer, block, 1)  # [1, bs, heads, dim], valid until the next load
-            out[rows[here]] = k[0, spilled[here] % bs].to(out.dtype)
-    return out
+    if not len(spilled):
+        return out, len(local) * token_bytes, 0
+    source = meta.spilled[seq] if meta.spilled is not None else None
+    if source is None:
+        raise RuntimeError("tokens before the device blocks, but no spilled source for them")
+    rows, block_of = torch.nonzero(~resident).flatten(), torch.div(spilled, bs, rounding_mode="floor")
+    needed = torch.unique(block_of).tolist()
+    for first, count in _runs(needed, source.segment_blocks):
+        k, _ = source.load(layer, first, count)  # [count, bs, heads, dim], valid until the next load
+        here = (block_of >= first) & (block_of < first + count)
+        out[rows[here]] = k[block_of[here] - first, spilled[here] % bs].to(out.dtype)
+    return out, len(local) * token_bytes, len(needed) * bs * token_bytes
+
+
+def _runs(blocks: list[int], longest: int) -> list[tuple[int, int]]:
+    """Ascending block indices as (first, count) runs of consecutive blocks, none longer than ``longest``."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == b and runs[-1][1] < longest:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

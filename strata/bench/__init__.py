@@ -8,7 +8,8 @@ decode, absorbed vs expanded), ``mixed_step`` (one forward per step vs decode-th
 (native-resolution images: the encoder's packed batch vs one by one, TTFT by image count), ``structured``
 (the sampler's step with grammar-constrained rows), ``speculative`` (prompt lookup vs plain decoding), ``mtp_cost``
 (an MTP draft's cost per step, and the acceptance at which it pays), ``linear_attention`` (a hybrid's decode
-against context, Gated DeltaNet against full attention), ``flow`` (a real server's request flow, traced: bytes and
+against context, Gated DeltaNet against full attention), ``sparse_attention`` (DSA over contexts past the device
+tier: what a decode step reads, and from where), ``flow`` (a real server's request flow, traced: bytes and
 time per hop), ``quant`` (one model in every weight format: bytes, decode and prefill), ``quant_linear`` (one
 quantized linear: the CPU kernels vs tiles vs fp32), ``fallback`` (the transformers fallback vs Strata's own
 model code); ``serve`` is
@@ -26,8 +27,8 @@ from strata.commands import register
 def add_bench_commands(bench: argparse._SubParsersAction) -> None:
     """Register the bench subcommands; each module is imported when its command is parsed for."""
     from strata.bench import (cross_node, fallback, flow, linear_attention, mixed_step, mla, mtp_cost, offline, quant,
-                              quant_linear,
-                              serve_overhead, soak, speculative, structured, tensor_parallel, tiers, vision, vs_vllm)
+                              quant_linear, serve_overhead, soak, sparse_attention, speculative, structured,
+                              tensor_parallel, tiers, vision, vs_vllm)
     from strata.loadtest import bench as load_bench
 
     commands = (
@@ -55,6 +56,8 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
          "MTP pays, identical greedy answers", mtp_cost),
         ("linear", "linear attention in a hybrid: decode TPOT against context, a layer's decode step against full "
          "attention, chunked prefill against transformers, memory per sequence at 128K and 1M", linear_attention),
+        ("sparse", "DSA sparse attention over contexts far past the device tier: decode TPOT, bytes read per step "
+         "from the device and the host tier, the share of spilled blocks touched", sparse_attention),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),

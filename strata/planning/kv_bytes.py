@@ -50,3 +50,13 @@ def linear_state_bytes(tc: TextConfig, elem_bytes: int) -> int:
     if tc.linear is None:
         return 0
     return STATE_COPIES * sum(tc.linear_layers) * tc.linear.state_bytes(elem_bytes)
+
+
+def sparse_read_bytes(tc: TextConfig, elem_bytes: int, context_tokens: int) -> tuple[int, int]:
+    """What one decode step of a DSA model reads, per sequence: (every indexer key of the context, kept on the
+    device as ``kvstore.layer_mirror`` keeps them; the latents of the ``index_topk`` chosen tokens, from
+    wherever they live). (0, 0) for a model without sparse attention."""
+    if tc.dsa is None:
+        return 0, 0
+    keys = context_tokens * tc.index_layers * tc.dsa.head_dim * elem_bytes
+    return keys, min(tc.dsa.topk, context_tokens) * tc.index_layers * tc.kv_cache_dim * elem_bytes

@@ -25,7 +25,8 @@ from strata.pipeline.models.model_config import (
     parse_model_config,
 )
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
-from strata.planning.kv_bytes import sliding_layers, kv_bytes_per_token, linear_state_bytes, window_kv_bytes
+from strata.planning.kv_bytes import (sliding_layers, kv_bytes_per_token, linear_state_bytes, sparse_read_bytes,
+                                      window_kv_bytes)
 from strata.planning.model_shapes import BUILTIN_SHAPES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -248,6 +249,7 @@ class MemoryPlan:
     kv_cache_dtype: str = "auto"  # auto: the KV cache stores ``dtype``; fp8: e4m3, one byte a value
     window_kv_bytes: int = 0  # sliding-window layers' device slots, all sequences (fixed; in kv_bytes_needed)
     state_bytes_per_sequence: int = 0  # linear-attention layers' state, one sequence (fixed, on the device)
+    sparse_step: tuple[int, int] = (0, 0)  # DSA, per sequence: (indexer keys kept on device, latents read a step)
 
     @property
     def ranks_per_node(self) -> int:
@@ -356,7 +358,7 @@ def _plan(
         block_size=block_size, chunk_tokens=chunk_tokens, staging_blocks=staging_blocks,
         weights_bytes=weights, kv_bytes_per_token=per_token, bytes_per_block=per_block,
         blocks_needed=blocks_needed, kv_bytes_needed=blocks_needed * per_block + windowed + concurrency * states,
-        window_kv_bytes=windowed, state_bytes_per_sequence=states,
+        window_kv_bytes=windowed, state_bytes_per_sequence=states, sparse_step=sparse_read_bytes(tc, kv_elem, context_tokens),
         activation_bytes=activation_bytes(worker_shape, elem, chunk_tokens, staging_blocks * block_size, concurrency),
         staging_bytes=staging_blocks * per_block,
         working_set_blocks=(math.ceil(chunk_tokens / block_size) + 1) * concurrency,

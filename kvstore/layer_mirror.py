@@ -1,0 +1,81 @@
+"""A device copy of some layers' spilled blocks, for layers small enough to keep: DSA's indexer keys.
+
+Sparse attention reads every indexer key of a context each step, but only the latents it chooses. A
+sequence whose older blocks spilled would stream all of its indexer keys back from the host tier every step,
+block by block; this keeps them on the device instead, as long as they fit. A copy is one layer's values
+over a sequence's first n spilled blocks, named by the hash of block n-1 (which commits to every token before
+it, the model and the prompt seed: ``kvstore.hashing``), so it never answers for another prefix. A later step
+whose spilled prefix grew extends its copy with the new blocks alone. Copies past ``capacity_bytes`` are
+dropped least recently used first; a dropped one is read from the tiers again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+
+def index_mirror_bytes(layout: Any, max_model_len: int) -> int:
+    """The device budget for DSA's indexer keys of spilled blocks: one ``max_model_len`` context's keys in every
+    layer of the layout's last group (the indexer keys' own, ``models.cache_groups``)."""
+    group = layout.groups[-1]
+    return -(-max_model_len // layout.block_size) * group.num_layers * group.layer_nbytes(layout.block_size)
+
+
+class SpilledLayerMirror:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._copies: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()  # (last block's hash, layer)
+        self.nbytes = 0
+        self.hits = self.extensions = 0
+
+    def tokens(self, source: Any, layer: int, num_blocks: int) -> tuple[torch.Tensor, int]:
+        """KV-layout ``layer``'s values [num_blocks * block_size, heads, dim] over the first ``num_blocks``
+        spilled blocks of ``source`` (a ``kvstore.spilled_reads.SpilledBlocks``), and the bytes this call
+        read from the tiers."""
+        key = (source.hashes[num_blocks - 1], layer)
+        if key in self._copies:
+            self._copies.move_to_end(key)
+            self.hits += 1
+            return self._copies[key], 0
+        have, base = self._longest_prefix(source, layer, num_blocks)
+        parts, loaded = [] if base is None else [base], 0
+        for first in range(have, num_blocks, source.segment_blocks):
+            count = min(source.segment_blocks, num_blocks - first)
+            k, _ = source.load(layer, first, count)  # [count, bs, heads, dim], valid until the next load
+            parts.append(k.reshape(-1, *k.shape[2:]).clone())
+            loaded += k.numel() * k.element_size()
+        copy = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if base is not None:
+            self.extensions += 1
+        self._keep(key, copy)
+        return copy, loaded
+
+    def _longest_prefix(self, source: Any, layer: int, num_blocks: int) -> tuple[int, torch.Tensor | None]:
+        """The longest copy of this layer over a prefix of ``source``'s spilled blocks: (its blocks, it)."""
+        best, found = 0, None
+        for (last, held_layer), copy in self._copies.items():
+            n = copy.shape[0] // source.block_size
+            if held_layer == layer and best < n < num_blocks and source.hashes[n - 1] == last:
+                best, found = n, copy
+        if found is not None:
+            self._drop((source.hashes[best - 1], layer))  # the extended copy replaces it
+        return best, found
+
+    def _keep(self, key: tuple[bytes, int], copy: torch.Tensor) -> None:
+        self._copies[key] = copy
+        self.nbytes += copy.numel() * copy.element_size()
+        while self.nbytes > self.capacity_bytes and len(self._copies) > 1:
+            self._drop(next(iter(self._copies)))
+        if self.nbytes > self.capacity_bytes:  # a copy larger than the whole budget is not kept
+            self._drop(key)
+
+    def _drop(self, key: tuple[bytes, int]) -> None:
+        copy = self._copies.pop(key)
+        self.nbytes -= copy.numel() * copy.element_size()
+
+    def stats(self) -> dict[str, int]:
+        return {"copies": len(self._copies), "bytes": self.nbytes, "capacity_bytes": self.capacity_bytes,
+                "hits": self.hits, "extensions": self.extensions}

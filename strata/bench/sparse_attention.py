@@ -1,0 +1,104 @@
+"""`strata bench sparse`: DSA sparse attention over contexts far larger than the device tier, read from the tiers.
+
+A tiny DeepSeek-V3.2 built here (3 layers, an indexer of 2 heads keeping ``--topk`` tokens, fp32) with a device
+pool of ``--device-blocks`` blocks and the rest of each context in a host tier. For each ``--contexts`` length a
+random prompt is prefilled (its older blocks spill as it grows), then 16 tokens are decoded. Printed per
+context, with what it compared:
+
+* decode TPOT (median of the decoded tokens) against the shortest context's;
+* bytes read per decode step from each place: indexer keys and latents, on the device and streamed back
+  from the host tier (``kvstore.sparse_reads``, the counters ``/strata/stats`` reports);
+* the share of spilled blocks whose latents a step read (the rest stayed in the host tier);
+* the device pool's bytes (the same at every length) against the context's KV;
+* whether the answer is the one an engine with every block on the device gives (``--check-all-device``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", nargs="+", type=int, default=[16384, 65536])
+    p.add_argument("--device-blocks", type=int, default=256, help="device pool, in 16-token blocks")
+    p.add_argument("--topk", type=int, default=64, help="tokens each query's indexer keeps")
+    p.add_argument("--check-all-device", action="store_true", help="also run every context all on the device")
+    p.add_argument("--json", type=Path)
+
+
+def _engine(model: Path, context: int, device_blocks: int | None, host_dir: Path | None) -> Any:
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.stages.factory import build_engine
+
+    longest = context + 64
+    blocks = device_blocks or longest // 16 + 64
+    tiers = {"host_kv_blocks": longest // 16 + 64, "host_kv_dir": str(host_dir)} if host_dir else {}
+    return build_engine(model, EngineConfig(max_model_len=longest, num_kv_blocks=blocks, **tiers))  # spills need hashes
+
+
+def _run(engine: Any, context: int) -> tuple[list[int], float, list[dict[str, int]]]:
+    """(the 16 decoded tokens, median TPOT in ms, the read counters after the prompt and after each token)."""
+    from strata.pipeline.contract.sampling_params import SamplingParams
+
+    ids = torch.randint(4, 500, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    engine.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
+    stamps, tokens, counters = [], [], []
+    for event in engine.run():
+        stamps.append(time.perf_counter())
+        tokens.append(event.token_id)
+        counters.append(dict(engine.kv.sparse_reads.as_dict()))
+    return tokens[1:], 1000 * statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:])), counters
+
+
+def _per_step(counters: list[dict[str, int]]) -> dict[str, float]:
+    """Mean bytes (and blocks) per decode step, from the counters after the first token and after the last."""
+    first, last, steps = counters[1], counters[-1], len(counters) - 2
+    out = {k: (last[k] - first[k]) / steps for k in last if k != "reads"}
+    seen = out.pop("spilled_blocks_seen")
+    out["share_of_spilled_blocks_read"] = out["spilled_blocks_read"] / seen if seen else 0.0
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.checkpoints.tiny_text_models import build_tiny_text_model
+
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="strata-sparse-") as tmp:
+        longest = max(args.contexts) + 64
+        model = build_tiny_text_model("deepseek_v32", Path(tmp) / "v32", overrides={
+            "index_topk": args.topk, "max_position_embeddings": longest})
+        print(f"# sparse: tiny DeepSeek-V3.2 (3 layers, indexer top-{args.topk}), fp32, {torch.get_num_threads()} "
+              f"threads; device pool {args.device_blocks} blocks, the rest in a host tier; 16 tokens decoded")
+        for n in sorted(args.contexts):
+            engine = _engine(model, n, args.device_blocks, Path(tmp) / f"host-{n}")
+            tokens, tpot, counters = _run(engine, n)
+            layout = engine.kv.layout
+            row = {"tpot_ms": tpot, "per_step": _per_step(counters),
+                   "device_pool_bytes": engine.kv.stats()["device_bytes"],
+                   "context_kv_bytes": n * layout.bytes_per_token()}
+            if args.check_all_device:
+                row["identical_to_all_on_device"] = _run(_engine(model, n, None, None), n)[0] == tokens
+            rows[str(n)] = row
+            del engine
+        base = rows[str(min(args.contexts))]["tpot_ms"]
+        for n, row in rows.items():
+            s = row["per_step"]
+            same = row.get("identical_to_all_on_device")
+            print(f"  context {int(n):>8,}: TPOT {row['tpot_ms']:7.2f} ms ({row['tpot_ms'] / base:.2f}x the shortest); "
+                  f"per step: indexer keys {s['index_key_bytes_device'] / 2**20:.2f} MiB device + "
+                  f"{s['index_key_bytes_spilled'] / 2**20:.2f} MiB host, latents "
+                  f"{s['latent_bytes_device'] / 2**10:.1f} KiB device + {s['latent_bytes_spilled'] / 2**10:.1f} KiB host "
+                  f"({100 * s['share_of_spilled_blocks_read']:.1f}% of spilled blocks touched); device pool "
+                  f"{row['device_pool_bytes'] / 2**20:.2f} MiB for {row['context_kv_bytes'] / 2**20:.1f} MiB of KV"
+                  + ("" if same is None else f"; answer {'identical to' if same else 'DIFFERS from'} all-on-device"))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
