@@ -4,7 +4,8 @@ tensor-parallel group of two reading its slices of the FP8 codes and scales; the
 gets the in-process engine's answers, streamed or not, and an image is a 400 that says the model takes
 none. No Preprocess or Encode deployment is started for it. Then a MiniMax-M2 with its own tool syntax and a
 template that opens the thinking: calls read by the declared parameter types, reasoning apart from content. And
-Qwen3-Next, a linear-attention hybrid, served in one stage."""
+the 2026 attentions, each served in one stage: Qwen3-Next and Kimi-Linear (linear-attention hybrids) and
+DeepSeek-V3.2 (DSA sparse attention)."""
 
 from __future__ import annotations
 
@@ -170,10 +171,10 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
     assert not "".join(d.content or "" for d in streamed)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
-def hybrid_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
-    """Each linear-attention hybrid served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA +
-    NoPE MLA); ``server.model`` is its checkpoint."""
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear", "deepseek_v32"])
+def frontier_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
+    """Each 2026 attention served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA + NoPE
+    MLA), DeepSeek-V3.2 (DSA sparse MLA); ``server.model`` is its checkpoint."""
     from serve_process import ServeProcess, stop_later
 
     server = ServeProcess(text_models[request.param], tmp_path_factory.mktemp(f"serve-{request.param}"),
@@ -186,13 +187,13 @@ def hybrid_server(request, text_models, tmp_path_factory: pytest.TempPathFactory
         stop_later(server)
 
 
-def test_a_hybrid_is_served_as_the_engine_answers(hybrid_server) -> None:
-    """A linear-attention hybrid through the real server (one stage, its state in the replica's pool): two
+def test_a_frontier_model_is_served_as_the_engine_answers(frontier_server) -> None:
+    """A hybrid (its state in the replica's pool) or a sparse-attention model through the real server: two
     chats at once, streamed, get the in-process engine's answers; /metrics counts them."""
     import concurrent.futures
 
-    client = openai.OpenAI(base_url=hybrid_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    expected = build(hybrid_server.model).generate(
+    client = openai.OpenAI(base_url=frontier_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = build(frontier_server.model).generate(
         [{"messages": [{"role": "user", "content": p}], "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
 
     def stream(prompt: str) -> str:
@@ -203,5 +204,5 @@ def test_a_hybrid_is_served_as_the_engine_answers(hybrid_server) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         assert list(pool.map(stream, PROMPTS)) == [e.text for e in expected]
-    metrics = httpx.get(hybrid_server.base_url + "/metrics", timeout=30).text
+    metrics = httpx.get(frontier_server.base_url + "/metrics", timeout=30).text
     assert "vllm:generation_tokens" in metrics
