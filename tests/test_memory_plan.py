@@ -372,11 +372,11 @@ def test_a_linear_attention_hybrid_costs_its_full_layers_per_token_and_a_fixed_s
     assert STATE_COPIES * engine.kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "glm_moe_dsa"])
 def test_a_frontier_param_count_matches_its_transformers_built_checkpoint(arch: str, text_models,
                                                                           tmp_path: Path) -> None:
     """The planner counts linear-attention layers (Gated DeltaNet's and KDA's own projections, convolutions,
-    decay and gate parameters) and DSA's indexer as transformers writes them."""
+    decay and gate parameters) and DSA's indexers (GLM-5's only where a layer runs one) as transformers writes them."""
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     shutil.copy(text_models[arch] / "config.json", config_only / "config.json")

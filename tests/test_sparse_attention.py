@@ -1,5 +1,6 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2) on a tiny checkpoint built by transformers' own classes, whose
-indexer keeps 8 tokens of prompts four to ten times longer: the selection rule against transformers' at ties,
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, and GLM-5 with its interleaved indexer RoPE and a layer that
+reuses the previous indexer's choice) on tiny checkpoints built by transformers' own classes, whose indexer
+keeps 8 tokens of prompts four to ten times longer: the selection rule against transformers' at ties,
 the indexer keys as a cache group of their own, and the engine through chunks, preemption, spills (reading
 only the chosen latents' blocks), prefix hits, hand-offs and refusals. Greedy tokens against transformers'
 generate on both backends, `strata ops` and `strata align` are in test_text_models.py."""
@@ -24,6 +25,12 @@ PROMPTS = ["What is the capital of France? The quick brown fox jumps over the la
 @pytest.fixture(scope="module")
 def v32(text_models) -> Path:
     return text_models["deepseek_v32"]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def dsa(request, text_models) -> Path:
+    """Each DSA model in turn: DeepSeek-V3.2, GLM-5."""
+    return text_models[request.param]
 
 
 def test_the_top_k_rule_is_transformers_at_ties_and_at_every_chunk_cut() -> None:
@@ -81,16 +88,22 @@ def test_the_indexer_keys_are_a_cache_group_of_their_own(v32: Path) -> None:
     assert layout.bytes_per_token() == 3 * (40 + 16) * 4
 
 
+def test_a_layer_that_reuses_anothers_choice_caches_no_indexer_key(text_models) -> None:
+    """GLM-5's third layer attends over the second's top-k: 4 latent layers, 3 of indexer keys."""
+    latents, keys = build(text_models["glm_moe_dsa"]).kv.layout.groups
+    assert (latents.layers, keys.layers) == ((0, 1, 2, 3), (4, 5, 6))
+
+
 @pytest.mark.parametrize("chunk", [5, 16])
-def test_prefill_chunks_cut_through_the_selection(chunk: int, v32: Path) -> None:
-    engine = build(v32, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
+def test_prefill_chunks_cut_through_the_selection(chunk: int, dsa: Path) -> None:
+    engine = build(dsa, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
     outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
     for prompt, out in zip(PROMPTS, outs):
-        assert out.output_token_ids == transformers_greedy(v32, prompt, 12), prompt
+        assert out.output_token_ids == transformers_greedy(dsa, prompt, 12), prompt
 
 
-def test_preempted_sequences_select_the_same(v32: Path) -> None:
-    assert_preemption_recomputes_the_same(v32, PROMPTS)
+def test_preempted_sequences_select_the_same(dsa: Path) -> None:
+    assert_preemption_recomputes_the_same(dsa, PROMPTS)
 
 
 @pytest.mark.parametrize("mirror", [True, False], ids=["keys-kept-on-device", "keys-streamed"])
@@ -146,11 +159,11 @@ def test_a_prefix_hit_selects_as_a_fresh_run(v32: Path) -> None:
     assert longer.output_token_ids == transformers_greedy(v32, PROMPTS[1] + " Again.", 8)
 
 
-def test_the_indexer_keys_cross_the_hand_off(v32: Path, tmp_path: Path) -> None:
-    engine = build(v32)
+def test_the_indexer_keys_cross_the_hand_off(dsa: Path, tmp_path: Path) -> None:
+    engine = build(dsa)
     want = engine.generate([{"prompt": PROMPTS[1], "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
     config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
-    assert tokens_through_handoff(v32, config, engine, [], PROMPTS[1], greedy(10, ignore_eos=True)) == want
+    assert tokens_through_handoff(dsa, config, engine, [], PROMPTS[1], greedy(10, ignore_eos=True)) == want
 
 
 def test_ngram_drafts_select_as_plain_decoding(v32: Path) -> None:

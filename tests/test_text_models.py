@@ -1,5 +1,5 @@
 """Text-only LLMs of every registered family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
-DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, gpt-oss, MiniMax-M2, Qwen3-Next, Qwen3.5 dense and MoE, Kimi-Linear) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
+DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-5, gpt-oss, MiniMax-M2, Qwen3-Next, Qwen3.5 dense and MoE, Kimi-Linear) on tiny checkpoints made by transformers' own classes: greedy tokens equal transformers',
 `strata ops` covers them, `strata align` passes in fp32 and bf16, images are refused with a 400-style
 error, MLA's latent blocks spill, reload, hand off and are reused like any other blocks."""
 
@@ -20,7 +20,7 @@ PROMPTS = ["What is the capital of France? The quick brown fox jumps over the la
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
             "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2", "qwen3_next",
-            "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32"]
+            "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "glm_moe_dsa"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -45,7 +45,7 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
     names = {c["name"] for c in result["components"]}
     assert "vision_tower" not in names and {"attention", "rope", "mlp", "lm_head"} <= names
     attention = next(c for c in result["components"] if c["name"] == "attention")
-    assert attention["need"].startswith("MLA") == arch.startswith(("deepseek", "kimi"))  # DeepSeek-V3.2 too
+    assert attention["need"].startswith("MLA") == arch.startswith(("deepseek", "kimi", "glm_moe_dsa"))
     # ops prints the loader's own plan: the tensors it says a load reads are the ones the load reads
     assert result["weights"]["reads"] == load_language_model(text_models[arch])[1].tensors_read > 0
 
@@ -64,6 +64,7 @@ OPS_LINES = {  # what ops says is what the loader parsed: the family's rules app
                     "scaling 2.5, 1 shared; 1 of 4 layers dense"},
     "deepseek_v32": {"attention": "sparse (DSA): an indexer of 2 heads of 16 picks the top 8 tokens",
                      "rope": "(interleaved pairs)"},
+    "glm_moe_dsa": {"attention": "on 3 of 4 layers (the others reuse its choice)"},
 }
 
 
@@ -130,9 +131,10 @@ def test_kimi_linear_as_released_reads_its_linear_attn_config(text_models, tmp_p
 # Kimi-Linear's likewise: its random sigmoid router scores every expert near 0.5, and transformers in bf16 routes
 # 2, 5 and 11 of 48 rows of layers 1-3 to other experts than in fp32 (a top-2 margin of 3.5e-5 at layer 3).
 # DeepSeek-V3.2's DSA picks tokens as a router picks experts: transformers' own bf16 run keeps another top-8 than
-# its fp32 run on 7, 24 and 31 of 48 rows of layers 0-2 (ties at 0 and near-ties among the indexer's scores).
+# its fp32 run on 7, 24 and 31 of 48 rows of layers 0-2 (ties at 0 and near-ties among the indexer's scores);
+# GLM-5's, the same DSA, likewise.
 BF16_FAMILIES = [a for a in FAMILIES if a not in ("deepseek_v3-plain", "glm4_moe", "glm4_moe-qknorm", "gpt_oss",
-                                                   "gpt_oss-square", "kimi_linear", "deepseek_v32")]
+                                                   "gpt_oss-square", "kimi_linear", "deepseek_v32", "glm_moe_dsa")]
 
 
 # Qwen3.5's tiny checkpoints leave align's fp32 bound on its prompt (their greedy tokens above are transformers'):

@@ -135,6 +135,11 @@ for _family in (
     TextFamily("deepseek_v32", attention=attention_kinds.MLA_DSA, router=router_kinds.SIGMOID_GROUPED,
                sparse_layers=typed_mlp_layers, shared_experts=True, experts_keys=("n_routed_experts",),
                rope_interleave=True),
+    # GLM-5: the same DSA with the indexer's RoPE in interleaved pairs, and layers that reuse the previous indexer
+    # layer's top-k instead of running their own (``indexer_types``)
+    TextFamily("glm_moe_dsa", attention=attention_kinds.MLA_DSA_INTERLEAVED, router=router_kinds.SIGMOID_GROUPED,
+               sparse_layers=typed_mlp_layers, shared_experts=True, experts_keys=("n_routed_experts",),
+               rope_interleave=True),
     # Kimi-Linear: KDA linear attention in 3 of every 4 layers, MLA without positions (NoPE) in the 4th,
     # DeepSeek-V3's router and shared expert
     TextFamily("kimi_linear", attention=attention_kinds.MLA, positions=position_kinds.NOPE, linear_layers=kda_layers,
@@ -327,7 +332,8 @@ for _cls, _type in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3VLMo
 for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
                     ("Qwen3ForCausalLM", "qwen3"), ("MixtralForCausalLM", "mixtral"),
                     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("DeepseekV3ForCausalLM", "deepseek_v3"),
-                    ("Glm4MoeForCausalLM", "glm4_moe"), ("DeepseekV32ForCausalLM", "deepseek_v32")):
+                    ("Glm4MoeForCausalLM", "glm4_moe"), ("DeepseekV32ForCausalLM", "deepseek_v32"),
+                    ("GlmMoeDsaForCausalLM", "glm_moe_dsa")):
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
 register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_LM_NAMES, text_family="gpt_oss",
                                         renames=GPT_OSS_RENAMES))

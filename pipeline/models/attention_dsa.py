@@ -1,5 +1,5 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2): MLA over the tokens a lightning indexer picks, read from the
-tiers on demand.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA over the tokens a lightning indexer picks, read from
+the tiers on demand.
 
 Per token and layer the cache holds MLA's latent (group 0) and the indexer's key (a cache group of its own,
 ``models.cache_groups``): ``wk`` of the normed hidden state, LayerNorm'd, its first ``qk_rope_head_dim``
@@ -9,7 +9,8 @@ LoRA (``wq_b`` of ``q_a_layernorm(q_a_proj(x))``), rotated alike, and weighted p
 (``kernels.sparse_index``: every indexer key is read, the small ones), keeps the top ``index_topk`` per
 query row, and the attention then reads only the latents of the chosen tokens: from the device blocks, or
 for a spilled prefix only the spilled blocks that hold a chosen token. Attention runs in the weight-absorbed
-form, as MLA's (``attention_mla``).
+form, as MLA's (``attention_mla``). GLM-5 rotates the indexer's RoPE dims in interleaved pairs, and some of
+its layers run no indexer: they attend over the previous indexer layer's choice for the same rows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Indexer(nn.Module):
         d, m = cfg.dsa, cfg.mla
         assert d is not None and m is not None and m.q_lora_rank
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
+        rope = m.qk_rope_head_dim  # GLM-5 rotates (x0, x1), (x2, x3), ...: evens then odds first makes it ours
+        self._pairs = (torch.cat([torch.arange(0, rope, 2, device="cpu"), torch.arange(1, rope, 2, device="cpu")])
+                       if d.rope_interleave else None)
         self.wq_b = nn.Linear(m.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=INDEXER_NORM_EPS)
@@ -44,23 +48,34 @@ class Indexer(nn.Module):
         """The key each new token caches: [T, 1, head_dim]."""
         k = F.layer_norm(linear(h, self.wk.weight), (self.head_dim,), self.k_norm.weight, self.k_norm.bias,
                          INDEXER_NORM_EPS)
-        return rotate_heads(k[:, None].contiguous(), cos, sin_signed)
+        return self._rotate(k[:, None], cos, sin_signed)
 
     def query(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the rows' indexer queries [T, heads, head_dim], their head weights [T, heads] in fp32)."""
         q = linear(q_resid, self.wq_b.weight).view(h.shape[0], self.n_heads, self.head_dim)
         weights = linear(h, self.weights_proj.weight).float() * self.n_heads**-0.5
-        return rotate_heads(q.contiguous(), cos, sin_signed), weights
+        return self._rotate(q, cos, sin_signed), weights
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """RoPE over the first rotary dims of each head, the rest passed through. Interleaved pairs come out
+        as [rotated evens, rotated odds] as transformers' form writes them (queries and keys alike)."""
+        if self._pairs is not None:
+            rot = cos.shape[-1]
+            x = torch.cat([x[..., :rot].index_select(-1, self._pairs.to(x.device)), x[..., rot:]], dim=-1)
+        return rotate_heads(x.contiguous(), cos, sin_signed)
 
 
 class DSAAttention(MLAAttention):
-    """MLA whose queries attend only over their indexer's top-k tokens."""
+    """MLA whose queries attend only over their indexer's top-k tokens: its own indexer's, or on a GLM-5 layer
+    that shares, the previous indexer layer's choice in this step (``meta.prepared``)."""
 
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
-        self.indexer = Indexer(cfg)
-        self.index_layer = cfg.index_kv_index(layer_idx)  # its KV-layout layer of indexer keys
+        self.runs_indexer = cfg.dsa.runs_indexer(layer_idx)
+        if self.runs_indexer:
+            self.indexer = Indexer(cfg)
+            self.index_layer = cfg.index_kv_index(layer_idx)  # its KV-layout layer of indexer keys
 
     def run(self, x: torch.Tensor, ln: nn.Module, cos: torch.Tensor, sin_signed: torch.Tensor, kv: list[torch.Tensor],
             meta: AttentionMetadata, backend: AttentionBackend, steps: object = None) -> torch.Tensor:
@@ -69,10 +84,13 @@ class DSAAttention(MLAAttention):
         h = rms_norm(x, ln.weight, ln.eps)
         q_resid = rms_norm(linear(h, self.q_a_proj.weight), self.q_a_layernorm.weight, LATENT_NORM_EPS)
         q_nope, q_pe, latent = self.project(h, cos, sin_signed, q_resid)
-        cache, keys = kv[self.layer_idx][:, 0], kv[self.index_layer][:, 0]
+        cache = kv[self.layer_idx][:, 0]
         write_cache(cache, latent, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
-        write_cache(keys, self.indexer.key(h, cos, sin_signed), meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
-        iq, weights = self.indexer.query(h, q_resid, cos, sin_signed)
+        if self.runs_indexer:
+            keys = kv[self.index_layer][:, 0]
+            write_cache(keys, self.indexer.key(h, cos, sin_signed), meta.slot_mapping, meta.slot_blocks,
+                        meta.slot_offsets)
+            iq, weights = self.indexer.query(h, q_resid, cos, sin_signed)
         w_uk, w_uv = self.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1)
@@ -81,10 +99,14 @@ class DSAAttention(MLAAttention):
         for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
             r = slice(start, start + rows)
             start += rows
-            positions = list(range(seq_len - rows, seq_len))
-            context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
-            scores = index_scores(iq[r], context[:, 0], weights[r], self.indexer.head_dim**-0.5)
-            chosen = select_topk(scores, positions, meta.prompt_len(i), self.indexer.topk)
+            if self.runs_indexer:
+                context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
+                scores = index_scores(iq[r], context[:, 0], weights[r], self.indexer.head_dim**-0.5)
+                chosen = select_topk(scores, list(range(seq_len - rows, seq_len)), meta.prompt_len(i),
+                                     self.indexer.topk)
+                meta.prepared[("dsa", i)] = chosen  # for the layers after it that share its choice
+            else:
+                chosen, key_device, key_spilled = meta.prepared[("dsa", i)], 0, 0
             needed = chosen.any(0).nonzero().flatten()  # the union of the rows' choices: all that is read
             latents, latent_device, latent_spilled = gather_tokens(cache, meta, i, self.layer_idx, needed)
             out[r] = sparse_latent_attention(q[r], latents[:, 0], chosen[:, needed], self.rank, self.scale)

@@ -47,6 +47,11 @@ class DSAConfig:
     n_heads: int
     head_dim: int
     topk: int
+    rope_interleave: bool = False  # its RoPE dims in (x0, x1), (x2, x3) pairs (GLM-5), else the two halves (V3.2)
+    shared: tuple[bool, ...] = ()  # per layer: reuses the previous indexer layer's top-k, has none (GLM-5)
+
+    def runs_indexer(self, layer: int) -> bool:
+        return not (self.shared and self.shared[layer])
 
     def params(self, hidden: int, q_lora_rank: int) -> int:
         """One layer's indexer: wq_b (from the q LoRA), wk, its LayerNorm (weight and bias), weights_proj."""
@@ -120,6 +125,24 @@ def resolve_kimi_delta(tc: dict[str, Any]) -> GatedDeltaNetConfig:
 LINEAR_KINDS = {"gated_deltanet": resolve_gated_deltanet, "kda": lambda tc, split: resolve_kimi_delta(tc)}
 
 
+def _shared_indexer_layers(tc: dict[str, Any]) -> tuple[bool, ...]:
+    """GLM-5's cross-layer top-k sharing, as transformers reads it: ``indexer_types`` ("full" / "shared" per
+    layer), else ``index_topk_pattern`` ("F" / "S"), else every ``index_topk_freq``-th layer from
+    ``index_skip_topk_offset`` runs its indexer. () when every layer runs one (DeepSeek-V3.2)."""
+    layers = size(tc, "num_hidden_layers")
+    types = tc.get("indexer_types")
+    if types is None and tc.get("index_topk_pattern") is not None:
+        pattern = tc["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None:
+        freq, offset = max(int(tc.get("index_topk_freq") or 1), 1), int(tc.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full", "shared"} or types[0] != "full":
+        raise ModelConfigError(f"config.json: indexer_types must be {layers} of 'full' / 'shared', the first 'full'")
+    shared = tuple(t == "shared" for t in types)
+    return shared if any(shared) else ()
+
+
 @dataclass(frozen=True)
 class ResolvedAttention:
     """What a kind reads from a text config: the fields ``TextConfig`` carries for its attention."""
@@ -148,6 +171,7 @@ class AttentionKind:
     sinks: bool = False  # a learned logit per head takes part in every softmax and absorbs weight (gpt-oss)
     output_gate: bool = False  # q_proj also gives each head a gate; the output is scaled by its sigmoid (Qwen3-Next)
     indexer: bool = False  # MLA over the top-k tokens a lightning indexer picks (DeepSeek-V3.2's DSA)
+    indexer_rope_interleave: bool = False  # the indexer rotates interleaved pairs (GLM-5)
 
     @property
     def latent(self) -> bool:
@@ -170,7 +194,8 @@ class AttentionKind:
         if self.indexer:
             if mla is None or mla.q_lora_rank is None:
                 raise ModelConfigError("config.json: DSA's indexer reads the q LoRA: q_lora_rank is required")
-            dsa = DSAConfig(size(tc, "index_n_heads"), size(tc, "index_head_dim"), size(tc, "index_topk"))
+            dsa = DSAConfig(size(tc, "index_n_heads"), size(tc, "index_head_dim"), size(tc, "index_topk"),
+                            self.indexer_rope_interleave, _shared_indexer_layers(tc))
             if dsa.head_dim < mla.qk_rope_head_dim:
                 raise ModelConfigError(f"config.json: index_head_dim ({dsa.head_dim}) is narrower than the "
                                        f"qk_rope_head_dim ({mla.qk_rope_head_dim}) it rotates")
@@ -222,6 +247,8 @@ class AttentionKind:
             if cfg.dsa is not None:
                 detail += (f", sparse (DSA): an indexer of {cfg.dsa.n_heads} heads of {cfg.dsa.head_dim} picks the top "
                            f"{cfg.dsa.topk} tokens, its key cached per token")
+                if cfg.dsa.shared:
+                    detail += f" on {cfg.index_layers} of {cfg.num_layers} layers (the others reuse its choice)"
             return detail
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         label = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else self.name)
@@ -244,3 +271,4 @@ GQA_QK_NORM_OVER_HEADS = AttentionKind("GQA", "gqa", qk_norm="over-heads")  # Mi
 GQA_GATED = AttentionKind("GQA", "gqa", qk_norm="per-head", output_gate=True)  # Qwen3-Next's full layers
 MLA = AttentionKind("MLA", "mla")  # DeepSeek-V3, Kimi-K2
 MLA_DSA = AttentionKind("MLA", "mla_dsa", indexer=True)  # DeepSeek-V3.2
+MLA_DSA_INTERLEAVED = AttentionKind("MLA", "mla_dsa", indexer=True, indexer_rope_interleave=True)  # GLM-5

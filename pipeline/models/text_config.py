@@ -120,13 +120,16 @@ class TextConfig:
 
     @property
     def index_layers(self) -> int:
-        """Layers that cache a DSA indexer key per token (each attention layer of the decoder), KV-layout
-        layers after the attention layers' (``cache_groups``)."""
-        return self.num_layers - sum(self.linear_layers) if self.dsa is not None else 0
+        """Layers that run a DSA indexer and cache its key per token (every attention layer of DeepSeek-V3.2;
+        GLM-5's not sharing another's choice), KV-layout layers after the attention layers' (``cache_groups``)."""
+        if self.dsa is None:
+            return 0
+        return sum(self.dsa.runs_indexer(i) for i in range(self.num_layers) if not self.is_linear_layer(i))
 
     def index_kv_index(self, layer: int) -> int:
-        """The KV-layout layer holding model layer ``layer``'s indexer keys."""
-        return self.cached_layers + self.kv_index(layer)
+        """The KV-layout layer holding model layer ``layer``'s indexer keys (a layer that runs its indexer)."""
+        assert self.dsa is not None and self.dsa.runs_indexer(layer)
+        return self.cached_layers + sum(self.dsa.runs_indexer(i) for i in range(layer) if not self.is_linear_layer(i))
 
     def is_linear_layer(self, layer: int) -> bool:
         return layer < self.num_layers and bool(self.linear_layers) and self.linear_layers[layer]

@@ -207,7 +207,7 @@ class ShardPlan:
         roles["attention"], roles["kv_b_proj"] = full * attention, full * kv_b
         roles["attention"] += linear * c.linear.params(h) if linear else 0
         if c.dsa is not None:  # DSA's indexer, whole on every rank (DeepSeek-V3.2)
-            roles["attention"] += full * c.dsa.params(h, c.mla.q_lora_rank)
+            roles["attention"] += c.index_layers * c.dsa.params(h, c.mla.q_lora_rank)
         roles["other"] = full * attention_other + c.num_layers * 2 * h + h  # two norms a layer, the final norm
         roles["dense_mlp"] = dense_layers * 3 * h * dense_i
         roles["other"] += dense_layers * (2 * dense_i + h) * c.mlp_bias

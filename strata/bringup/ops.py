@@ -120,7 +120,7 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
     if parsed is not None and parsed.dsa is not None:
         return Component("attention", parsed.attention.describe(parsed),
                          "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents) with "
-                         "kernels.sparse_index (torch); indexer keys a cache group of their own")
+                         "kernels.sparse_index (torch; fused C++ on CPU, Triton on CUDA); indexer keys a cache group of their own")
     if parsed is not None and parsed.mla is not None:
         return Component("attention", parsed.attention.describe(parsed),
                          f"pipeline.models.attention_mla (weight-absorbed) over {_attention_impl()}")

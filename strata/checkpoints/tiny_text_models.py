@@ -24,7 +24,7 @@ from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
                       "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
-                      "deepseek_v32")
+                      "deepseek_v32", "glm_moe_dsa")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -108,6 +108,13 @@ _FAMILY: dict[str, dict[str, Any]] = {
                          n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
                          first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8,
                          index_head_dim=16, index_n_heads=2),
+    # GLM-5: the same with the indexer's RoPE in pairs, and its third layer reusing the second's top-k
+    # (transformers reads index_topk_freq / index_skip_topk_offset as full, full, shared, full)
+    "glm_moe_dsa": dict(num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8,
+                        index_head_dim=16, index_n_heads=2, index_topk_freq=2, index_skip_topk_offset=2),
 }
 
 

@@ -59,4 +59,5 @@ def sparse_read_bytes(tc: TextConfig, elem_bytes: int, context_tokens: int) -> t
     if tc.dsa is None:
         return 0, 0
     keys = context_tokens * tc.index_layers * tc.dsa.head_dim * elem_bytes
-    return keys, min(tc.dsa.topk, context_tokens) * tc.index_layers * tc.kv_cache_dim * elem_bytes
+    attention_layers = tc.num_layers - sum(tc.linear_layers)  # every one reads its chosen latents
+    return keys, min(tc.dsa.topk, context_tokens) * attention_layers * tc.kv_cache_dim * elem_bytes
