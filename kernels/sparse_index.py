@@ -43,14 +43,17 @@ def index_scores_reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.T
 
 
 def select_topk(scores: torch.Tensor, positions: list[int], prompt_len: int, topk: int) -> torch.Tensor:
-    """Which of the ``tokens`` each row attends: bool [rows, tokens] from ``scores`` [rows, tokens] of rows at
-    absolute ``positions`` (ascending) of a sequence whose prompt is ``prompt_len`` tokens. A row's top-k is
-    taken over ``max(prompt_len, position + 1)`` entries, later ones at -inf (see the module's docstring)."""
+    """The tokens each row attends: int64 [rows, k] positions, -1 where a row has fewer (k = ``topk`` or less),
+    from ``scores`` [rows, tokens] of rows at absolute ``positions`` (ascending) of a sequence whose prompt is
+    ``prompt_len`` tokens. A row's top-k is taken over ``max(prompt_len, position + 1)`` entries, later ones at
+    -inf (see the module's docstring); a choice past the row's own position is no choice."""
     rows, tokens = scores.shape
-    chosen = torch.zeros(rows, tokens, dtype=torch.bool, device=scores.device)
+    lengths = [max(prompt_len, p + 1) for p in positions]
+    width = min(topk, max(lengths, default=1))
+    chosen = torch.full((rows, width), -1, dtype=torch.int64, device=scores.device)
     by_length: dict[int, list[int]] = {}
-    for r, p in enumerate(positions):
-        by_length.setdefault(max(prompt_len, p + 1), []).append(r)
+    for r, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(r)
     for length, members in by_length.items():
         idx = torch.tensor(members, device=scores.device)
         row_pos = torch.tensor([positions[r] for r in members], device=scores.device)
@@ -59,18 +62,15 @@ def select_topk(scores: torch.Tensor, positions: list[int], prompt_len: int, top
         full[:, :seen] = scores[idx, :seen]
         full[torch.arange(length, device=scores.device)[None, :] > row_pos[:, None]] = float("-inf")  # causal
         picked = full.topk(min(topk, length), dim=-1).indices
-        mask = torch.zeros(len(members), max(length, tokens), dtype=torch.bool, device=scores.device)
-        mask.scatter_(1, picked, True)
-        mask &= torch.arange(mask.shape[1], device=scores.device)[None, :] <= row_pos[:, None]
-        chosen[idx] = mask[:, :tokens]
+        chosen[idx, : picked.shape[1]] = picked.masked_fill(picked > row_pos[:, None], -1)
     return chosen
 
 
-def sparse_latent_attention(q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor, rank: int,
+def sparse_latent_attention(q: torch.Tensor, latents: torch.Tensor, valid: torch.Tensor, rank: int,
                             scale: float) -> torch.Tensor:
-    """MLA in the weight-absorbed form over gathered latents: ``q`` [rows, heads, rank + rope] against
-    ``latents`` [n, rank + rope] (keys: whole; values: the first ``rank``), each row over the latents its
-    ``mask`` [rows, n] selects. Returns [rows, heads, rank] in q's dtype; softmax in fp32."""
-    s = torch.einsum("rhd,nd->rhn", q.float(), latents.float()) * scale
-    s = s.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("rhn,nd->rhd", s, latents[:, :rank].float()).to(q.dtype)
+    """MLA in the weight-absorbed form over each row's own gathered latents: ``q`` [rows, heads, rank + rope]
+    against ``latents`` [rows, k, rank + rope] (keys: whole; values: the first ``rank``), where ``valid``
+    [rows, k] says which of a row's k are chosen. Returns [rows, heads, rank] in q's dtype; softmax in fp32."""
+    s = torch.einsum("rhd,rkd->rhk", q.float(), latents.float()) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("rhk,rkd->rhd", s, latents[..., :rank].float()).to(q.dtype)

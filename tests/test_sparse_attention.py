@@ -45,7 +45,7 @@ def test_the_top_k_rule_is_transformers_at_ties_and_at_every_chunk_cut() -> None
     picked = scores.masked_fill(~causal, float("-inf")).topk(k, dim=-1).indices  # transformers' lines
     want = torch.zeros(prompt, prompt, dtype=torch.bool).scatter(1, picked, True) & causal
     for start, end in ((0, 40), (0, 5), (5, 21), (21, 40)):  # one pass, and chunks that cut it
-        got = select_topk(scores[start:end, :end], list(range(start, end)), prompt, k)
+        got = _as_mask(select_topk(scores[start:end, :end], list(range(start, end)), prompt, k), end)
         assert torch.equal(got, want[start:end, :end]), (start, end)
     positive = (scores > 0).tril().sum(-1)
     tied_rows = [r for r in range(k, prompt) if positive[r] < k < r + 1]  # the top-8 ends among the zeros
@@ -56,7 +56,13 @@ def test_the_top_k_rule_is_transformers_at_ties_and_at_every_chunk_cut() -> None
     assert not torch.equal(stable, want)
     generated = torch.rand(1, 50, generator=gen).masked_fill(torch.rand(1, 50, generator=gen) < 0.6, 0.0)
     row = select_topk(generated, [49], prompt, k)[0]
-    assert torch.equal(row.nonzero().flatten().sort().values, generated[0].topk(k).indices.sort().values)
+    assert torch.equal(row.sort().values, generated[0].topk(k).indices.sort().values)
+
+
+def _as_mask(chosen: torch.Tensor, tokens: int) -> torch.Tensor:
+    """select_topk's positions (-1: none) as a [rows, tokens] mask."""
+    mask = torch.zeros(chosen.shape[0], tokens + 1, dtype=torch.bool)
+    return mask.scatter_(1, chosen.clamp(min=-1) % (tokens + 1), True)[:, :tokens]
 
 
 def test_the_cpu_index_scores_kernel_equals_the_torch_reference() -> None:

@@ -101,18 +101,42 @@ class DSAAttention(MLAAttention):
             start += rows
             if self.runs_indexer:
                 context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
-                scores = index_scores(iq[r], context[:, 0], weights[r], self.indexer.head_dim**-0.5)
-                chosen = select_topk(scores, list(range(seq_len - rows, seq_len)), meta.prompt_len(i),
-                                     self.indexer.topk)
+                chosen = self._select(iq[r], weights[r], context[:, 0], seq_len, meta.prompt_len(i))
                 meta.prepared[("dsa", i)] = chosen  # for the layers after it that share its choice
             else:
                 chosen, key_device, key_spilled = meta.prepared[("dsa", i)], 0, 0
-            needed = chosen.any(0).nonzero().flatten()  # the union of the rows' choices: all that is read
+            needed = torch.unique(chosen[chosen >= 0])  # ascending: every latent any row chose, read once
             latents, latent_device, latent_spilled = gather_tokens(cache, meta, i, self.layer_idx, needed)
-            out[r] = sparse_latent_attention(q[r], latents[:, 0], chosen[:, needed], self.rank, self.scale)
+            at = torch.searchsorted(needed, chosen.clamp(min=0))  # each choice's row in ``latents``
+            step = _group(chosen.shape[1] * latents.shape[-1])  # rows whose [k, latent] gathers fit at once
+            for g in range(0, rows, step):
+                local = slice(g, min(g + step, rows))
+                out[r][local] = sparse_latent_attention(q[r][local], latents[at[local], 0], chosen[local] >= 0,
+                                                        self.rank, self.scale)
             if meta.sparse_reads is not None:
                 _count(meta.sparse_reads, meta, i, needed, key_device, key_spilled, latent_device, latent_spilled)
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1).contiguous()
+
+    def _select(self, iq: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_len: int,
+                prompt_len: int) -> torch.Tensor:
+        """One sequence's rows' choices, int64 [rows, k] (``kernels.sparse_index.select_topk``), scored a group of
+        rows at a time so that [rows, tokens] scores stay bounded at a million tokens."""
+        rows, parts = iq.shape[0], []
+        step = _group(max(seq_len, prompt_len))
+        for g in range(0, rows, step):
+            scores = index_scores(iq[g : g + step], keys, weights[g : g + step], self.indexer.head_dim**-0.5)
+            positions = list(range(seq_len - rows + g, seq_len - rows + min(g + step, rows)))
+            parts.append(select_topk(scores, positions, prompt_len, self.indexer.topk))
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+
+
+ROW_GROUP_VALUES = 1 << 24  # values one group of rows may hold at once (64 MiB in fp32)
+
+
+def _group(values_per_row: int) -> int:
+    """Rows processed together when each holds ``values_per_row`` values."""
+    return max(1, ROW_GROUP_VALUES // max(1, values_per_row))
 
 
 def _count(reads: SparseReads, meta: AttentionMetadata, seq: int, needed: torch.Tensor, key_device: int,
