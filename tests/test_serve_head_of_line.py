@@ -3,14 +3,16 @@ engine process, Preprocess and Encode replicas), in two ways.
 
 Real work: while a plain stream decodes, a 32K-token text prompt, a cold ``json_schema`` request (the server's
 first grammar) and a 4-image request arrive together. The stream's largest inter-token gap over the whole
-time they take stays within ``PACE_FACTOR`` times its median gap while the long prompt is in the engine. The
+time they take stays within ``PACE_FACTOR`` times its pace while the long prompt is in the engine. The
 long prompt is prefilled in chunks that share the stream's steps (the point of chunked prefill), so those
-steps are the stream's pace while it runs (a chunk at 30K tokens of context costs ~100x a lone decode of
-this tiny model); a prompt prefilled whole would be a gap of seconds. The window is the engine hop of the
-long request's trace (``/strata/stats`` flows), which ends when its one token comes back. The issue asked
-for 3x; on this 2-core host the worst gap measured 2.5-4.9x, always in the first ~0.2 s, where decoding the
-images, encoding them and tokenizing the long prompt run in other processes on the two cores the step's
-two threads need (one preempted thread holds its partner at every barrier of the step).
+steps are the stream's pace while it runs; a prompt prefilled whole would be a gap of seconds. A chunk's
+step grows with the context it attends to (here from ~20 ms at the first chunk to ~140 ms at 30K), so the
+pace is the 90th percentile of those gaps, the steps near full context: a median sits mid-prefill, and
+chunks delivered in one read (zero gaps) pull it lower still (CI once saw a 27 ms median beside a 183 ms
+last step). The window is the engine hop of the long request's trace (``/strata/stats`` flows), which ends
+when its one token comes back. Measured here: the worst gap is 1.1-1.9x that pace, the largest in the first
+~0.2 s, where decoding the images, encoding them and tokenizing the long prompt run in other processes on
+the two cores the step's two threads need (one preempted thread holds its partner at every barrier).
 
 Slow work, made slow on purpose (stall points, ``pipeline/parallel/fault_points.py``: the work sleeps, so
 it costs no core and the test is not about CPU contention): tokenizing a prompt, checking a grammar at the
@@ -42,7 +44,7 @@ from helpers import MODEL_NAME
 
 pytestmark = pytest.mark.serve
 LONG_PROMPT_TOKENS = 32_000
-PACE_FACTOR = 6  # measured here: 2.5-4.9 (see the module)
+PACE_FACTOR = 3  # the issue's bound; measured here: 1.1-1.9 (see the module)
 STALL_S = 3.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
           "required": ["name"], "additionalProperties": False}
@@ -173,12 +175,12 @@ def test_a_stream_keeps_its_pace_while_a_long_prompt_a_cold_grammar_and_images_a
     window = (long_done - engine_hop["seconds"], long_done)
     prefilling = burst.stream.gaps(*window)
     assert len(prefilling) >= 20, f"only {len(prefilling)} tokens of the stream while the long prompt prefilled"
-    pace = statistics.median(prefilling)
+    pace = statistics.quantiles(prefilling, n=10)[-1]  # the 90th percentile: steps near full context
     everything = burst.stream.gaps(burst.arrived, burst.done)
     worst = max(everything)
     at = burst.stream.gap_start(worst) - burst.arrived
     assert worst <= PACE_FACTOR * pace, (
-        f"a {worst * 1e3:.0f} ms gap {at:.2f} s after the requests arrived, against a {pace * 1e3:.1f} ms median "
+        f"a {worst * 1e3:.0f} ms gap {at:.2f} s after the requests arrived, against a {pace * 1e3:.1f} ms pace "
         f"while the long prompt prefilled ({window[0] - burst.arrived:.2f}-{window[1] - burst.arrived:.2f} s; "
         f"{len(everything)} gaps in {burst.done - burst.arrived:.1f} s)")
 
