@@ -239,16 +239,17 @@ def patterned_image(size: tuple[int, int], seed: int = 0) -> bytes:
 
 
 def tokens_through_handoff(model_dir: Path, config: EngineConfig, engine: Any, images: list[bytes], prompt: str,
-                           params: SamplingParams, check: Any = None) -> list[int]:
+                           params: SamplingParams, check: Any = None, decode_config: EngineConfig | None = None
+                           ) -> list[int]:
     """One request prepared by ``engine``, prefilled by a prefill service and finished by a decode service
-    (both in this process, over ``config``), its hand-off passed as bytes; ``check(request, handoff)``
-    may inspect what crossed. Returns every generated token."""
+    (both in this process, over ``config``; the decode service over ``decode_config`` if given), its hand-off
+    passed as bytes; ``check(request, handoff)`` may inspect what crossed. Returns every generated token."""
     import asyncio
 
     from strata.pipeline.contract.handoff import Handoff
     from strata.stages.factory import build_decode_service, build_prefill_service
 
-    prefill, decode = build_prefill_service(model_dir, config), build_decode_service(model_dir, config)
+    prefill, decode = build_prefill_service(model_dir, config), build_decode_service(model_dir, decode_config or config)
 
     async def complete() -> list[int]:
         request = engine.prepare("handoff", params, images, prompt=prompt)
