@@ -34,37 +34,48 @@ class SpilledLayerMirror:
     def tokens(self, source: Any, layer: int, num_blocks: int) -> tuple[torch.Tensor, int]:
         """KV-layout ``layer``'s values [num_blocks * block_size, heads, dim] over the first ``num_blocks``
         spilled blocks of ``source`` (a ``kvstore.spilled_reads.SpilledBlocks``), and the bytes this call
-        read from the tiers."""
-        key = (source.hashes[num_blocks - 1], layer)
-        if key in self._copies:
+        read from the tiers. A tensor-parallel rank's source (``core.tp_runner``) knows no block hashes but
+        can ``agree``: every rank then takes the driver's decision, so their copies stay the same and each
+        load is made by every rank at once (a load is a collective there)."""
+        agree = getattr(source, "agree", None)
+        decision = self._decide(source, layer, num_blocks) if hasattr(source, "hashes") else None
+        if agree is not None:
+            decision = agree(decision)
+        key, base_key, have = decision
+        if base_key is None and have:  # the copy itself: a hit
             self._copies.move_to_end(key)
             self.hits += 1
             return self._copies[key], 0
-        have, base = self._longest_prefix(source, layer, num_blocks)
-        parts, loaded = [] if base is None else [base], 0
+        parts, loaded = [], 0
+        if base_key is not None:  # the extended copy replaces it
+            parts.append(self._copies[base_key])
+            self._drop(base_key)
+            self.extensions += 1
         for first in range(have, num_blocks, source.segment_blocks):
             count = min(source.segment_blocks, num_blocks - first)
             k, _ = source.load(layer, first, count)  # [count, bs, heads, dim], valid until the next load
             parts.append(k.reshape(-1, *k.shape[2:]).clone())
             loaded += k.numel() * k.element_size()
         copy = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if base is not None:
-            self.extensions += 1
         self._keep(key, copy)
         return copy, loaded
 
-    def _longest_prefix(self, source: Any, layer: int, num_blocks: int) -> tuple[int, torch.Tensor | None]:
-        """The longest copy of this layer over a prefix of ``source``'s spilled blocks: (its blocks, it)."""
-        best, found = 0, None
-        for (last, held_layer), copy in self._copies.items():
+    def _decide(self, source: Any, layer: int, num_blocks: int) -> tuple[tuple[bytes, int], tuple[bytes, int] | None, int]:
+        """(the copy's key, the key of the copy it extends or None, the blocks already held): the whole copy
+        held is (key, None, num_blocks); nothing held is (key, None, 0)."""
+        key = (source.hashes[num_blocks - 1], layer)
+        if key in self._copies:
+            return key, None, num_blocks
+        best, base = 0, None
+        for (last, held_layer), copy in self._copies.items():  # the longest copy over a prefix of these blocks
             n = copy.shape[0] // source.block_size
             if held_layer == layer and best < n < num_blocks and source.hashes[n - 1] == last:
-                best, found = n, copy
-        if found is not None:
-            self._drop((source.hashes[best - 1], layer))  # the extended copy replaces it
-        return best, found
+                best, base = n, (last, held_layer)
+        return key, base, best
 
     def _keep(self, key: tuple[bytes, int], copy: torch.Tensor) -> None:
+        if key in self._copies:  # rebuilt (a rank told to build what it still held): counted once
+            self._drop(key)
         self._copies[key] = copy
         self.nbytes += copy.numel() * copy.element_size()
         while self.nbytes > self.capacity_bytes and len(self._copies) > 1:

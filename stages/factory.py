@@ -103,8 +103,8 @@ class LanguageStage:
                 share_kv_scales(group, shard, scales)
             self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
-            if cfg.text.dsa is not None:  # no device copy of spilled keys: every rank must load what the driver does
-                self._sparse_attention(layout, mirror=False)
+            if cfg.text.dsa is not None:
+                self._sparse_attention(layout)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return
@@ -118,7 +118,7 @@ class LanguageStage:
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         if cfg.text.dsa is not None:
-            self._sparse_attention(layout, mirror=True)
+            self._sparse_attention(layout)
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
             self.kv.states = linear_state_cache(config, cfg.text, dtype)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
@@ -126,14 +126,12 @@ class LanguageStage:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
 
-    def _sparse_attention(self, layout: KVLayout, mirror: bool) -> None:
+    def _sparse_attention(self, layout: KVLayout) -> None:
         """DSA's cache settings: under its top-k ties a prefix's KV depends on its prompt's length, so blocks are
-        named by it; its reads are counted; ``mirror``: the indexer keys of spilled blocks stay on the device
-        (``kvstore.layer_mirror``). A tensor-parallel group keeps none, as its workers load each spilled block
-        when the driver does (a collective): a copy on the driver alone would skip loads the workers make."""
+        named by it; its reads are counted; the indexer keys of spilled blocks stay on the device
+        (``kvstore.layer_mirror``; a tensor-parallel worker keeps the same copies, following the driver)."""
         self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
-        if mirror:
-            self.kv.layer_mirror = SpilledLayerMirror(index_mirror_bytes(layout, self.config.max_model_len))
+        self.kv.layer_mirror = SpilledLayerMirror(index_mirror_bytes(layout, self.config.max_model_len))
 
     @property
     def model_kind(self) -> str:

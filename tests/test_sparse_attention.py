@@ -186,9 +186,10 @@ def test_ngram_drafts_select_as_plain_decoding(v32: Path) -> None:
 @pytest.mark.slow
 def test_tp2_selects_as_tp1(dsa: Path, tmp_path: Path) -> None:
     """Two ranks split MLA's heads and each runs the whole indexer (its weights read whole on every rank), so
-    both choose the same tokens: the answers are tp=1's, through prefill chunks and through a prompt whose
-    older blocks spilled to the host tier (every rank loads the chosen latents' blocks, and the indexer keys
-    of every spilled block, as the driver reads them), and from a tp=2 prefill to a tp=1 decode."""
+    both choose the same tokens: the answers are tp=1's through prefill chunks, and from a tp=2 prefill to a
+    tp=1 decode. With older blocks spilled to the host tier every rank loads the same blocks (a load is a
+    collective) and keeps the same device copies of spilled indexer keys, the driver deciding for all: what
+    was read, from where, and the copies' hits equal tp=1's."""
     requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
     long = [{"prompt": " ".join(["the harbour light"] * 60), "params": greedy(12, ignore_eos=True)}]
     one = build(dsa)
@@ -198,18 +199,23 @@ def test_tp2_selects_as_tp1(dsa: Path, tmp_path: Path) -> None:
         assert [o.output_token_ids for o in two.generate(requests)] == want[:3]
     finally:
         two.close()
-    spilling = build(dsa, tp=2, num_kv_blocks=10, prefill_chunk_tokens=32, host_kv_blocks=200,
-                     host_kv_dir=str(tmp_path / "host"))
-    try:
-        assert spilling.generate(long)[0].output_token_ids == want[3]
-        reads = spilling.kv.stats()["sparse_reads"]
-        assert spilling.kv.spills.peak > 4 and 0 < reads["spilled_blocks_read"] < reads["spilled_blocks_seen"]
-    finally:
-        spilling.close()
     prefill = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "prefill"), tp=2)
     decode = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "decode"))
     assert tokens_through_handoff(dsa, prefill, one, [], PROMPTS[1], greedy(12, ignore_eos=True),
                                   decode_config=decode) == want[1]
+    spilling_one = spilling_engine(dsa, tmp_path / "host-1")
+    assert spilling_one.generate(long)[0].output_token_ids == want[3]
+    spilling = build(dsa, tp=2, num_kv_blocks=10, prefill_chunk_tokens=32, host_kv_blocks=200,
+                     host_kv_dir=str(tmp_path / "host-2"))
+    try:
+        assert spilling.generate(long)[0].output_token_ids == want[3]
+        reads = spilling.kv.stats()["sparse_reads"]
+        assert spilling.kv.spills.peak > 4 and 0 < reads["spilled_blocks_read"] < reads["spilled_blocks_seen"]
+        assert reads == spilling_one.kv.stats()["sparse_reads"]
+        assert spilling.kv.layer_mirror.stats() == spilling_one.kv.layer_mirror.stats()
+        assert spilling.kv.layer_mirror.hits > 0
+    finally:
+        spilling.close()
 
 
 def test_what_sparse_attention_cannot_run_with_is_refused_in_one_line(v32: Path) -> None:

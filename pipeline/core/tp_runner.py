@@ -115,6 +115,11 @@ class DriverSpilled(_ShardedSpilled):
         super().__init__(group, cache.pool.kv, _full_heads(cache.layout), 0, table.num_spilled, segment_blocks)
         self.cache = cache
         self.hashes = list(table.hashes[: table.num_spilled])
+        self.block_size = cache.layout.block_size
+
+    def agree(self, decision: object) -> object:
+        """Tell every rank what this rank decided about these blocks (``kvstore.layer_mirror``)."""
+        return self.group.broadcast_object(decision)
 
     def load(self, layer: int, first_block: int, num_blocks: int):
         hashes = self.hashes[first_block : first_block + num_blocks]
@@ -145,6 +150,10 @@ def _full_heads(layout: KVLayout) -> int:
 
 
 class WorkerSpilled(_ShardedSpilled):
+    def agree(self, decision: object) -> object:
+        """What the driver decided about these blocks (this rank knows no block hashes)."""
+        return self.group.broadcast_object(None)
+
     def load(self, layer: int, first_block: int, num_blocks: int):
         lost, on_device, count = self.group.broadcast_object(None)
         if lost:

@@ -20,6 +20,7 @@ from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import KVLayout
 from strata.kvstore.device_kv import DeviceKV
+from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
@@ -80,7 +81,10 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         slots = window_slot_counts(layout, config.num_kv_blocks, config.max_num_seqs, config.max_num_batched_tokens)
         kv = DeviceKV(local, [slots.get(gi, config.num_kv_blocks) for gi in range(len(layout.groups))], config.device)
         backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
-        executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device, layout.layer_meta)
+        # DSA: the driver's budget for spilled indexer keys (its decisions are followed: ``kvstore.layer_mirror``)
+        mirror = SpilledLayerMirror(index_mirror_bytes(layout, config.max_model_len)) if cfg.text.dsa is not None else None
+        executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device, layout.layer_meta,
+                                layer_mirror=mirror)
         serve_commands(group, executor, kv, layout, first_head, config.kv_staging_blocks)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
