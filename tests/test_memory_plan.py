@@ -410,3 +410,33 @@ def test_deepseek_v32_caches_an_indexer_key_beside_each_latent() -> None:
     indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     assert v32.num_params == v3.num_params + 61 * indexer
     assert "+ DSA indexer key 128 per layer" in format_plan(v32)
+
+
+def test_deepseek_v32_with_a_host_tier_keeps_its_spilled_indexer_keys_on_device() -> None:
+    """With a host tier, the device keeps room for one context's indexer keys (what ``kvstore.layer_mirror`` may
+    hold): each decode step reads every key, and streaming 14.5 GiB of them a step from the host would be the
+    cost of dense attention again. That room comes out of the device's KV blocks; without tiers none is kept."""
+    alone = plan_memory("deepseek-v3.2", 1_000_000, 4, 141 * GiB, tp=8)
+    tiered = plan_memory("deepseek-v3.2", 1_000_000, 4, 141 * GiB, host_mem_bytes=2048 * GiB, tp=8)
+    keys = 1_000_000 * 61 * 128 * 2
+    assert alone.index_mirror_bytes == 0 and tiered.index_mirror_bytes == tiered.sparse_step[0] == keys
+    assert alone.device_blocks - tiered.device_blocks == pytest.approx(keys / tiered.rank_bytes_per_block, abs=1)
+    assert tiered.fits and not alone.fits
+    assert "device room for spilled blocks' indexer keys (one context's, per rank)" in format_plan(tiered)
+
+
+def test_a_tiered_group_says_what_it_would_need_without_its_tiers(llama3: Path) -> None:
+    """Nodes with and without host and disk tiers. Llama-3-8B's 8 KV heads split over ranks, so more nodes add
+    KV room and two nodes hold 4 x 128K on device alone; DeepSeek-V3.2's latent is on every rank, so no group
+    ever does, and the plan says why."""
+    args = dict(context_tokens=128_000, concurrency=4, device_mem_bytes=24 * GiB, tp=2)
+    tiered = plan_memory(llama3, host_mem_bytes=256 * GiB, **args)
+    assert tiered.fits and tiered.nodes_without_tiers == 2
+    n = tiered.nodes_without_tiers
+    assert plan_memory(llama3, **{**args, "tp": 2 * n}, nodes=n).fits
+    assert not plan_memory(llama3, **{**args, "tp": 2 * (n - 1)}, nodes=n - 1).fits
+    assert f"without host and disk tiers: {n} node(s) of 2 rank(s): tp={2 * n}" in format_plan(tiered)
+    assert plan_memory(llama3, **args).nodes_without_tiers is None  # no tiers given: nothing to compare
+    v32 = plan_memory("deepseek-v3.2", 1_000_000, 4, 141 * GiB, host_mem_bytes=2048 * GiB, tp=8)
+    assert v32.nodes_without_tiers is None
+    assert "nodes fits: every rank holds every block" in format_plan(v32)

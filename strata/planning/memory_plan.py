@@ -250,6 +250,8 @@ class MemoryPlan:
     window_kv_bytes: int = 0  # sliding-window layers' device slots, all sequences (fixed; in kv_bytes_needed)
     state_bytes_per_sequence: int = 0  # linear-attention layers' state, one sequence (fixed, on the device)
     sparse_step: tuple[int, int] = (0, 0)  # DSA, per sequence: (indexer keys kept on device, latents read a step)
+    index_mirror_bytes: int = 0  # DSA with lower tiers: device room for spilled blocks' indexer keys (per rank)
+    nodes_without_tiers: int | None = None  # with host or disk given: fewest nodes that hold all KV on device
 
     @property
     def ranks_per_node(self) -> int:
@@ -298,19 +300,27 @@ def plan_memory(
     When the plan does not fit, :attr:`MemoryPlan.nodes_needed` is the fewest nodes, at the same ranks
     per node, whose group would. ``kv_cache_dtype`` fp8 counts a KV value as one byte in every tier.
     """
+    def fewest_nodes(host: int, disk: int) -> int | None:
+        """The fewest nodes, at this plan's ranks per node, whose group fits with these tiers."""
+        per_node = tp // nodes
+        for n in range(1, MAX_NODES + 1):
+            try:
+                bigger = _plan(config, context_tokens, concurrency, device_mem_bytes, host, disk, dtype, block_size,
+                               chunk_tokens, staging_blocks, n * per_node, n, kv_cache_dtype)
+            except ShardingError:
+                continue  # that many ranks do not split the model
+            if bigger.fits:
+                return n
+        return None
+
     plan = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
                  block_size, chunk_tokens, staging_blocks, tp, nodes, kv_cache_dtype)
-    if plan.fits or tp == 1 and nodes == 1:
+    if tp == 1 and nodes == 1:
         return plan
-    per_node = tp // nodes
-    for n in range(1, MAX_NODES + 1):
-        try:
-            bigger = _plan(config, context_tokens, concurrency, device_mem_bytes, host_mem_bytes, disk_bytes, dtype,
-                           block_size, chunk_tokens, staging_blocks, n * per_node, n, kv_cache_dtype)
-        except ShardingError:
-            continue  # that many ranks do not split the model
-        if bigger.fits:
-            return replace(plan, nodes_needed=n, tp_needed=n * per_node)
+    if not plan.fits and (needed := fewest_nodes(host_mem_bytes, disk_bytes)) is not None:
+        plan = replace(plan, nodes_needed=needed, tp_needed=needed * (tp // nodes))
+    if host_mem_bytes or disk_bytes:
+        plan = replace(plan, nodes_without_tiers=fewest_nodes(0, 0))
     return plan
 
 
@@ -365,8 +375,10 @@ def _plan(
         device_mem_bytes=device_mem_bytes, host_mem_bytes=host_mem_bytes, disk_bytes=disk_bytes,
         host_blocks=host_mem_bytes // per_block, disk_blocks=disk_bytes // per_block,
     )
+    # DSA with lower tiers: the device keeps spilled blocks' indexer keys, one context's (``kvstore.layer_mirror``)
+    p["index_mirror_bytes"] = p["sparse_step"][0] if host_mem_bytes or disk_bytes else 0
     free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"] - rank_windowed \
-        - concurrency * states
+        - concurrency * states - p["index_mirror_bytes"]
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
     if tc.mla is not None:

@@ -21,10 +21,12 @@ def format_plan(plan: MemoryPlan) -> str:
           if plan.window_kv_bytes else []),
         *([("linear-attention state per sequence (fixed, on device, x3: read, write, snapshot)",
             format_bytes(plan.state_bytes_per_sequence), "", "")] if plan.state_bytes_per_sequence else []),
-        *([("sparse attention, per sequence: indexer keys of the context (kept on device)",
+        *([("sparse attention, per sequence: indexer keys of the context (each step reads all)",
             format_bytes(plan.sparse_step[0]), "", f"{plan.context_tokens:,}"),
            ("sparse attention, per sequence: chosen latents one decode step reads (any tier)",
             format_bytes(plan.sparse_step[1]), "", "")] if plan.sparse_step[0] else []),
+        *([("sparse attention: device room for spilled blocks' indexer keys (one context's" + (", per rank)" if group else ")"),
+            format_bytes(plan.index_mirror_bytes), "", f"{plan.context_tokens:,}")] if plan.index_mirror_bytes else []),
         (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
         (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
         ("staging buffer", format_bytes(plan.staging_bytes), f"{plan.staging_blocks:,}", f"{plan.staging_blocks * bs:,}"),
@@ -65,4 +67,12 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"needs:  {plan.nodes_needed} node(s) of {plan.ranks_per_node} rank(s): tp={plan.tp_needed}")
     elif not plan.fits and (group or plan.nodes > 1):
         lines.append(f"needs:  more than {MAX_NODES} nodes of {plan.ranks_per_node} rank(s), or more memory per rank")
+    if (group or plan.nodes > 1) and (plan.host_mem_bytes or plan.disk_bytes):
+        lines.append("without host and disk tiers: " + (
+            f"{plan.nodes_without_tiers} node(s) of {plan.ranks_per_node} rank(s): "
+            f"tp={plan.nodes_without_tiers * plan.ranks_per_node}, every block on device"
+            if plan.nodes_without_tiers is not None else
+            f"no group of up to {MAX_NODES} nodes fits: every rank holds every block (MLA's latent is not split), "
+            "so more ranks only shrink each one's weights"
+            if plan.rank_bytes_per_block == plan.bytes_per_block else f"more than {MAX_NODES} nodes of {plan.ranks_per_node} rank(s)"))
     return "\n".join(lines)
