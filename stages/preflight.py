@@ -37,12 +37,9 @@ def check_model_engine(text: Any, engine: Any) -> None:
 
 
 def check_sparse_attention(engine: Any) -> None:
-    """What DSA (DeepSeek-V3.2) does not run with yet: its indexer keys and the latents it gathers are not
-    scaled for an FP8 cache, and the MTP layer's own indexer is not wired."""
+    """What DSA (DeepSeek-V3.2) does not run with yet: the MTP layer's own indexer is not wired."""
     from strata.pipeline.models.config_errors import ModelConfigError
 
-    if engine.kv_cache_dtype != "auto":
-        raise ModelConfigError("a model with sparse attention (DSA) needs kv_cache_dtype auto")
     if engine.speculative is not None and engine.speculative.method == "mtp":
         raise ModelConfigError("a model with sparse attention (DSA) drafts with ngram only, not its MTP layer yet")
 

@@ -1,5 +1,6 @@
 """An FP8 KV cache (``kv_cache_dtype: fp8``: e4m3, scale 1): what a write stores, that every CPU backend
-reads it alike, that it runs through the tiers, hand-offs, tensor parallelism and MLA latents, that it never
+reads it alike, that it runs through the tiers, hand-offs, tensor parallelism, MLA latents and DSA's indexer
+keys (``test_sparse_attention.py`` checks DSA's against full precision rounded to e4m3), that it never
 answers for a full-precision cache, how close it stays to bf16 KV on real weights, and what the planner and
 the stats count."""
 
@@ -76,7 +77,7 @@ def test_a_node_calibrates_a_model_once_and_every_process_reads_its_scales(llama
     assert [tuple(s) for s in json.loads(record.read_text())] == calibrated
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
 def test_a_tp_group_calibrates_the_scales_one_process_would(kind: str, text_models, llama_dir, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     model = _models(text_models, llama_dir)[kind]
@@ -136,10 +137,10 @@ def test_only_backends_that_read_fp8_are_chosen_for_it() -> None:
 
 
 def _models(text_models: dict[str, Path], llama_dir: Path) -> dict[str, Path]:
-    return {"gqa": llama_dir, "mla": text_models["deepseek_v3"]}
+    return {"gqa": llama_dir, "mla": text_models["deepseek_v3"], "dsa": text_models["deepseek_v32"]}
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
 def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind: str, text_models, llama_dir,
                                                                            tmp_path: Path) -> None:
     model = _models(text_models, llama_dir)[kind]
@@ -161,7 +162,7 @@ def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 1000
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
 def test_tp2_and_the_hand_off_carry_an_fp8_cache(kind: str, text_models, llama_dir, tmp_path: Path) -> None:
     model = _models(text_models, llama_dir)[kind]
     reqs = [{"prompt": p, "params": greedy(8)} for p in ("The tide comes in", "Once upon a time, " * 9)]

@@ -73,6 +73,7 @@ class DSAAttention(MLAAttention):
     def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
         self.runs_indexer = cfg.dsa.runs_indexer(layer_idx)
+        self.index_scale: float | None = None  # an FP8 cache's scale of this layer's indexer keys (``kv_scales``)
         if self.runs_indexer:
             self.indexer = Indexer(cfg)
             self.index_layer = cfg.index_kv_index(layer_idx)  # its KV-layout layer of indexer keys
@@ -85,23 +86,28 @@ class DSAAttention(MLAAttention):
         q_resid = rms_norm(linear(h, self.q_a_proj.weight), self.q_a_layernorm.weight, LATENT_NORM_EPS)
         q_nope, q_pe, latent = self.project(h, cos, sin_signed, q_resid)
         cache = kv[self.layer_idx][:, 0]
-        write_cache(cache, latent, meta.slot_mapping, meta.slot_blocks, meta.slot_offsets)
+        s = self.kv_scales[0] if self.kv_scales is not None else None  # FP8: the latent stored over its scale
+        write_cache(cache, latent if s is None else latent / s, meta.slot_mapping, meta.slot_blocks,
+                    meta.slot_offsets)
         if self.runs_indexer:
             keys = kv[self.index_layer][:, 0]
-            write_cache(keys, self.indexer.key(h, cos, sin_signed), meta.slot_mapping, meta.slot_blocks,
-                        meta.slot_offsets)
+            key = self.indexer.key(h, cos, sin_signed)
+            write_cache(keys, key if self.index_scale is None else key / self.index_scale, meta.slot_mapping,
+                        meta.slot_blocks, meta.slot_offsets)
             iq, weights = self.indexer.query(h, q_resid, cos, sin_signed)
         w_uk, w_uv = self.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1)
+        if s is not None:  # softmax(q.(s c)) = softmax((s q).c); the output is s times the stored values'
+            q = q * s
         out = q.new_empty(q.shape[0], self.num_heads, self.rank)
         start = 0
         for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
             r = slice(start, start + rows)
             start += rows
-            if self.runs_indexer:
+            if self.runs_indexer:  # stored FP8 keys score 1/s of their values: a power of two, the same top-k
                 context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
-                chosen = self._select(iq[r], weights[r], context[:, 0], seq_len, meta.prompt_len(i))
+                chosen = self._select(iq[r], weights[r], context[:, 0].to(iq.dtype), seq_len, meta.prompt_len(i))
                 meta.prepared[("dsa", i)] = chosen  # for the layers after it that share its choice
             else:
                 chosen, key_device, key_spilled = meta.prepared[("dsa", i)], 0, 0
@@ -115,6 +121,8 @@ class DSAAttention(MLAAttention):
                                                         self.rank, self.scale)
             if meta.sparse_reads is not None:
                 _count(meta.sparse_reads, meta, i, needed, key_device, key_spilled, latent_device, latent_spilled)
+        if s is not None:
+            out = out * s
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1).contiguous()
 
     def _select(self, iq: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_len: int,

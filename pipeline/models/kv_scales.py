@@ -1,5 +1,5 @@
-"""Scales of an FP8 KV cache (``kv_cache_dtype: fp8``): one per layer for keys and one for values (one for
-MLA's latent), calibrated once at load on a fixed text.
+"""Scales of an FP8 KV cache (``kv_cache_dtype: fp8``): one per KV-layout layer for keys and one for values
+(one for MLA's latent, one for DSA's indexer keys), calibrated once at load on a fixed text.
 
 Why calibrated, and per layer: e4m3 keeps 3 mantissa bits from 2^-6 to 448 and flushes what lies below
 2^-6 to a few subnormal steps. With vLLM's default scale of 1, the values of layers whose V is small
@@ -63,22 +63,25 @@ def scale_for(amax: float) -> float:
 @torch.inference_mode()
 def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: int, backend: AttentionBackend,
                      device: str | torch.device) -> torch.Tensor:
-    """amax of what every layer caches ([layers, parts], fp32) over ``token_ids``, from one forward into a
-    private full-precision pool (never the engine's: nothing it writes can be reused). Under tensor
+    """amax of what every KV-layout layer caches ([layers, 2]: keys, values; a latent's twice; fp32) over
+    ``token_ids``, from one forward into a private full-precision pool (never the engine's: nothing it writes
+    can be reused). Every cache group counts (DSA's indexer keys are layers of their own). Under tensor
     parallelism every rank runs it on the same tokens (its collectives are the forward's own) and gets
     the amax of its own KV heads."""
-    cfg = model.cfg
+    from strata.pipeline.models.cache_groups import kv_layout
+
     t = len(token_ids)
     num_blocks = -(-t // block_size)
-    dtype = model.compute_dtype
-    kv = torch.zeros(num_blocks, cfg.num_layers, cfg.kv_parts, block_size, cfg.kv_cache_heads, cfg.kv_cache_dim,
-                     dtype=dtype, device=device)
+    layout = kv_layout(model.cfg, block_size, model.compute_dtype)
+    kv = [torch.zeros(num_blocks, *layout.groups[layout.group_of(i)[0]].layer_shape(block_size),
+                      dtype=model.compute_dtype, device=device) for i in range(layout.num_layers)]
     meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size, device)
+    meta.prompt_lens = [t]
     set_kv_scales(model, None)
     ids = torch.tensor(token_ids, device=device)
-    model.forward(model.embed(ids), torch.arange(t, device=device), [kv[:, i] for i in range(cfg.num_layers)], meta,
-                  backend)
-    return kv.abs().amax(dim=(0, 3, 4, 5)).float().cpu()
+    model.forward(model.embed(ids), torch.arange(t, device=device), kv, meta, backend)
+    parts = [layer.abs().amax(dim=(0, 2, 3, 4)) for layer in kv]  # [kv_parts] each
+    return torch.stack([torch.stack([p[0], p[-1]]) for p in parts]).float().cpu()
 
 
 def scales_from_amax(amax: torch.Tensor) -> list[tuple[float, float]]:
@@ -87,9 +90,13 @@ def scales_from_amax(amax: torch.Tensor) -> list[tuple[float, float]]:
 
 
 def set_kv_scales(model: torch.nn.Module, scales: list[tuple[float, float]] | None) -> None:
-    """Give each layer's attention its (key, value) scales; None: a cache in the model's own dtype."""
+    """Give each layer's attention its (key, value) scales, and a DSA indexer its keys' scale (the row of its
+    KV-layout layer); None: a cache in the model's own dtype."""
     for i, layer in enumerate(model.layers):
-        layer.self_attn.kv_scales = None if scales is None else scales[i]
+        attn = layer.self_attn
+        attn.kv_scales = None if scales is None else scales[i]
+        if getattr(attn, "index_layer", None) is not None:
+            attn.index_scale = None if scales is None else scales[attn.index_layer][0]
 
 
 Scales = list[tuple[float, float]]
