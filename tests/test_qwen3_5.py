@@ -3,7 +3,8 @@ Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration and the Qwe
 with: Qwen3-VL's tower without DeepStack over the Qwen3-Next-style hybrid (Gated DeltaNet in three layers of
 four), with interleaved M-RoPE over a quarter of each head. Greedy tokens equal transformers' with prefill chunks
 that cut through the image and the recurrence; `strata align` passes in fp32; `strata ops` covers it; a prefix
-hit and the hand-off carry the linear layers' state with the image's blocks."""
+hit and the hand-off carry the linear layers' state with the image's blocks; the openai client through
+`strata serve` gets the engine's answers."""
 
 from __future__ import annotations
 
@@ -99,3 +100,40 @@ def test_the_hand_off_carries_the_state_with_the_image(qwen3_5_dirs: dict[str, P
     config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
     assert tokens_through_handoff(model, config, engine, images, PROMPT, greedy(10, ignore_eos=True)) == \
         want.output_token_ids
+
+
+@pytest.mark.slow
+def test_the_openai_client_through_strata_serve_equals_the_engine(qwen3_5_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Aggregated serving of Qwen3.5-MoE (Preprocess, Encode, LLM with the linear layers' state in its pool):
+    one image and two of other sizes, streamed and not, two streams at once, equal the in-process engine."""
+    import concurrent.futures
+
+    import openai
+    from helpers import MODEL_NAME, image_chat
+    from serve_process import ServeProcess, stop_later
+
+    model = qwen3_5_dirs["moe"]
+    engine = build(model)
+    cases = [[patterned_image((300, 120))], [patterned_image((64, 64), seed=1), patterned_image((90, 200), seed=2)]]
+    expected = [engine.generate([{"prompt": PROMPT, "images": imgs, "params": greedy(10, ignore_eos=True)}])[0]
+                for imgs in cases]
+    assert all(e.text for e in expected) and expected[0].text != expected[1].text
+    server = ServeProcess(model, tmp_path, {"mode": "aggregated", "engine": {"max_model_len": 2048}})
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int, stream: bool) -> str:
+            reply = client.chat.completions.create(model=MODEL_NAME, messages=image_chat(cases[i], PROMPT),
+                                                   max_tokens=10, temperature=0, stream=stream,
+                                                   extra_body={"ignore_eos": True})
+            if stream:
+                return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            assert reply.usage.prompt_tokens == expected[i].num_prompt_tokens
+            return reply.choices[0].message.content
+
+        assert [ask(i, stream=False) for i in range(2)] == [e.text for e in expected]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda i: ask(i, stream=True), range(2))) == [e.text for e in expected]
+    finally:
+        stop_later(server)
