@@ -60,6 +60,34 @@ def test_paged_attention_equals_dense_sdpa(hq: int, hkv: int, window: int | None
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("threads,seq_lens", [(2, [13_001]), (4, [13_001]), (4, [13_001, 5_000])],
+                         ids=["2-parts", "3-parts", "beside-one-too-short"])
+def test_a_long_decode_split_over_threads_equals_the_reference(threads: int, seq_lens: list[int],
+                                                               dtype: torch.dtype) -> None:
+    """Fewer decodes than threads: the C++ kernel splits each long one's keys into parts of at least 4,096,
+    one per thread, and merges them by log-sum-exp (flash-decoding). Output and lse equal the torch
+    reference's: a lone decode in 2 or 3 parts, and one in 2 parts beside one too short to split."""
+    gen = torch.Generator().manual_seed(threads + len(seq_lens))
+    query_lens = [1] * len(seq_lens)
+    k_cache, v_cache, _, meta = paged_batch(seq_lens, query_lens, 2, 64, 1200, gen)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(query_lens), 8, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = get_attention_backend("cpu").forward(q, k_cache, v_cache, meta, 0.125, None, return_lse=True)
+        fused, _ = get_attention_backend("cpu").forward(q, k_cache, v_cache, meta, 0.125, None, return_lse=False)
+    finally:
+        torch.set_num_threads(before)
+    want, want_lse = get_attention_backend("torch").forward(q, k_cache.float(), v_cache.float(), meta, 0.125, None,
+                                                            return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, out, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("latent_dim", [40, 576], ids=["tiny-latent", "deepseek-latent"])

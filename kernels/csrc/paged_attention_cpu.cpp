@@ -2,7 +2,8 @@
 // the block-major KV pool (no gather), with an online softmax and an optional log-sum-exp output.
 //
 // One call covers every selected sequence of a step. A work item is (sequence, tile of query rows)
-// with every head, spread over ATen's thread pool. Keys are visited block by block, one vector width at
+// with every head, spread over ATen's thread pool. With fewer items than threads, a long decode is split
+// by keys into one item per thread, merged by log-sum-exp after (flash-decoding). Keys are visited block by block, one vector width at
 // a time (16 keys with AVX-512, 8 with AVX2): a token's K row (all kv heads) is contiguous in the pool,
 // so a group of keys is read once and serves every query row of the tile. Per (row, head) the group's
 // scores come from one partial dot per key
@@ -42,6 +43,7 @@ typedef int32_t ivec __attribute__((vector_size(4 * STRATA_LANES)));
 constexpr int kLanes = STRATA_LANES;
 constexpr int kMaxHeadDim = 1024;  // MLA reads a 576-value latent (512 + 64) as its one head
 constexpr int kRowTile = 16;  // query rows per work item (prefill chunks)
+constexpr int64_t kMinSplitKeys = 4096;  // a decode is split over threads only in parts of at least this many keys
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Flush denormals to zero while a worker runs: softmax weights of far-below-max keys times small
@@ -69,6 +71,12 @@ struct Geometry {
   int64_t table_stride;
   float scale;
   int64_t window;  // <= 0: no sliding window
+};
+
+// What one work item attends over and where it writes: keys [key_lo, key_hi) (absolute positions; a
+// decode split over threads gives each part a range), rows written from out_first (of out and lse).
+struct Span {
+  int64_t key_lo, key_hi, out_first;
 };
 
 // kLanes vectors of partial sums -> one vector whose lane t is the full sum of vector t.
@@ -189,7 +197,7 @@ struct State {
 template <typename KV, int HD>
 void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const KV* vc, const int32_t* table,
                      int64_t q_first_row, int64_t q_len, int64_t seq_len, int64_t kv_offset, int64_t row0,
-                     int64_t row1, const Geometry& g) {
+                     int64_t row1, const Span& span, const Geometry& g) {
   constexpr int C = HD / kLanes;
   const int64_t Hq = g.heads_q, Hkv = g.heads_kv, G = Hq / Hkv, bs = g.block_size;
   const int64_t tile_rows = row1 - row0;
@@ -200,10 +208,10 @@ void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const
   std::vector<float> vbuf(kbuf.size());
   const int64_t first_pos = seq_len - q_len;  // absolute position of query row 0
   const int64_t last_pos = first_pos + row1 - 1;
-  int64_t lo_key = kv_offset;
+  int64_t lo_key = std::max(kv_offset, span.key_lo);
   if (g.window > 0) lo_key = std::max(lo_key, first_pos + row0 - g.window + 1);
   const int64_t first_group = (lo_key - kv_offset) / kLanes;
-  const int64_t end_group = (last_pos - kv_offset) / kLanes + 1;
+  const int64_t end_group = (std::min(last_pos + 1, span.key_hi) - kv_offset + kLanes - 1) / kLanes;
   vec iota;
   for (int t = 0; t < kLanes; ++t) iota[t] = static_cast<float>(t);
   for (int64_t grp = first_group; grp < end_group; ++grp) {
@@ -259,7 +267,7 @@ void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const
   for (int64_t r = 0; r < tile_rows; ++r)
     for (int64_t head = 0; head < Hq; ++head) {
       const int64_t row = r * Hq + head;
-      const int64_t out_row = (q_first_row + row0 + r) * Hq + head;
+      const int64_t out_row = (span.out_first + r) * Hq + head;
       const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
       for (int64_t d = 0; d < HD; ++d) out[out_row * HD + d] = st.acc[row * HD + d] * inv;
       if (lse != nullptr) lse[out_row] = st.l[row] > 0.f ? st.m[row] + std::log(st.l[row]) : kNegInf;
@@ -270,18 +278,19 @@ void attend_tile_vec(const float* q, float* out, float* lse, const KV* kc, const
 template <typename KV>
 void attend_tile_scalar(const float* q, float* out, float* lse, const KV* kc, const KV* vc, const int32_t* table,
                         int64_t q_first_row, int64_t q_len, int64_t seq_len, int64_t kv_offset, int64_t row0,
-                        int64_t row1, const Geometry& g) {
+                        int64_t row1, const Span& span, const Geometry& g) {
   const int64_t Hq = g.heads_q, G = Hq / g.heads_kv, D = g.head_dim, bs = g.block_size;
   const int64_t first_pos = seq_len - q_len;
   for (int64_t r = row0; r < row1; ++r) {
     const int64_t pos = first_pos + r;
-    const int64_t lo = g.window > 0 ? std::max(kv_offset, pos - g.window + 1) : kv_offset;
+    const int64_t lo = std::max(span.key_lo, g.window > 0 ? std::max(kv_offset, pos - g.window + 1) : kv_offset);
+    const int64_t hi = std::min(pos, span.key_hi - 1);
     for (int64_t head = 0; head < Hq; ++head) {
       const float* qr = q + ((q_first_row + r) * Hq + head) * D;
       const int64_t koff = (head / G) * D;
       float m = kNegInf, l = 0.f;
       std::vector<float> acc(D, 0.f);
-      for (int64_t key = lo; key <= pos; ++key) {
+      for (int64_t key = lo; key <= hi; ++key) {
         const int64_t rel = key - kv_offset;
         const KV* krow = kc + table[rel / bs] * g.k_block_stride + (rel % bs) * g.k_token_stride + koff;
         const KV* vrow = vc + table[rel / bs] * g.v_block_stride + (rel % bs) * g.v_token_stride + koff;
@@ -294,7 +303,7 @@ void attend_tile_scalar(const float* q, float* out, float* lse, const KV* kc, co
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * correction + p * static_cast<float>(vrow[d]);
         m = new_m;
       }
-      const int64_t out_row = (q_first_row + r) * Hq + head;
+      const int64_t out_row = (span.out_first + r - row0) * Hq + head;
       for (int64_t d = 0; d < D; ++d) out[out_row * D + d] = l > 0.f ? acc[d] / l : 0.f;
       if (lse != nullptr) lse[out_row] = l > 0.f ? m + std::log(l) : kNegInf;
     }
@@ -303,7 +312,7 @@ void attend_tile_scalar(const float* q, float* out, float* lse, const KV* kc, co
 
 template <typename KV>
 using TileFn = void (*)(const float*, float*, float*, const KV*, const KV*, const int32_t*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, const Geometry&);
+                        int64_t, int64_t, int64_t, const Span&, const Geometry&);
 
 template <typename KV>
 TileFn<KV> tile_for(const Geometry& g) {
@@ -335,21 +344,72 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t* sel = seqs.data_ptr<int64_t>();
   const TileFn<KV> tile = tile_for<KV>(g);
-  struct Item { int64_t seq, row0, row1; };  // a decode is one item; a prefill chunk one per row tile
+  struct Item { int64_t seq, row0, row1, key_lo, key_hi, part; };  // part >= 0: a slice of a split decode
   std::vector<Item> items;
+  std::vector<int64_t> split;  // per split decode: its sequence; its parts are items of that index
+  constexpr int64_t kWhole = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t s = sel[i];
     const int64_t q_len = qs[s + 1] - qs[s];
-    for (int64_t r = 0; r < q_len; r += kRowTile) items.push_back({s, r, std::min(q_len, r + kRowTile)});
+    for (int64_t r = 0; r < q_len; r += kRowTile) items.push_back({s, r, std::min(q_len, r + kRowTile), 0, kWhole, -1});
   }
+  // Too few items for the threads (a lone long decode): split each short one's keys into parts, merged
+  // below by their log-sum-exp (flash-decoding), so every thread reads a share of one long context.
+  const int64_t threads = at::get_num_threads();
+  if (!items.empty() && static_cast<int64_t>(items.size()) < threads) {
+    const int64_t want = threads / static_cast<int64_t>(items.size());
+    std::vector<Item> whole;
+    whole.swap(items);
+    for (const Item& it : whole) {
+      const int64_t keys = sl[it.seq] - ko[it.seq];
+      const int64_t parts = g.window > 0 || it.row1 - it.row0 > 1 ? 1 : std::min(want, keys / kMinSplitKeys);
+      if (parts < 2) { items.push_back(it); continue; }
+      const int64_t per = (keys / parts + kLanes - 1) / kLanes * kLanes;  // key-group aligned
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({it.seq, it.row0, it.row1, ko[it.seq] + p * per,
+                         p + 1 == parts ? kWhole : ko[it.seq] + (p + 1) * per, static_cast<int64_t>(split.size())});
+      split.push_back(it.seq);
+    }
+  }
+  const int64_t Hq = g.heads_q, D = g.head_dim;
+  std::vector<int64_t> first_part(split.size(), -1);
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
+    if (items[i].part >= 0 && first_part[items[i].part] < 0) first_part[items[i].part] = i;
+  std::vector<float> part_out(items.size() * Hq * D * (split.empty() ? 0 : 1)), part_lse(items.size() * Hq);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
-      tile(qp, op, lse, kc, vc, bt + it.seq * g.table_stride, qs[it.seq], qs[it.seq + 1] - qs[it.seq], sl[it.seq],
-           ko[it.seq], it.row0, it.row1, g);
+      const bool part = it.part >= 0;  // a part writes its one row (normalised, with its lse) aside
+      const Span span{it.key_lo, it.key_hi, part ? 0 : qs[it.seq] + it.row0};
+      tile(qp, part ? part_out.data() + i * Hq * D : op, part ? part_lse.data() + i * Hq : lse, kc, vc,
+           bt + it.seq * g.table_stride, qs[it.seq], qs[it.seq + 1] - qs[it.seq], sl[it.seq], ko[it.seq], it.row0,
+           it.row1, span, g);
     }
   });
+  for (size_t k = 0; k < split.size(); ++k) {  // each split decode's parts, merged by log-sum-exp
+    const int64_t row = qs[split[k]], i0 = first_part[k];
+    int64_t n = 0;
+    while (i0 + n < static_cast<int64_t>(items.size()) && items[i0 + n].part == static_cast<int64_t>(k)) ++n;
+    for (int64_t head = 0; head < Hq; ++head) {
+      float m = kNegInf;
+      for (int64_t p = 0; p < n; ++p) m = std::max(m, part_lse[(i0 + p) * Hq + head]);
+      float* o = op + (row * Hq + head) * D;
+      std::fill(o, o + D, 0.f);
+      if (m == kNegInf) {
+        if (lse != nullptr) lse[row * Hq + head] = kNegInf;
+        continue;
+      }
+      float total = 0.f;
+      for (int64_t p = 0; p < n; ++p) total += std::exp(part_lse[(i0 + p) * Hq + head] - m);
+      for (int64_t p = 0; p < n; ++p) {
+        const float w = std::exp(part_lse[(i0 + p) * Hq + head] - m) / total;
+        const float* po = part_out.data() + ((i0 + p) * Hq + head) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
+      }
+      if (lse != nullptr) lse[row * Hq + head] = m + std::log(total);
+    }
+  }
 }
 
 }  // namespace
