@@ -48,6 +48,9 @@ ANSWERS = {
     "minimax_m2": ('Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
                    '</parameter>\n</invoke>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
                    '<parameter name="b">22</parameter>\n</invoke>\n</minimax:tool_call>', "Let me check."),
+    "glm45": ('Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+              '</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n'
+              '<arg_value>22</arg_value>\n</tool_call>', "Let me check."),
     # gpt-oss: its analysis is no content; each call a message addressed to the function
     "openai": ("<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|><|start|>assistant'
@@ -118,20 +121,30 @@ def test_a_cut_call_keeps_what_was_written_and_a_nameless_one_stays_text(tokeniz
     assert calls[0]["function"]["arguments"] == '{"a": 1}'
 
 
-def test_minimax_values_are_read_by_the_declared_parameter_types(tokenizers: dict) -> None:
-    """MiniMax-M2 writes a string parameter as bare text and any other as JSON, so "123" is a string for a
-    string parameter and a number for an integer one: the request's schemas decide, and unbound the JSON
+TYPED = {  # a call whose string parameter holds "123", in each family that types values by the request's schemas
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="code">123</parameter>\n<parameter '
+                   'name="n">5</parameter>\n<parameter name="tags">["a", "b <c>"]</parameter>\n</invoke>\n'
+                   '</minimax:tool_call>', "5</parameter>"),
+    "glm45": ('<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>123</arg_value>\n<arg_key>n</arg_key>\n'
+              '<arg_value>5</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["a", "b <c>"]</arg_value>\n</tool_call>',
+              "5</arg_value>"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TYPED))
+def test_values_are_read_by_the_declared_parameter_types(family: str, tokenizers: dict) -> None:
+    """MiniMax-M2 and GLM write a string parameter as bare text and any other as JSON, so "123" is a string for
+    a string parameter and a number for an integer one: the request's schemas decide, and unbound the JSON
     reading is a guess. A call cut inside a parameter has only its whole parameters."""
-    fmt = TOOL_FORMATS["minimax_m2"](tokenizers["minimax_m2"])
+    fmt = TOOL_FORMATS[family](tokenizers[family])
     schema = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
                                                "tags": {"type": "array", "items": {"type": "string"}}}}
-    text = ('<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="code">123</parameter>\n<parameter '
-            'name="n">5</parameter>\n<parameter name="tags">["a", "b <c>"]</parameter>\n</invoke>\n</minimax:tool_call>')
+    text, cut_at = TYPED[family]
     bound = fmt.for_request(tool_request([{"type": "function", "function": {"name": "lookup", "parameters": schema}}],
                                          None, None))
     assert _named(bound, text) == [("lookup", {"code": "123", "n": 5, "tags": ["a", "b <c>"]})]
     assert _named(fmt, text) == [("lookup", {"code": 123, "n": 5, "tags": ["a", "b <c>"]})]
-    cut = text[:text.index("5</parameter>")]
+    cut = text[:text.index(cut_at)]
     assert tool_calls_message(bound, cut)[1][0]["function"]["arguments"] == '{"code": "123"'
 
 
