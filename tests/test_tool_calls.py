@@ -51,6 +51,9 @@ ANSWERS = {
     "glm45": ('Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
               '</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n'
               '<arg_value>22</arg_value>\n</tool_call>', "Let me check."),
+    "qwen3_coder": ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                    '</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n'
+                    '<parameter=b>\n22\n</parameter>\n</function>\n</tool_call>', "Let me check."),
     # gpt-oss: its analysis is no content; each call a message addressed to the function
     "openai": ("<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|><|start|>assistant'
@@ -128,12 +131,15 @@ TYPED = {  # a call whose string parameter holds "123", in each family that type
     "glm45": ('<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>123</arg_value>\n<arg_key>n</arg_key>\n'
               '<arg_value>5</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["a", "b <c>"]</arg_value>\n</tool_call>',
               "5</arg_value>"),
+    "qwen3_coder": ('<tool_call>\n<function=lookup>\n<parameter=code>\n123\n</parameter>\n<parameter=n>\n5\n'
+                    '</parameter>\n<parameter=tags>\n["a", "b <c>"]\n</parameter>\n</function>\n</tool_call>',
+                    "5\n</parameter>"),
 }
 
 
 @pytest.mark.parametrize("family", sorted(TYPED))
 def test_values_are_read_by_the_declared_parameter_types(family: str, tokenizers: dict) -> None:
-    """MiniMax-M2 and GLM write a string parameter as bare text and any other as JSON, so "123" is a string for
+    """MiniMax-M2, GLM and Qwen3.5 write a string parameter as bare text and any other as JSON, so "123" is a string for
     a string parameter and a number for an integer one: the request's schemas decide, and unbound the JSON
     reading is a guess. A call cut inside a parameter has only its whole parameters."""
     fmt = TOOL_FORMATS[family](tokenizers[family])
