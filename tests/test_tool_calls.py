@@ -51,6 +51,10 @@ ANSWERS = {
     "glm45": ('Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
               '</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n'
               '<arg_value>22</arg_value>\n</tool_call>', "Let me check."),
+    "deepseek_v32": ('Let me check.\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
+                     'name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="add">\n'
+                     '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n<｜DSML｜parameter name="b" '
+                     'string="false">22</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', "Let me check."),
     "qwen3_coder": ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
                     '</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n'
                     '<parameter=b>\n22\n</parameter>\n</function>\n</tool_call>', "Let me check."),
@@ -154,6 +158,20 @@ def test_values_are_read_by_the_declared_parameter_types(family: str, tokenizers
     assert tool_calls_message(bound, cut)[1][0]["function"]["arguments"] == '{"code": "123"'
 
 
+def test_deepseek_v32_values_are_typed_by_their_string_attribute(tokenizers: dict) -> None:
+    """DSML says per value whether it is text: "123" under string="true" is a string even where the schema
+    says integer (what the model wrote), under string="false" JSON, and with no attribute the schema decides."""
+    fmt = TOOL_FORMATS["deepseek_v32"](tokenizers["deepseek_v32"])
+    schema = {"type": "object", "properties": {"code": {"type": "integer"}, "n": {"type": "string"},
+                                               "m": {"type": "integer"}}}
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML｜parameter name="code" string="true">123'
+            '</｜DSML｜parameter>\n<｜DSML｜parameter name="n" string="false">5</｜DSML｜parameter>\n<｜DSML｜parameter '
+            'name="m">7</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    bound = fmt.for_request(tool_request([{"type": "function", "function": {"name": "lookup", "parameters": schema}}],
+                                         None, None))
+    assert _named(bound, text) == [("lookup", {"code": "123", "n": 5, "m": 7})]
+
+
 @pytest.mark.parametrize("tools, choice, parallel, message", [
     ([{"type": "retrieval"}], None, None, "tools[0] must be"),
     ([{"type": "function", "function": {"name": "bad name!"}}], None, None, "tools[0].function.name"),
@@ -194,7 +212,7 @@ def test_the_format_is_read_off_the_chat_template(tokenizers: dict) -> None:
     assert allowed == {"auto", "none", *TOOL_FORMATS}  # the config offers every parser there is
 
 
-def _run(engine, fmt, tools_request, max_tokens: int = 96, **params):  # MiniMax-M2's XML takes ~80 tiny tokens
+def _run(engine, fmt, tools_request, max_tokens: int = 200, **params):  # DSML takes ~150 tiny tokens
     p = greedy(max_tokens, **params)
     constrain(p, tools_request, fmt)
     return engine.generate([{"messages": [{"role": "user", "content": "What is the weather in Paris?"}],

@@ -102,7 +102,7 @@ class ServeConfig(ConfigModel):
                                        "every route but /health, /ping, /version and /metrics requires as a Bearer "
                                        "token (strata serve --api-key fills it; the key itself is never stored)")
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "kimi_k2", "deepseek_v3",
-                              "minimax_m2", "glm45", "qwen3_coder", "openai"] = Field(
+                              "deepseek_v32", "minimax_m2", "glm45", "qwen3_coder", "openai"] = Field(
         "auto", description="how answers are read for tool calls: a family's syntax, auto (the one the chat template "
                             "writes) or none (requests with tools get a 400)")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "kimi_k2", "minimax_m2",

@@ -3,7 +3,7 @@
 Each renders the tools into the prompt, the assistant's earlier calls in the family's own syntax and
 ``role: tool`` results, in the tiny models' ``role: content`` layout. Markers are added to the tokenizer
 as real checkpoints have them: Hermes' ``<tool_call>`` as plain added tokens (as Qwen2.5), Mistral's
-``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers as special tokens, MiniMax-M2's
+``[TOOL_CALLS]``, Kimi-K2's and DeepSeek-V3's markers and DeepSeek-V3.2's ``<｜DSML｜function_calls>`` pair as special tokens, MiniMax-M2's
 ``<minimax:tool_call>`` pair, GLM's six markers and Qwen3.5's ``<tool_call>`` pair as plain added tokens, gpt-oss's harmony markers as special tokens; Llama 3's JSON
 calls need none.
 """
@@ -63,6 +63,13 @@ TOOL_TEMPLATES: dict[str, str] = {
         "{%- for k, v in tc['function']['arguments'].items() -%}"
         "{{- '<arg_key>' + k + '</arg_key>\\n<arg_value>' + (v if v is string else v | tojson) + '</arg_value>\\n' -}}"
         "{%- endfor -%}{{- '</tool_call>' -}}") + _TAIL,
+    "deepseek_v32": _HEAD + _with_calls(
+        "{{- '<｜DSML｜invoke name=\"' + tc['function']['name'] + '\">\\n' -}}"
+        "{%- for k, v in tc['function']['arguments'].items() -%}"
+        "{{- '<｜DSML｜parameter name=\"' + k + '\" string=\"' + ('true' if v is string else 'false') + '\">'"
+        " + (v if v is string else v | tojson) + '</｜DSML｜parameter>\\n' -}}"
+        "{%- endfor -%}{{- '</｜DSML｜invoke>\\n' -}}",
+        before="<｜DSML｜function_calls>\\n", after="</｜DSML｜function_calls>") + _TAIL,
     "qwen3_coder": _HEAD + _with_calls(
         "{{- '\\n<tool_call>\\n<function=' + tc['function']['name'] + '>\\n' -}}"
         "{%- for k, v in tc['function']['arguments'].items() -%}"
@@ -87,6 +94,7 @@ TOOL_MARKERS: dict[str, tuple[tuple[str, bool], ...]] = {
     # GLM-4.5's markers are added tokens, not special ones (its answers detokenize with them)
     "glm45": tuple((m, False) for m in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                          "</arg_value>")),
+    "deepseek_v32": (("<｜DSML｜function_calls>", True), ("</｜DSML｜function_calls>", True)),
     "qwen3_coder": (("<tool_call>", False), ("</tool_call>", False)),  # as Qwen3.5's vocabulary has them
     "openai": tuple((m, True) for m in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                                          "<|return|>", "<|call|>")),

@@ -2,7 +2,7 @@
 it write them well-formed.
 
 One class per family, named as vLLM's ``--tool-call-parser`` names them (in ``json_formats``, ``marker_formats``,
-``minimax_format``, ``glm_format``, ``qwen_coder_format`` and ``harmony_format``, over ``format_base``; this module lists them and finds a template's):
+``minimax_format``, ``dsml_format``, ``glm_format``, ``qwen_coder_format`` and ``harmony_format``, over ``format_base``; this module lists them and finds a template's):
 
 - ``hermes`` (Qwen2.5 / Qwen3, Hermes, and most chatml models):
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
@@ -15,6 +15,9 @@ One class per family, named as vLLM's ``--tool-call-parser`` names them (in ``js
   in a fenced json block, ``<｜tool▁call▁end｜>``, ..., ``<｜tool▁calls▁end｜>``;
 - ``minimax_m2``: ``<minimax:tool_call>`` then per call ``<invoke name="NAME">`` with one
   ``<parameter name="KEY">VALUE</parameter>`` per argument (bare text for strings, JSON otherwise);
+- ``deepseek_v32`` (DeepSeek-V3.2's DSML): ``<｜DSML｜function_calls>`` then per call ``<｜DSML｜invoke
+  name="NAME">`` with one ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`` per
+  argument (the attribute types the value);
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): per call ``<tool_call>`` then ``<function=NAME>`` with one
   ``<parameter=KEY>VALUE</parameter>`` per argument (typed as MiniMax-M2's), ``</function></tool_call>``;
 - ``glm45`` (GLM-4.5 / 4.6, GLM-5): per call ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key>`` and
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.pipeline.frontend.tools.dsml_format import DeepSeekV32
 from strata.pipeline.frontend.tools.format_base import ParsedCall, ParsedOutput, ToolFormat
 from strata.pipeline.frontend.tools.glm_format import Glm45
 from strata.pipeline.frontend.tools.harmony_format import HarmonyCalls
@@ -47,19 +51,19 @@ from strata.pipeline.frontend.tools.marker_formats import DeepSeekV3, KimiK2
 from strata.pipeline.frontend.tools.minimax_format import MiniMaxM2
 from strata.pipeline.frontend.tools.qwen_coder_format import Qwen3Coder
 
-__all__ = ["TOOL_FORMATS", "DeepSeekV3", "Glm45", "HarmonyCalls", "Hermes", "KimiK2", "Llama3Json", "MiniMaxM2", "Mistral", "Qwen3Coder",
+__all__ = ["TOOL_FORMATS", "DeepSeekV3", "DeepSeekV32", "Glm45", "HarmonyCalls", "Hermes", "KimiK2", "Llama3Json", "MiniMaxM2", "Mistral", "Qwen3Coder",
            "ParsedCall", "ParsedOutput", "ToolFormat", "detect_tool_format", "tool_format_for"]
 
 
 TOOL_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, KimiK2, DeepSeekV3,
-                                                                   MiniMaxM2, Glm45, Qwen3Coder, HarmonyCalls)}
+                                                                   DeepSeekV32, MiniMaxM2, Glm45, Qwen3Coder, HarmonyCalls)}
 
 
 def detect_tool_format(chat_template: str | None) -> str | None:
     """The family a chat template writes tool calls in (None: it renders no tools, or none we know)."""
     if not chat_template or "tools" not in chat_template:
         return None
-    for fmt in (HarmonyCalls, KimiK2, DeepSeekV3, MiniMaxM2, Glm45, Qwen3Coder, Mistral, Hermes,
+    for fmt in (HarmonyCalls, KimiK2, DeepSeekV3, DeepSeekV32, MiniMaxM2, Glm45, Qwen3Coder, Mistral, Hermes,
                 Llama3Json):  # most specific first
         if fmt.signature in chat_template:
             return fmt.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from strata.pipeline.frontend.tools.format_base import ParsedCall
 from strata.pipeline.frontend.tools.request import ToolFunction
@@ -33,7 +34,7 @@ class Glm45(TypedValueFormat):
                                                                  f"{self.lit(self.end)}")
         return [f"call ({json.dumps(chr(10))} {self.lit(self.start)} call)*" if parallel else "call", *lines]
 
-    def _grammar_head(self, key: str) -> str:
+    def _grammar_head(self, key: str, schema: dict[str, Any]) -> str:
         return f"{self.lit(self.arg_open)} {json.dumps(key)} {self.lit(self.key_close)} {json.dumps(chr(10))} " \
                f"{self.lit(self.value_open)}"
 

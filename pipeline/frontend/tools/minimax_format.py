@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from strata.pipeline.frontend.tools.format_base import ParsedCall
 from strata.pipeline.frontend.tools.request import ToolFunction
@@ -36,7 +37,7 @@ class MiniMaxM2(TypedValueFormat):
                                                                  f"{arguments} {json.dumps(self.invoke_end + chr(10))}")
         return [f'"\\n" {"call+" if parallel else "call"} {self.lit(self.end)}', *lines]
 
-    def _grammar_head(self, key: str) -> str:
+    def _grammar_head(self, key: str, schema: dict[str, Any]) -> str:
         return json.dumps(f"{self.arg_open}{key}{self.key_close}")
 
     def _grammar_close(self) -> str:

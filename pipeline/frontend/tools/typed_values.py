@@ -31,6 +31,10 @@ class TypedValueFormat(ToolFormat):
         bound.schemas = {f.name: f.parameters for f in req.functions}
         return bound
 
+    def _argument(self, function: str, key: str, attributes: str, raw: str) -> Any:
+        """One argument's value from its text (``attributes``: what stands between its key and its value)."""
+        return self._value(function, key, raw)
+
     def _value(self, function: str, key: str, raw: str) -> Any:
         """One written value: the text itself for a declared string (one newline either side dropped, as the
         templates write them), else its JSON; unbound, JSON other than a string, else the text."""
@@ -75,7 +79,7 @@ class TypedValueFormat(ToolFormat):
                 else ("", "", "")
             if not (keyed and closed):
                 return members, False
-            members.append(f"{json.dumps(key)}: {json.dumps(self._value(function, key, value))}")
+            members.append(f"{json.dumps(key)}: {json.dumps(self._argument(function, key, after[:opened], value))}")
             i = body.index(self.value_close, at) + len(self.value_close)
 
     def _call_rules(self, functions: tuple[ToolFunction, ...], call: Callable[[ToolFunction, str], str]) -> list[str]:
@@ -93,7 +97,7 @@ class TypedValueFormat(ToolFormat):
         required = set(f.parameters.get("required") or ())
         parts, close = [], self._grammar_close()
         for j, (key, schema) in enumerate(props.items()):
-            rule, head = f"p_{i}_{j}", self._grammar_head(key)
+            rule, head = f"p_{i}_{j}", self._grammar_head(key, schema)
             if is_text(schema) and "enum" in schema:
                 lines.append(f"{rule}: {head} (" + " | ".join(json.dumps(v) for v in schema["enum"]) + f") {close}")
             elif is_text(schema) and self.value_close in self.token_ids:  # text until the closing token
@@ -106,8 +110,8 @@ class TypedValueFormat(ToolFormat):
             parts.append(rule if key in required else f"{rule}?")
         return " ".join(parts)
 
-    def _grammar_head(self, key: str) -> str:
-        """What a grammar writes before argument ``key``'s value."""
+    def _grammar_head(self, key: str, schema: dict[str, Any]) -> str:
+        """What a grammar writes before argument ``key``'s value (``schema``: its parameter's)."""
         raise NotImplementedError
 
     def _grammar_close(self) -> str:
