@@ -218,6 +218,42 @@ def test_tp2_selects_as_tp1(dsa: Path, tmp_path: Path) -> None:
         spilling.close()
 
 
+@pytest.mark.slow
+def test_a_tp2_step_abandoned_after_reading_spilled_keys_is_retried_with_the_same_copies(
+        v32: Path, tmp_path: Path, monkeypatch) -> None:
+    """The driver's forward raises in the very layer whose device copy of spilled indexer keys was just
+    extended on every rank (the decision shared, the blocks loaded together). The group abandons the step
+    alike, the copies stay the same on both ranks, and the retried step gives tp=1's tokens."""
+    from strata.kvstore.layer_mirror import SpilledLayerMirror
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv("STRATA_FAULT_DIR", str(faults))  # before the group starts: its worker inherits it
+    long = [{"prompt": " ".join(["the harbour light"] * 60), "params": greedy(12, ignore_eos=True)}]
+    want = spilling_engine(v32, tmp_path / "host-1").generate(long)[0].output_token_ids
+    engine = build(v32, tp=2, num_kv_blocks=10, prefill_chunk_tokens=32, host_kv_blocks=200,
+                   host_kv_dir=str(tmp_path / "host-2"))
+    armed, fired, tokens = faults / "tp_layer.rank0", [], SpilledLayerMirror.tokens
+
+    def arming(self, source, layer: int, num_blocks: int):
+        out = tokens(self, source, layer, num_blocks)
+        if self.extensions and not fired:  # a copy was just extended: fail this layer on the driver
+            armed.write_text("1")
+            fired.append(layer)
+        return out
+
+    monkeypatch.setattr(SpilledLayerMirror, "tokens", arming)  # the driver's only: the worker is another process
+    try:
+        out = engine.generate(long)[0]
+        group = engine.core.runner.group
+        assert fired and not armed.exists(), "the fault fired"
+        assert group.abandoned_steps == 1 and group.broken is None
+        assert out.error is None and out.output_token_ids == want
+        assert engine.healthy()
+    finally:
+        engine.close()
+
+
 def test_an_fp8_cache_holds_full_precision_rounded_to_e4m3(dsa: Path, monkeypatch) -> None:
     """``kv_cache_dtype: fp8``: latents and indexer keys are stored as e4m3 over their layer's scale. The logits
     equal a full-precision cache's whose writes are rounded to e4m3 at the same scales and stored widened: the

@@ -4,7 +4,8 @@ Four figures, each printed with what it compared:
 
 * **decode TPOT against context** on a tiny Qwen3-Next built here (one full-attention layer in four, fp32),
   prefilled to each ``--contexts`` length, then 16 tokens decoded: the linear layers cost the same at every
-  length, so the hybrid's TPOT grows only by its one attention layer's share;
+  length, so the hybrid's TPOT grows only by its one attention layer's share; and that layer's decode at the
+  longest context in the C++ kernel on one thread against split over every thread;
 * **one decode step of one layer** at Qwen3-Next-80B's shapes: a Gated DeltaNet step (32 value heads of a
   128 x 128 state; the torch reference and the C++ kernel), and KDA's (Kimi-Linear-48B: the same state, a
   decay per key channel), against full attention (16 query heads over 2 KV heads of 256) at each context;
@@ -73,6 +74,31 @@ def _layer_steps(contexts: list[int], rounds: int) -> dict[str, float]:
     return out
 
 
+def _split_decode(cfg: Any, n: int, rounds: int) -> dict[str, float]:
+    """One decode over ``n`` keys of the tiny model's full-attention layer in the C++ paged kernel, on one
+    thread (one work item on one core: a lone decode before the kernel split it) and on every thread (split by
+    keys, merged by log-sum-exp); interleaved rounds, medians."""
+    from strata.kernels import AttentionMetadata, get_attention_backend
+
+    gen, bs = torch.Generator().manual_seed(n), 16
+    blocks = -(-n // bs)
+    k = torch.randn(blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v = torch.randn(blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=gen)
+    meta = AttentionMetadata.build([1], [n], [list(range(blocks))], [n - 1], bs)
+    backend, threads = get_attention_backend("cpu", "cpu"), torch.get_num_threads()
+    times: dict[int, list[float]] = {1: [], threads: []}
+    try:
+        for _ in range(rounds):
+            for t in times:
+                torch.set_num_threads(t)
+                times[t].append(median_ms(lambda: backend.forward(q, k, v, meta, cfg.head_dim**-0.5, None), 3))
+    finally:
+        torch.set_num_threads(threads)
+    return {"one_thread_ms": statistics.median(times[1]), "split_ms": statistics.median(times[threads]),
+            "threads": threads}
+
+
 def _prefill(rows: int, rounds: int, per_channel: bool = False) -> dict[str, float]:
     """tok/s of the chunked delta rule, ours against transformers' reference, 32 heads of 128 x 128; with
     ``per_channel``, KDA's form against Kimi-Linear's reference."""
@@ -119,6 +145,7 @@ def _memory() -> dict[str, dict[str, int]]:
 def run(args: argparse.Namespace) -> int:
     from strata.checkpoints.tiny_text_models import build_tiny_text_model
     from strata.pipeline.contract.config import EngineConfig
+    from strata.pipeline.models.model_config import load_model_config
     from strata.stages.factory import build_engine
 
     rows: dict[str, Any] = {}
@@ -133,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         base = rows["tpot_ms"][min(args.contexts)]
         for n, ms in rows["tpot_ms"].items():
             print(f"  context {n:>7,}: TPOT {ms:7.2f} ms  ({ms / base:.2f}x the shortest)")
+        if cpu_kernels() is not None:
+            longest_context = max(args.contexts)
+            rows["split_decode"] = split = _split_decode(load_model_config(model).text, longest_context, args.rounds)
+            print(f"# its full-attention layer, one decode over {longest_context:,} keys in the C++ paged kernel: "
+                  f"{split['one_thread_ms']:.3f} ms on one thread (one work item) vs {split['split_ms']:.3f} ms "
+                  f"split over {split['threads']} threads ({split['one_thread_ms'] / split['split_ms']:.2f}x)")
     rows["layer_step_ms"] = steps = _layer_steps(sorted(args.contexts), args.rounds)
     print("# one decode step of one layer at Qwen3-Next-80B's shapes (fp32, median of "
           f"{args.rounds}): Gated DeltaNet {steps['gated_deltanet']:.3f} ms at any context (torch; C++ "
