@@ -33,6 +33,7 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
             "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
             "preemptions": engine.scheduler.num_preemptions, "tp": engine.core.runner.tp_size,
             "threads": torch.get_num_threads(), "step_totals": dict(engine.step_totals),
+            "recent_steps": [list(step) for step in engine.recent_steps],
             **speculation_stats(engine.core)}
 
 

@@ -23,6 +23,13 @@ def listening_sockets() -> set[tuple[str, str]]:
 STOPPING: list[LocalServer] = []  # servers told to stop at their fixture's teardown; waited for at the session's end
 
 
+def wait_for_stopping_servers() -> None:
+    """Wait until every server told to stop has stopped: a test that times a stream measures on a host that
+    is not also shutting a Ray cluster down (two cores here)."""
+    while STOPPING:
+        STOPPING.pop().stop()
+
+
 def stop_later(server: LocalServer) -> None:
     """Ctrl-C now, wait at the session's end (conftest): a Ray cluster's shutdown overlaps the next tests
     instead of holding them up."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from helpers import build, greedy
@@ -75,10 +77,18 @@ def test_stats_count_the_steps_their_time_and_tokens(engine) -> None:
     before = dict(engine_stats(engine)["step_totals"])
     engine.add_request(prompt_token_ids=[5, 6, 7, 8, 9], params=greedy(3, ignore_eos=True))
     steps = 0
+    started = time.monotonic()
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    after = engine_stats(engine)["step_totals"]
+    ended = time.monotonic()
+    stats = engine_stats(engine)
+    after = stats["step_totals"]
     assert after["steps"] - before["steps"] == steps
     assert after["seconds"] > before["seconds"]
     assert after["tokens"] - before["tokens"] == 5 + 2  # the prompt's 5, then one for each later token
+    # each step on the host's clock, one after the other, with the CPU it used and its tokens
+    last = stats["recent_steps"][-steps:]
+    assert [n for *_, n in last] == [5, 1, 1]
+    assert all(started <= t and t + s <= ended and 0 < c for t, s, c, _ in last)
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(last, last[1:]))

@@ -13,6 +13,9 @@ last step). The window is the engine hop of the long request's trace (``/strata/
 when its one token comes back. Measured here: the worst gap is 1.1-1.9x that pace, the largest in the first
 ~0.2 s, where decoding the images, encoding them and tokenizing the long prompt run in other processes on
 the two cores the step's two threads need (one preempted thread holds its partner at every barrier).
+Servers other modules stopped in the background are waited for first (CI once saw a 759 ms gap mid-prefill
+against a 114 ms pace, cause unknown); a failure lists the engine's steps around the gap, wall and CPU time,
+so it says whether the engine computed long, waited for a core, or the delivery held the stream.
 
 Slow work, made slow on purpose (stall points, ``pipeline/parallel/fault_points.py``: the work sleeps, so
 it costs no core and the test is not about CPU contention): tokenizing a prompt, checking a grammar at the
@@ -41,6 +44,7 @@ import pytest
 from PIL import Image
 
 from helpers import MODEL_NAME
+from serve_process import wait_for_stopping_servers
 
 pytestmark = pytest.mark.serve
 LONG_PROMPT_TOKENS = 32_000
@@ -135,6 +139,7 @@ def _burst(server, bodies: list[bytes], arm: Callable[[], None] = lambda: None) 
         reply = clients[i].post("/v1/chat/completions", content=bodies[i], headers={"content-type": "application/json"})
         return reply, time.monotonic()
 
+    wait_for_stopping_servers()
     stream = PlainStream(server)
     stream.start()
     deadline = time.monotonic() + 60
@@ -182,7 +187,18 @@ def test_a_stream_keeps_its_pace_while_a_long_prompt_a_cold_grammar_and_images_a
     assert worst <= PACE_FACTOR * pace, (
         f"a {worst * 1e3:.0f} ms gap {at:.2f} s after the requests arrived, against a {pace * 1e3:.1f} ms pace "
         f"while the long prompt prefilled ({window[0] - burst.arrived:.2f}-{window[1] - burst.arrived:.2f} s; "
-        f"{len(everything)} gaps in {burst.done - burst.arrived:.1f} s)")
+        f"{len(everything)} gaps in {burst.done - burst.arrived:.1f} s); "
+        f"{_steps_during(server, burst.arrived + at, worst, burst.arrived)}")
+
+
+def _steps_during(server, start: float, seconds: float, origin: float) -> str:
+    """The engine's steps that overlap [start, start + seconds] (the host's monotonic clock), as a failure
+    message reads them: fast steps around a gap are the delivery's; a slow step with as much CPU time (two
+    threads) computed long, one with little waited for a core."""
+    steps = httpx.get(server.base_url + "/strata/stats", timeout=30).json()["prefill"].get("recent_steps", [])
+    during = [(t - origin, s, c, n) for t, s, c, n in steps if t < start + seconds and t + s > start - 0.05]
+    return "the engine's steps then (s after arrival, ms, CPU ms, tokens): " + (
+        ", ".join(f"({t:.2f}, {s * 1e3:.0f}, {c * 1e3:.0f}, {n})" for t, s, c, n in during) or "none")
 
 
 def test_work_that_is_slow_never_holds_a_running_stream(qwen_vl_server) -> None:

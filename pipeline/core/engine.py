@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -23,6 +24,8 @@ from strata.pipeline.core.stage_api import EncoderLike, PreprocessorLike
 from strata.pipeline.frontend.intake import Intake, attach_images
 from strata.pipeline.frontend.tokenizer import NO_IMAGES, PromptTokenizer
 from strata.pipeline.models.model_config import ModelConfig
+
+RECENT_STEPS = 1024  # steps kept in ``Engine.recent_steps`` (~25 KiB in a stats reply)
 
 
 @dataclass
@@ -65,6 +68,10 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_tokens = 0
         self.step_totals = {"steps": 0, "seconds": 0.0, "tokens": 0}  # where a served token's time goes
+        # (start on the host's monotonic clock, seconds, this process's CPU seconds, tokens) of the last
+        # steps: a client that saw a gap in its stream can tell a slow step from a slow delivery (the clock
+        # is the same in every process), and a step that computed long from one the host starved
+        self.recent_steps: deque[tuple[float, float, float, int]] = deque(maxlen=RECENT_STEPS)
         self.on_close: list[Callable[[], None]] = []  # e.g. stop a tensor-parallel group's workers
         self.healthy: Callable[[], bool] = lambda: True  # False once a tensor-parallel worker died
 
@@ -151,13 +158,16 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """One iteration: one forward over every running decode and as many prefill chunks as the
         rest of the token budget allows."""
-        t0 = time.perf_counter()
+        start, cpu = time.monotonic(), time.process_time()
         events = [event for _, event in self.core.step(self.config.max_num_batched_tokens)]
         self.last_step_tokens = self.core.last_num_tokens
+        seconds = time.monotonic() - start
         totals = self.step_totals
         totals["steps"] += 1
-        totals["seconds"] += time.perf_counter() - t0
+        totals["seconds"] += seconds
         totals["tokens"] += self.last_step_tokens
+        if self.last_step_tokens:
+            self.recent_steps.append((start, seconds, time.process_time() - cpu, self.last_step_tokens))
         for ev in events:
             if ev.finished:
                 self._requests.pop(ev.request_id, None)
