@@ -24,8 +24,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-import torch
-
 from strata.kvstore.block_table import BlockTable
 from strata.kvstore.handle import HandleError
 from strata.kvstore.state_pool import StatePool
@@ -68,8 +66,7 @@ class StateCache:
 
     def export(self, table: BlockTable) -> bytes:
         """The table's current state, every kind and layer, as bytes (what a hand-off ships)."""
-        return b"".join(t[table.state_slot].contiguous().view(torch.uint8).numpy().tobytes()
-                        for t in self.pool.tensors.values())
+        return self.pool.read(table.state_slot)
 
     def check(self, data: bytes) -> None:
         """HandleError unless ``data`` is the size of this model's state (:meth:`export`)."""
@@ -83,12 +80,7 @@ class StateCache:
         self.check(data)
         if not self.claim(table):
             return False
-        flat, start = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
-        for t in self.pool.tensors.values():
-            part = t[table.state_slot]
-            n = part.numel() * part.element_size()
-            part.copy_(flat[start : start + n].view(part.dtype).view(part.shape))
-            start += n
+        self.pool.write(table.state_slot, data)
         return True
 
     def swap(self, table: BlockTable) -> None:

@@ -80,6 +80,19 @@ class StatePool:
         for t in self.tensors.values():
             t[dst].copy_(t[src])
 
+    def read(self, slot: int) -> bytes:
+        """Slot ``slot``'s state, every kind and layer in order, as bytes (what a hand-off ships)."""
+        return b"".join(t[slot].contiguous().view(torch.uint8).numpy().tobytes() for t in self.tensors.values())
+
+    def write(self, slot: int, data: bytes) -> None:
+        """Slot ``slot``'s state from bytes of :meth:`read` (``bytes_per_sequence`` of them)."""
+        flat, start = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
+        for t in self.tensors.values():
+            part = t[slot]
+            n = part.numel() * part.element_size()
+            part.copy_(flat[start : start + n].view(part.dtype).view(part.shape))
+            start += n
+
     def layer(self, name: str, layer: int) -> torch.Tensor:
         """Kind ``name`` of linear layer ``layer`` for every slot: [slots, *shape] (a view)."""
         return self.tensors[name][:, layer]

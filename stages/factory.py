@@ -21,10 +21,11 @@ from strata.pipeline.core.grammar import GrammarRunner
 from strata.pipeline.core.model_runner import ModelRunner
 from strata.pipeline.core.scheduler import Scheduler
 from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, calibrate_group, share_kv_scales
+from strata.pipeline.core.tp_states import ShardedStatePool, StateShard
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
 from strata.pipeline.models.fallback_config import check_fallback_engine
-from strata.pipeline.models.linear_mixer import state_kinds
+from strata.pipeline.models.linear_mixer import state_kinds, state_slot_counts
 from strata.pipeline.models.model_config import load_model_config, with_model_impl
 from strata.pipeline.models.text_config import TextConfig
 from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax, scales_from_amax, set_kv_scales,
@@ -32,13 +33,14 @@ from strata.pipeline.models.kv_scales import (CALIBRATION_TEXT, calibration_amax
 from strata.pipeline.models.model_identity import kv_fingerprint
 from strata.pipeline.models.model_loader import load_language_model, resolve_dtype
 from strata.pipeline.models.mtp import check_mtp_engine, with_mtp
+from strata.pipeline.parallel.shard_plan import ShardPlan
 from strata.pipeline.parallel.tp_group import TPGroup
 from strata.stages.decode_service import DecodeService
 from strata.stages.decoder import Decoder
 from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
-from strata.stages.kv_budget import kv_dtype, kv_layout, state_slot_counts, with_kv_budget
+from strata.stages.kv_budget import kv_dtype, kv_layout, with_kv_budget
 from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
 from strata.kvstore.sparse_reads import SparseReads
 from strata.stages.preflight import check_model_engine
@@ -105,6 +107,8 @@ class LanguageStage:
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             if cfg.text.dsa is not None:
                 self._sparse_attention(layout)
+            if cfg.text.linear is not None:  # its heads' part of each state here, the rest on the workers
+                self.kv.states = linear_state_cache(config, cfg.text, dtype, self.tp.group, self.tp.model.plan)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return
@@ -219,11 +223,19 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     return service
 
 
-def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype) -> StateCache:
+def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype, group: TPGroup | None = None,
+                       plan: ShardPlan | None = None) -> StateCache:
     """Two slots per running sequence (the one a step reads, the one it writes) and, with prefix caching,
-    one snapshot slot per sequence that may run (``kvstore.state_cache``)."""
+    one snapshot slot per sequence that may run (``kvstore.state_cache``); under tensor parallelism (``group``,
+    ``plan``: the driver's) the driver's heads' part, its changes replayed on the workers (``core.tp_states``)."""
     running, snapshots = state_slot_counts(config)
-    pool = StatePool(state_kinds(text, dtype), sum(text.linear_layers), running, config.device, snapshots)
+    layers = sum(text.linear_layers)
+    if group is None or plan is None:
+        pool = StatePool(state_kinds(text, dtype), layers, running, config.device, snapshots)
+    else:
+        shard = StateShard(state_kinds(text, dtype), layers, text.linear, plan.rank, plan.size)
+        pool = ShardedStatePool(state_kinds(plan.local_config(), dtype), layers, running, config.device, snapshots,
+                                group, shard)
     return StateCache(pool, snapshots=config.enable_prefix_caching)
 
 

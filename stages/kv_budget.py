@@ -21,6 +21,8 @@ from strata.kvstore.layout import KVLayout
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.contract.sizes import parse_budget
+from strata.pipeline.models.linear_mixer import state_slot_counts
+from strata.pipeline.parallel.linear_shards import LinearShards
 from strata.pipeline.models.cache_groups import kv_layout
 from strata.pipeline.models.model_loader import resolve_kv_dtype
 from strata.pipeline.models.text_config import TextConfig
@@ -59,19 +61,14 @@ def with_kv_budget(config: EngineConfig, model_dir: Path, text: TextConfig) -> E
     return config.model_copy(update={"num_kv_blocks": blocks, "kv_cache_memory": None})
 
 
-def state_slot_counts(config: EngineConfig) -> tuple[int, int]:
-    """A linear-attention model's state slots: (running: two per sequence that may run, the one a step reads
-    and the one it writes; snapshots: one per such sequence with prefix caching, ``kvstore.state_cache``)."""
-    running = config.max_num_seqs + 1
-    return 2 * running, running - 1 if config.enable_prefix_caching else 0
-
-
 def state_pool_bytes(text: TextConfig, config: EngineConfig) -> int:
-    """What those slots take, whatever the KV pool's size (0 for a model without linear layers)."""
+    """What a rank's state slots take, whatever the KV pool's size (0 for a model without linear layers): under
+    tensor parallelism its heads' part (``parallel.linear_shards``)."""
     if text.linear is None:
         return 0
     running, snapshots = state_slot_counts(config)
-    return (running + snapshots) * sum(text.linear_layers) * text.linear.state_bytes(_ITEMSIZE[config.dtype])
+    lin = LinearShards(text.linear, 0, config.tp).local()
+    return (running + snapshots) * sum(text.linear_layers) * lin.state_bytes(_ITEMSIZE[config.dtype])
 
 
 def _block_bytes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:

@@ -46,13 +46,9 @@ def check_sparse_attention(engine: Any) -> None:
 
 def check_linear_attention(engine: Any) -> None:
     """What a model with linear-attention layers (Qwen3-Next) does not run with yet, refused in one line
-    before it loads: its per-sequence state is not split across ranks, and a recurrence cannot take back a
-    rejected draft."""
+    before it loads: a recurrence cannot take back a rejected draft."""
     from strata.pipeline.models.config_errors import ModelConfigError
 
-    if engine.tp > 1:
-        raise ModelConfigError("a model with linear-attention layers runs with tp=1 only (its state is not split "
-                               "across a tensor-parallel group yet)")
     if engine.kv_cache_dtype != "auto":
         raise ModelConfigError("a model with linear-attention layers needs kv_cache_dtype auto")
     if engine.compile:

@@ -367,6 +367,10 @@ def test_a_linear_attention_hybrid_costs_its_full_layers_per_token_and_a_fixed_s
     assert at_1m.kv_bytes_needed == 62_500 * at_1m.bytes_per_block + at_1m.state_bytes_per_sequence
     assert "on 12 of 48 layers (the others linear)" in format_plan(at_1m)
     assert at_1m.kv_bytes_needed < plan_memory("deepseek-v3", 1_000_000, 1, 80 * GiB).kv_bytes_needed / 2
+    # a rank of four holds its heads' quarter of each state, which is what its device sets aside per sequence
+    ranks = plan_memory("qwen3-next-80b", 1_000_000, 8, 80 * GiB, tp=4)
+    assert at_1m.rank_state_bytes == at_1m.state_bytes_per_sequence == 4 * ranks.rank_state_bytes
+    assert "one rank's heads" in format_plan(ranks) and "one rank's heads" not in format_plan(at_1m)
     tiny = text_models["qwen3_next"]
     engine = build(tiny)
     assert STATE_COPIES * engine.kv.states.pool.bytes_per_sequence() == linear_state_bytes(load_model_config(tiny).text, 4)

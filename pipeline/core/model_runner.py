@@ -56,6 +56,8 @@ class StepInputs:
     # per sequence: (row, slot) its state at a block boundary is copied to after that many of its rows; -1: none
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)  # per sequence (DSA's top-k rule reads it)
+    state_ops: list[tuple] = field(default_factory=list)  # tensor parallel: the driver's state changes since
+    # the last step, which a worker replays before its forward (``core.tp_states``)
 
 
 class StepExecutor:
@@ -143,6 +145,10 @@ class ModelRunner:
         (``core.prompt_logprobs.logits_rows``)."""
         inputs = self.prepare(chunks)
         spilled = [self.spilled_source(c.seq.block_table) if n else None for c, n in zip(chunks, inputs.num_spilled)]
+        return self._run(chunks, inputs, spilled)
+
+    def _run(self, chunks: list[ScheduledChunk], inputs: StepInputs, spilled: list[SpilledKV | None]) -> torch.Tensor:
+        """This process's forward of the step, and its linear-attention states kept only if it succeeded."""
         try:
             logits = self.executor.run(inputs, spilled)
         except BaseException:

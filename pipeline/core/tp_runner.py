@@ -6,6 +6,7 @@ other ranks must join, it broadcasts one command:
 * ``("step", StepInputs)`` - run the forward on your shard (all-reduces inside, logits gathered);
 * ``("read", rows)`` - send me your heads of a block (a block leaving the device for a tier);
 * ``("write", rows)`` - take your heads of the block I broadcast (a block promoted from a tier);
+* ``("state_read", (ops, slot))`` - replay my state changes, send me your part of a slot's state (``tp_states``);
 * ``("stop", None)`` - leave the group.
 
 When a step fails on any rank, the whole group abandons it (``TPGroup.abandon_step``): the driver
@@ -30,8 +31,10 @@ import torch
 from strata.kernels import AttentionBackend, SpilledKV
 from strata.kvstore import BlockPool, BlockTable, DeviceBlocks, KVBlockLostError, KVLayout, TieredKVCache
 from strata.kvstore.device_kv import DeviceKV, join_block, split_block
+from strata.kvstore.state_pool import StatePool
 from strata.pipeline.core.model_runner import ModelRunner, StepExecutor
 from strata.pipeline.core.scheduler import ScheduledChunk
+from strata.pipeline.core.tp_states import ShardedStatePool, StateShard, replay, serve_state_read
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.kv_scales import calibration_amax, scales_from_amax, set_kv_scales
 from strata.pipeline.parallel.fault_points import fault_point
@@ -177,15 +180,21 @@ class TPModelRunner(ModelRunner):
     def tp_size(self) -> int:
         return self.group.size
 
+    @property
+    def states_pool(self) -> StatePool | None:
+        return self.kv.states.pool if self.kv.states is not None else None
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.prepare(chunks)
         self.group.check_usable()
+        if isinstance(self.states_pool, ShardedStatePool):  # what the workers' slots must catch up on first
+            inputs.state_ops = self.states_pool.take_ops()
         self.group.broadcast_object(("step", inputs))
         self.group.step_started()
         try:
             spilled = [self.spilled_source(c.seq.block_table) if n else None
                        for c, n in zip(chunks, inputs.num_spilled)]
-            logits = self.executor.run(inputs, spilled)
+            logits = self._run(chunks, inputs, spilled)
         except KVBlockLostError:  # every rank gave the step up at the same operation
             raise
         except StepAborted:  # a worker's forward failed; the whole group gave the step up with it
@@ -217,7 +226,7 @@ class TPModelRunner(ModelRunner):
 
 
 def serve_commands(group: TPGroup, executor: StepExecutor, kv: DeviceKV, layout: KVLayout, first_head: int,
-                   segment_blocks: int) -> None:
+                   segment_blocks: int, state_shard: StateShard | None = None) -> None:
     """A worker's life after loading: run the driver's commands until it says stop.
 
     A lost spilled block fails the step on every rank alike (the driver recomputes); a forward that
@@ -236,6 +245,9 @@ def serve_commands(group: TPGroup, executor: StepExecutor, kv: DeviceKV, layout:
             return
         if command == "step":
             group.step_started()
+            if arg.state_ops:  # the driver's state changes since the last step, before this one reads any
+                assert executor.states is not None and state_shard is not None
+                replay(executor.states, state_shard, arg.state_ops)
             spilled: list[SpilledKV | None] = [
                 WorkerSpilled(group, kv, full_heads, first_head, n, segment_blocks) if n else None
                 for n in arg.num_spilled]
@@ -250,6 +262,9 @@ def serve_commands(group: TPGroup, executor: StepExecutor, kv: DeviceKV, layout:
                 if not group.abandon_step("a worker's forward raised"):
                     raise
                 continue
+        elif command == "state_read":
+            assert executor.states is not None and state_shard is not None
+            serve_state_read(group, executor.states, state_shard, arg)
         elif command == "kv_calibrate":
             calibrate_rank(group, executor.model, arg, executor.block_size, executor.backend, executor.device)
         elif command == "kv_scales":

@@ -21,11 +21,14 @@ from strata.kernels.threads import apply_threads
 from strata.kvstore import KVLayout
 from strata.kvstore.device_kv import DeviceKV
 from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
+from strata.kvstore.state_pool import StatePool
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
+from strata.pipeline.core.tp_states import StateShard
 from strata.pipeline.models.cache_groups import kv_layout
+from strata.pipeline.models.linear_mixer import state_kinds, state_slot_counts
 from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype, resolve_kv_dtype
 from strata.pipeline.parallel.fault_points import set_fault_rank
@@ -83,15 +86,27 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
         # DSA: the driver's budget for spilled indexer keys (its decisions are followed: ``kvstore.layer_mirror``)
         mirror = SpilledLayerMirror(index_mirror_bytes(layout, config.max_model_len)) if cfg.text.dsa is not None else None
+        states, shard = worker_states(config, cfg.text, model.plan, dtype)
         executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device, layout.layer_meta,
-                                layer_mirror=mirror)
-        serve_commands(group, executor, kv, layout, first_head, config.kv_staging_blocks)
+                                states=states, layer_mirror=mirror)
+        serve_commands(group, executor, kv, layout, first_head, config.kv_staging_blocks, shard)
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
         group.leave_on_error()  # the driver fails at once, even though this process (an actor) lives on
         raise
     finally:
         group.close()
+
+
+def worker_states(config: EngineConfig, text: Any, plan: Any, dtype: Any) -> tuple[StatePool | None, StateShard | None]:
+    """A linear-attention model's state slots on a worker (as many as the driver's, its heads' part of each) and
+    which part that is; (None, None) for a model without linear layers."""
+    if text.linear is None:
+        return None, None
+    running, snapshots = state_slot_counts(config)
+    layers = sum(text.linear_layers)
+    pool = StatePool(state_kinds(plan.local_config(), dtype), layers, running, config.device, snapshots)
+    return pool, StateShard(state_kinds(text, dtype), layers, text.linear, plan.rank, plan.size)
 
 
 class LocalWorkers:

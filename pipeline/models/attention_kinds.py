@@ -217,6 +217,8 @@ class AttentionKind:
         rows = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv"}
         if cfg.qk_norm_over_heads:  # the norm's weight is as wide as the projection it normalises
             rows.update(q_norm="q", k_norm="kv")
+        if proj == "q_proj" and cfg.attention_gate:  # each head's [query, gate] rows (Qwen3-Next)
+            return 0, "q", 2 * cfg.head_dim
         if proj in rows:
             return 0, rows[proj], cfg.head_dim
         if proj == "sinks":  # one logit per q head

@@ -18,6 +18,7 @@ from torch import nn
 
 from strata.kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step_slots
 from strata.kvstore.state_pool import StateKind, StatePool
+from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.models.text_config import TextConfig
 
 CHUNK = 64  # rows solved at once by the chunked delta rule
@@ -30,6 +31,14 @@ def state_kinds(cfg: TextConfig, dtype: torch.dtype) -> tuple[StateKind, ...]:
     assert lin is not None
     return (StateKind("conv", (lin.conv_dim, lin.conv_kernel - 1), dtype),
             StateKind("recurrent", (lin.num_v_heads, lin.k_head_dim, lin.v_head_dim), torch.float32))
+
+
+def state_slot_counts(config: EngineConfig) -> tuple[int, int]:
+    """A linear-attention model's state slots on every rank: (running: two per sequence that may run, the one
+    a step reads and the one it writes; snapshots: one per such sequence with prefix caching,
+    ``kvstore.state_cache``)."""
+    running = config.max_num_seqs + 1
+    return 2 * running, running - 1 if config.enable_prefix_caching else 0
 
 
 @dataclass
@@ -57,6 +66,9 @@ class LinearMixer(nn.Module):
 
     def fuse(self) -> None:
         """Nothing to fuse: the input projections feed different paths."""
+
+    def join_group(self, full: TextConfig, all_reduce: Callable, kv_replicas: int) -> None:
+        """Nothing to join on a tensor-parallel rank: a rank's heads and their state need no other rank's."""
 
     def convolve(self, mixed: torch.Tensor, weight: torch.Tensor, states: LinearStates) -> torch.Tensor:
         """q|k|v [T, conv_dim] through the depthwise causal convolution (``weight`` [conv_dim, kernel]) with

@@ -15,7 +15,9 @@ One rank holds:
 A q/k norm over every head (MiniMax-M2) holds this rank's columns of its weight and sums its squares over
 the group (one small all-reduce each for q and k). A layer's two row-parallel outputs (attention's projection, the MLP) are summed over the group
 (one all-reduce each) before the residual add; a bias on them is added once, after the sum. Norms,
-RoPE and the router are replicated. ``pipeline.shard_plan.ShardPlan`` says which slice of each
+RoPE and the router are replicated. A linear-attention layer (Gated DeltaNet, KDA) holds whole key heads and
+the value heads they serve, with their part of every sequence's state (``parallel.linear_shards``), and sums
+only its ``out_proj``, like attention's ``o_proj``. ``pipeline.shard_plan.ShardPlan`` says which slice of each
 checkpoint tensor a rank reads, so the loader reads nothing else.
 """
 
@@ -41,7 +43,7 @@ class ParallelDecoderLayer(DecoderLayer):
     first_expert: int = 0
 
     def forward(self, x, cos, sin_signed, kv, meta, backend, steps) -> torch.Tensor:
-        a, ln2, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
+        a, ln2, mlp = self.mixer, self.post_attention_layernorm, self.mlp
         attn = self.attention(x, cos, sin_signed, kv, meta, backend, steps)  # this rank's heads
         x = x + self._reduce(linear(attn.reshape(x.shape[0], -1), a.o_proj.weight), a.o_proj.bias)
         fault_point("tp_layer", self.group.rank)  # mid-step: between one layer's two all-reduces
@@ -70,10 +72,10 @@ class ParallelLanguageModel(LanguageModel):
         self.group = group
         self.vocab_start, self.vocab_stop = plan.vocab
         c = plan.cfg
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             layer.group = group
-            layer.self_attn.join_group(c, group.all_reduce, plan.kv_replicas)
-            if plan.cfg.is_moe_layer(layer.self_attn.layer_idx):
+            layer.mixer.join_group(c, group.all_reduce, plan.kv_replicas)
+            if plan.cfg.is_moe_layer(index):
                 lo, hi = plan.experts
                 layer.first_expert = lo
                 layer.mlp.experts = MoEExperts(hi - lo, local.hidden_size, local.moe.intermediate_size,

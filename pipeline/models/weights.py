@@ -289,9 +289,14 @@ def quant_collector(quant: QuantScheme | None, modules: dict[str, nn.Module], ma
 
 
 def _read(f, ckpt_name: str, name: str, shard: "ShardPlan | None") -> torch.Tensor:
-    """The tensor, or only this rank's slice of it (a strided read of the mapped file: the other
-    rows or columns are never copied)."""
-    return _read_cut(f, ckpt_name, shard.slice_for(name) if shard is not None else None)
+    """The tensor, or only this rank's slices of it (strided reads of the mapped file: the other rows or
+    columns are never copied), concatenated where it holds several ranges."""
+    cut = shard.cut_for(name) if shard is not None else None
+    if cut is None:
+        return f.get_tensor(ckpt_name)
+    dim, ranges = cut
+    parts = [_read_cut(f, ckpt_name, (dim, start, stop)) for start, stop in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _read_cut(f, ckpt_name: str, cut: tuple[int, int, int] | None) -> torch.Tensor:

@@ -53,6 +53,7 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 _LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(\w+)\.(weight|bias)$")
+_MIXER = re.compile(r"^layers\.(\d+)\.(?:self_attn|linear_attn)\.(.+)$")  # a layer's token mixer, any tensor
 _STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _SINKS = re.compile(r"^layers\.\d+\.self_attn\.sinks$")
 _CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -75,6 +76,8 @@ class ShardPlan:
         if n < 1 or not 0 <= self.rank < n:
             raise ShardingError(f"rank {self.rank} is not in a group of {n}")
         checks = [("attention heads", c.num_heads)]
+        if c.linear is not None:  # a rank holds whole key heads and the value heads they serve
+            checks.append(("linear-attention key heads", c.linear.num_k_heads))
         if not all(c.moe_layers) or not c.num_experts:
             checks.append(("MLP intermediate size", c.intermediate_size))
         if c.moe is not None and c.moe.n_shared_experts:
@@ -130,14 +133,38 @@ class ShardPlan:
         c, n = self.cfg, self.size
         moe = replace(c.moe, shared_split=n) if c.moe is not None else None
         kv_heads = c.num_heads // n if c.mla is not None else max(1, c.num_kv_heads // n)
+        linear = self.linear_shards.local() if self.linear_shards is not None else None
         return replace(c, num_heads=c.num_heads // n, num_kv_heads=kv_heads, intermediate_size=c.intermediate_size // n,
-                       vocab_size=self.padded_vocab, moe=moe)
+                       vocab_size=self.padded_vocab, moe=moe, linear=linear)
+
+    @property
+    def linear_shards(self) -> Any:
+        """``LinearShards``: this rank's part of the linear-attention layers and their state; None without them."""
+        from strata.pipeline.parallel.linear_shards import LinearShards
+
+        return LinearShards(self.cfg.linear, self.rank, self.size) if self.cfg.linear is not None else None
 
     # ------------------------------------------------------------ checkpoint slices
+    def cut_for(self, name: str) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """(dim, ranges) of the checkpoint tensor ``name`` (our module's name) this rank reads, the ranges
+        concatenated in order (a linear-attention layer's q|k|v parts are three); None: read whole."""
+        inner = self._linear_tensor(name)
+        if inner is not None:
+            return self.linear_shards.cut(inner)
+        one = self.slice_for(name)
+        return None if one is None else (one[0], (one[1:],))
+
     def slice_for(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the checkpoint tensor ``name`` (our module's name) this rank reads;
-        None when it reads the tensor whole (norms, router, row-parallel biases, MLA's latent projections)."""
+        None when it reads the tensor whole (norms, router, row-parallel biases, MLA's latent projections).
+        A tensor read in several ranges (:meth:`cut_for`) is refused."""
         c = self.cfg
+        inner = self._linear_tensor(name)
+        if inner is not None:
+            cut = self.linear_shards.cut(inner)
+            if cut is not None and len(cut[1]) > 1:
+                raise ShardingError(f"{name} is split in {len(cut[1])} ranges: it is not read as one slice")
+            return None if cut is None else (cut[0], *cut[1][0])
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return (0, *self.vocab)
         m = _STACKED_EXPERTS.match(name)
@@ -161,6 +188,14 @@ class ShardPlan:
         if proj == "down_proj":
             return (1, *self.intermediate) if kind == "weight" else None
         return None
+
+    def _linear_tensor(self, name: str) -> str | None:
+        """The name inside its layer of a linear-attention layer's tensor; None for any other tensor."""
+        m = _MIXER.match(name)
+        if m is None or self.cfg.linear is None:
+            return None
+        layer = int(m.group(1))
+        return m.group(2) if layer < len(self.cfg.linear_layers) and self.cfg.linear_layers[layer] else None
 
     def _attention_slice(self, proj: str, kind: str) -> tuple[int, int, int] | None:
         """The attention kind says which heads a tensor follows and how wide each is (``AttentionKind.split``)."""
@@ -205,7 +240,7 @@ class ShardPlan:
         linear = sum(c.linear_layers)  # Gated DeltaNet layers (Qwen3-Next): their own parameters
         full = c.num_layers - linear
         roles["attention"], roles["kv_b_proj"] = full * attention, full * kv_b
-        roles["attention"] += linear * c.linear.params(h) if linear else 0
+        roles["attention"] += linear * self.linear_shards.local().params(h) if linear else 0
         if c.dsa is not None:  # DSA's indexer, whole on every rank (DeepSeek-V3.2)
             roles["attention"] += c.index_layers * c.dsa.params(h, c.mla.q_lora_rank)
         roles["other"] = full * attention_other + c.num_layers * 2 * h + h  # two norms a layer, the final norm

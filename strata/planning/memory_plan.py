@@ -178,6 +178,7 @@ class MemoryPlan:
     kv_cache_dtype: str = "auto"  # auto: the KV cache stores ``dtype``; fp8: e4m3, one byte a value
     window_kv_bytes: int = 0  # sliding-window layers' device slots, all sequences (fixed; in kv_bytes_needed)
     state_bytes_per_sequence: int = 0  # linear-attention layers' state, one sequence (fixed, on the device)
+    rank_state_bytes: int = 0  # one rank's part of it (its heads'; the whole when tp is 1)
     sparse_step: tuple[int, int] = (0, 0)  # DSA, per sequence: (indexer keys kept on device, latents read a step)
     index_mirror_bytes: int = 0  # DSA with lower tiers: device room for spilled blocks' indexer keys (per rank)
     nodes_without_tiers: int | None = None  # with host or disk given: fewest nodes that hold all KV on device
@@ -282,15 +283,17 @@ def _plan(
     per_block = per_token * block_size
     encoder = (num_params - text_params(tc)) * elem  # vision tower and projector, never quantized here
     weights, worker_shape, rank_block = decoder_weight_bytes(shape, ShardPlan(tc, 0, 1), elem) + encoder, shape, per_block
+    states = linear_state_bytes(tc, elem)  # one sequence's; the device holds them for every running one
+    rank_states = states  # a rank's part of them (its heads')
     if tp > 1:
         rank0 = ShardPlan(tc, 0, tp)  # raises ShardingError for a tp the model does not split into
         weights = max(decoder_weight_bytes(shape, ShardPlan(tc, r, tp), elem) for r in range(tp))
         worker_shape = replace(shape, text=replace(rank0.local_config(), vocab_size=tc.vocab_size), vision=None)
         rank_block = per_block * (rank0.kv_heads[1] - rank0.kv_heads[0]) // tc.kv_cache_heads
+        rank_states = linear_state_bytes(rank0.local_config(), elem)
     blocks_needed = concurrency * math.ceil(context_tokens / block_size)
     windowed = window_kv_bytes(tc, kv_elem, block_size, concurrency, chunk_tokens, blocks_needed)
     rank_windowed = windowed * rank_block // per_block if per_block else windowed
-    states = linear_state_bytes(tc, elem)  # one sequence's; the device holds them for every running one
     p: dict[str, Any] = dict(
         config_path=str(config_path), model_type=tc.model_type, multimodal=shape.vision is not None,
         num_params=num_params, dtype=dtype, context_tokens=context_tokens, concurrency=concurrency,
@@ -307,7 +310,7 @@ def _plan(
     # DSA with lower tiers: the device keeps spilled blocks' indexer keys, one context's (``kvstore.layer_mirror``)
     p["index_mirror_bytes"] = p["sparse_step"][0] if host_mem_bytes or disk_bytes else 0
     free = device_mem_bytes - p["weights_bytes"] - p["activation_bytes"] - p["staging_bytes"] - rank_windowed \
-        - concurrency * states - p["index_mirror_bytes"]
+        - concurrency * rank_states - p["index_mirror_bytes"]
     p["device_blocks"] = max(0, free) // rank_block  # every rank holds every block id, its heads of each
     reason = _verdict(p)
     if tc.mla is not None:
@@ -327,7 +330,7 @@ def _plan(
         experts_per_rank = hi - lo
     return MemoryPlan(**p, fits=not reason, reason=reason, tp=tp, nodes=nodes, encoder_weights_bytes=encoder if tp > 1 else 0,
                       weight_formats=weight_formats(shape, dtype), kv_cache_dtype=kv_cache_dtype,
-                      rank_bytes_per_block=rank_block, kv_kind=kv_kind, num_experts=tc.num_experts,
+                      rank_bytes_per_block=rank_block, rank_state_bytes=rank_states, kv_kind=kv_kind, num_experts=tc.num_experts,
                       image_tokens=image_tokens(shape) if shape.vision is not None else 0,
                       experts_per_rank=experts_per_rank)
 

@@ -21,6 +21,8 @@ def format_plan(plan: MemoryPlan) -> str:
           if plan.window_kv_bytes else []),
         *([("linear-attention state per sequence (fixed, on device, x3: read, write, snapshot)",
             format_bytes(plan.state_bytes_per_sequence), "", "")] if plan.state_bytes_per_sequence else []),
+        *([("linear-attention state per sequence, one rank's heads", format_bytes(plan.rank_state_bytes), "", "")]
+          if plan.state_bytes_per_sequence and group else []),
         *([("sparse attention, per sequence: indexer keys of the context (each step reads all)",
             format_bytes(plan.sparse_step[0]), "", f"{plan.context_tokens:,}"),
            ("sparse attention, per sequence: chosen latents one decode step reads (any tier)",
