@@ -263,17 +263,19 @@ def test_a_failing_row_gives_its_state_slot_back(qwen3_next: Path, monkeypatch) 
     _culprit_fails_alone(engine, requests, want)
 
 
-def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it_was(qwen3_next: Path,
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it_was(qwen3_next: Path, tp: int,
                                                                                    monkeypatch) -> None:
     """The full-attention layer (after three linear ones) raises whenever one request is in the step: the
     batch is rerun chunk by chunk from the states the failed step read (it wrote only the spare slots), so
-    the others answer exactly as alone, and the culprit fails alone."""
+    the others answer exactly as alone, and the culprit fails alone. At tp=2 the driver's layer raises after
+    the worker ran its linear layers: the group abandons the step, and the worker's slots are as good as the
+    driver's."""
     from strata.pipeline.core.model_runner import ModelRunner
     from strata.pipeline.models.decoder import Attention
 
     requests = [{"prompt": p, "params": greedy(8, ignore_eos=True)} for p in PROMPTS]
     want = [o.output_token_ids for o in build(qwen3_next).generate(requests[1:])]
-    engine = build(qwen3_next)
     prepare, attend, step = ModelRunner.prepare, Attention.attend, {"bad": False}
 
     def noting(self, chunks):
@@ -287,7 +289,14 @@ def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it
 
     monkeypatch.setattr(ModelRunner, "prepare", noting)
     monkeypatch.setattr(Attention, "attend", raising)
-    _culprit_fails_alone(engine, requests, want)
+    engine = build(qwen3_next, tp=tp)
+    try:
+        _culprit_fails_alone(engine, requests, want)
+        if tp > 1:  # each failed step was given up by the whole group, which stayed in step
+            group = engine.core.runner.group
+            assert group.abandoned_steps > 0 and not group.broken
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "kimi_linear"])
