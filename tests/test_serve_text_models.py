@@ -174,12 +174,16 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
 @pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear", "deepseek_v32"])
 def frontier_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
     """Each 2026 attention served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA + NoPE
-    MLA), DeepSeek-V3.2 (DSA sparse MLA); ``server.model`` is its checkpoint."""
+    MLA; served disaggregated, decoded by a tp=2 group of Ray actors: a tp=1 prefill's state is split over two
+    ranks), DeepSeek-V3.2
+    (DSA sparse MLA); ``server.model`` is its checkpoint."""
     from serve_process import ServeProcess, stop_later
 
-    server = ServeProcess(text_models[request.param], tmp_path_factory.mktemp(f"serve-{request.param}"),
-                          {"engine": {"max_model_len": 1024}})
-    server.model = text_models[request.param]
+    config = {"engine": {"max_model_len": 1024}}
+    if request.param == "kimi_linear":
+        config.update(mode="disaggregated", stages={"decode": {"tp": 2}})
+    server = ServeProcess(text_models[request.param], tmp_path_factory.mktemp(f"serve-{request.param}"), config)
+    server.model, server.decode_tp = text_models[request.param], config.get("stages", {}).get("decode", {}).get("tp", 1)
     try:
         server.wait_ready()
         yield server
@@ -206,3 +210,4 @@ def test_a_frontier_model_is_served_as_the_engine_answers(frontier_server) -> No
         assert list(pool.map(stream, PROMPTS)) == [e.text for e in expected]
     metrics = httpx.get(frontier_server.base_url + "/metrics", timeout=30).text
     assert "vllm:generation_tokens" in metrics
+    assert httpx.get(frontier_server.base_url + "/strata/stats", timeout=30).json()["decode"]["tp"] == frontier_server.decode_tp
