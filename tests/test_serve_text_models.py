@@ -175,8 +175,7 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
 def frontier_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
     """Each 2026 attention served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA + NoPE
     MLA; served disaggregated, decoded by a tp=2 group of Ray actors: a tp=1 prefill's state is split over two
-    ranks), DeepSeek-V3.2
-    (DSA sparse MLA); ``server.model`` is its checkpoint."""
+    ranks), DeepSeek-V3.2 (DSA sparse MLA); ``server.model`` is its checkpoint."""
     from serve_process import ServeProcess, stop_later
 
     config = {"engine": {"max_model_len": 1024}}
