@@ -83,6 +83,16 @@ def block_extras(start: int, end: int, image_spans: Iterable[ImageSpan]) -> tupl
     return tuple(_span_key(s) for s in hits)
 
 
+def state_piece_hash(block_hash: bytes, index: int) -> bytes:
+    """The name of piece ``index`` of a linear-attention state snapshot taken at the block ``block_hash`` ends, as
+    the lower tiers store it in block-sized pieces (``state_cache``): it commits to what the block's hash does."""
+    h = _new()
+    _update_field(h, b"strata.kv.state-piece.v1")
+    _update_field(h, block_hash)
+    _update_field(h, struct.pack("<Q", index))
+    return h.digest()
+
+
 def prompt_seed(fingerprint: bytes, prompt_len: int) -> bytes:
     """The chain's seed for a model whose KV of a prefix depends on the length of the prompt it was computed in
     (DSA: the indexer's top-k ties break by ``torch.topk`` over the whole prompt, ``kernels.sparse_index``):

@@ -16,7 +16,8 @@ block boundary it crossed (rewritten as it goes), published when its prompt is d
 prompt, the next request with the same document) and when the sequence ends (the next turn of a chat,
 a recompute after preemption). Published snapshots are an LRU of their own slots (``StatePool``'s
 snapshot slots), evicted oldest first when a sequence needs a slot; a sequence that finds none takes no
-snapshot, which costs reuse, never correctness.
+snapshot, which costs reuse, never correctness. With lower tiers an evicted snapshot goes there
+(``state_tiers``) and comes back into a snapshot slot when a prefix ending at it is looked up.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ from typing import Sequence
 from strata.kvstore.block_table import BlockTable
 from strata.kvstore.handle import HandleError
 from strata.kvstore.state_pool import StatePool
+from strata.kvstore.state_tiers import StateTiers
 
 
 class StateCache:
     """Sequences' state slots and the snapshots they own and publish, over one state pool."""
 
-    def __init__(self, pool: StatePool, snapshots: bool = True) -> None:
-        """``snapshots``: keep states at block boundaries for prefix reuse (off with prefix caching)."""
+    def __init__(self, pool: StatePool, snapshots: bool = True, below: StateTiers | None = None) -> None:
+        """``snapshots``: keep states at block boundaries for prefix reuse (off with prefix caching); ``below``:
+        where snapshots the device evicts are kept (the lower tiers), if anywhere."""
         self.pool = pool
         self.snapshots = snapshots and pool.num_snapshots > 0
+        self.below = below if self.snapshots else None
         self.published: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
         self.taken = 0
         self.hits = 0
@@ -99,9 +103,7 @@ class StateCache:
         if not self.snapshots:
             return None
         if table.snapshot_slot < 0:
-            slot = self.pool.claim_snapshot()
-            if slot is None and self.published:
-                _, slot = self.published.popitem(last=False)
+            slot = self._snapshot_slot()
             if slot is None:
                 return None
             table.snapshot_slot = slot
@@ -124,15 +126,40 @@ class StateCache:
             return
         self.published[key] = slot
 
+    def _snapshot_slot(self) -> int | None:
+        """A free snapshot slot, else the oldest published one's (its snapshot kept below, if there is a below)."""
+        slot = self.pool.claim_snapshot()
+        if slot is None and self.published:
+            key, slot = self.published.popitem(last=False)
+            if self.below is not None:
+                self.below.store(key, self.pool.read(slot))
+        return slot
+
     def longest(self, hashes: Sequence[bytes], limit: int) -> int:
-        """The most leading blocks of ``hashes`` (at most ``limit``) that end at a published snapshot; 0: none."""
+        """The most leading blocks of ``hashes`` (at most ``limit``) that end at a published snapshot, one kept
+        below brought back into a snapshot slot if need be; 0: none."""
         for blocks in range(min(limit, len(hashes)), 0, -1):
-            if hashes[blocks - 1] in self.published:
+            key = hashes[blocks - 1]
+            if key in self.published or (self.below is not None and self.below.has(key) and self._bring_back(key)):
                 return blocks
         return 0
 
+    def _bring_back(self, key: bytes) -> bool:
+        """Publish the snapshot ``key`` kept below; False when a piece of it is gone or no slot is to be had."""
+        assert self.below is not None
+        data = self.below.load(key)
+        if data is None:
+            return False
+        slot = self._snapshot_slot()
+        if slot is None:
+            return False
+        self.pool.write(slot, data)
+        self.published[key] = slot
+        return True
+
     def stats(self) -> dict[str, int]:
-        return {"published": len(self.published), "taken": self.taken, "hits": self.hits}
+        return {"published": len(self.published), "taken": self.taken, "hits": self.hits,
+                **(self.below.stats() if self.below is not None else {})}
 
     def check_invariants(self) -> None:
         slots = list(self.published.values())

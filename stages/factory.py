@@ -12,6 +12,7 @@ from strata.kernels.threads import apply_threads
 from strata.kvstore import BlockPool, KVLayout, LowerTiers, TieredKVCache
 from strata.kvstore.state_cache import StateCache
 from strata.kvstore.state_pool import StatePool
+from strata.kvstore.state_tiers import StateTiers
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.compiled import compile_model
@@ -108,7 +109,7 @@ class LanguageStage:
             if cfg.text.dsa is not None:
                 self._sparse_attention(layout)
             if cfg.text.linear is not None:  # its heads' part of each state here, the rest on the workers
-                self.kv.states = linear_state_cache(config, cfg.text, dtype, self.tp.group, self.tp.model.plan)
+                self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv, self.tp.group, self.tp.model.plan)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
             self.runner.load_stats = self.tp.load_stats
             return
@@ -124,7 +125,7 @@ class LanguageStage:
         if cfg.text.dsa is not None:
             self._sparse_attention(layout)
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
-            self.kv.states = linear_state_cache(config, cfg.text, dtype)
+            self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
         if config.compile:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
@@ -223,11 +224,12 @@ def build_decode_service(model_dir: str | Path, config: EngineConfig, launcher: 
     return service
 
 
-def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype, group: TPGroup | None = None,
-                       plan: ShardPlan | None = None) -> StateCache:
+def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtype, kv: TieredKVCache,
+                       group: TPGroup | None = None, plan: ShardPlan | None = None) -> StateCache:
     """Two slots per running sequence (the one a step reads, the one it writes) and, with prefix caching,
-    one snapshot slot per sequence that may run (``kvstore.state_cache``); under tensor parallelism (``group``,
-    ``plan``: the driver's) the driver's heads' part, its changes replayed on the workers (``core.tp_states``)."""
+    one snapshot slot per sequence that may run (``kvstore.state_cache``), the snapshots they evict kept in
+    ``kv``'s lower tiers if it has them; under tensor parallelism (``group``, ``plan``: the driver's) the
+    driver's heads' part, its changes replayed on the workers (``core.tp_states``)."""
     running, snapshots = state_slot_counts(config)
     layers = sum(text.linear_layers)
     if group is None or plan is None:
@@ -236,7 +238,9 @@ def linear_state_cache(config: EngineConfig, text: TextConfig, dtype: torch.dtyp
         shard = StateShard(state_kinds(text, dtype), layers, text.linear, plan.rank, plan.size)
         pool = ShardedStatePool(state_kinds(plan.local_config(), dtype), layers, running, config.device, snapshots,
                                 group, shard)
-    return StateCache(pool, snapshots=config.enable_prefix_caching)
+    below = StateTiers(kv.lower, kv.layout.bytes_per_block(), pool.bytes_per_sequence()) \
+        if kv.lower is not None else None
+    return StateCache(pool, snapshots=config.enable_prefix_caching, below=below)
 
 
 def _require_shared_tier(config: EngineConfig) -> None:

@@ -230,6 +230,35 @@ def test_blocks_whose_state_snapshot_was_evicted_are_computed_again(qwen3_next: 
     engine.kv.states.check_invariants()
 
 
+def test_a_snapshot_the_device_evicted_comes_back_from_the_host_tier(qwen3_next: Path, tmp_path: Path) -> None:
+    """Two snapshot slots, three prompts, a host tier: the first prompt's evicted snapshot is kept there in
+    block-sized pieces, so a repeat adopts its blocks and its state and answers as a fresh engine does. With a
+    piece of it deleted, the next repeat computes everything again (never blocks without their state)."""
+    from strata.kvstore.hashing import state_piece_hash
+
+    params = greedy(6, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[0] * 2, PROMPTS[1][::-1]]
+    engine = build(qwen3_next, max_num_seqs=2, max_num_batched_tokens=256, host_kv_blocks=256,
+                   host_kv_dir=str(tmp_path / "host"))
+    want = build(qwen3_next).generate([{"prompt": prompts[0], "params": params}])[0].output_token_ids
+    for prompt in prompts:
+        engine.generate([{"prompt": prompt, "params": params}])
+    assert engine.kv.states.stats()["stored_below"] >= 1
+    repeat = engine.generate([{"prompt": prompts[0], "params": params}])[0]
+    assert repeat.output_token_ids == want and repeat.num_cached_tokens > 0
+    assert engine.kv.states.stats()["loaded_from_below"] == 1
+    for prompt in prompts[1:]:  # the first prompt's snapshot is evicted, and kept below, again
+        engine.generate([{"prompt": prompt, "params": params}])
+    ids = engine.intake.make_request("r", params, prompt=prompts[0])[0].prompt_token_ids
+    key = hash_chain(engine.kv.fingerprint, ids[: repeat.num_cached_tokens], 16)[-1]
+    engine.kv.lower.flush()
+    Path(engine.kv.lower.top.files.path(state_piece_hash(key, 0))).unlink()
+    again = engine.generate([{"prompt": prompts[0], "params": params}])[0]
+    assert again.output_token_ids == want and again.num_cached_tokens == 0
+    assert engine.kv.states.stats()["missed_below"] == 1
+    engine.kv.states.check_invariants()
+
+
 def _culprit_fails_alone(engine, requests: list[dict], want: list[list[int]]) -> None:
     """Run ``requests`` at once, the first as "bad": it ends in an error, the others answer ``want``, and no
     state slot or block is left held."""
