@@ -5,8 +5,10 @@ A snapshot is a whole sequence's state (every linear layer, every kind), far lar
 real model (Qwen3-Next-80B: ~75 MiB against a 384 KiB block), so it is stored as block-sized pieces named
 ``hashing.state_piece_hash(block hash, i)``: the tiers hold, verify, evict and demote them like any block
 (files 0600, CRC-checked, fingerprinted), and a snapshot whose piece is gone or corrupt is a miss, never a
-wrong state. Which snapshots this process put there is kept in memory (``MAX_KNOWN`` of them, the newest), so
-looking a prefix up costs no tier lookups per block boundary; another process on the node does not see them.
+wrong state. A lookup asks the tiers whether a snapshot's first piece is there (one ``stat`` per block
+boundary tried), so a snapshot another process on the node put there, or one a server wrote before it
+restarted over a disk tier, is found too; those this process queued and the writer has not landed yet are
+remembered in memory (``MAX_KNOWN``, the newest).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from strata.kvstore.hashing import state_piece_hash
 from strata.kvstore.lower_tiers import LowerTiers
 
-MAX_KNOWN = 4096  # snapshots remembered as stored below (older ones are left to the tiers' LRU)
+MAX_KNOWN = 4096  # snapshots remembered as stored below, landed or still queued for the writer
 
 
 class StateTiers:
@@ -48,8 +50,9 @@ class StateTiers:
         self.stored += 1
 
     def has(self, key: bytes) -> bool:
-        """Whether this process stored the snapshot below (it may since have been evicted there)."""
-        return key in self._known
+        """Whether the snapshot may be below: this process stored it, or its first piece is in a tier (another
+        piece may since have been evicted: :meth:`load` says)."""
+        return key in self._known or self.lower.find(state_piece_hash(key, 0)) is not None
 
     def load(self, key: bytes) -> bytes | None:
         """The snapshot's bytes, or None when a piece is gone, cut or foreign (then forgotten here)."""

@@ -232,8 +232,9 @@ def test_blocks_whose_state_snapshot_was_evicted_are_computed_again(qwen3_next: 
 
 def test_a_snapshot_the_device_evicted_comes_back_from_the_host_tier(qwen3_next: Path, tmp_path: Path) -> None:
     """Two snapshot slots, three prompts, a host tier: the first prompt's evicted snapshot is kept there in
-    block-sized pieces, so a repeat adopts its blocks and its state and answers as a fresh engine does. With a
-    piece of it deleted, the next repeat computes everything again (never blocks without their state)."""
+    block-sized pieces, so a repeat adopts its blocks and its state and answers as a fresh engine does; so does
+    another engine over the same tier, which finds the pieces in its files. With a piece deleted, the next
+    repeat computes everything again (never blocks without their state)."""
     from strata.kvstore.hashing import state_piece_hash
 
     params = greedy(6, ignore_eos=True)
@@ -249,9 +250,14 @@ def test_a_snapshot_the_device_evicted_comes_back_from_the_host_tier(qwen3_next:
     assert engine.kv.states.stats()["loaded_from_below"] == 1
     for prompt in prompts[1:]:  # the first prompt's snapshot is evicted, and kept below, again
         engine.generate([{"prompt": prompt, "params": params}])
+    engine.kv.lower.flush()
+    other = build(qwen3_next, max_num_seqs=2, max_num_batched_tokens=256, host_kv_blocks=256,
+                  host_kv_dir=str(tmp_path / "host"))
+    there = other.generate([{"prompt": prompts[0], "params": params}])[0]
+    assert there.output_token_ids == want and there.num_cached_tokens == repeat.num_cached_tokens
+    assert other.kv.states.stats()["loaded_from_below"] == 1
     ids = engine.intake.make_request("r", params, prompt=prompts[0])[0].prompt_token_ids
     key = hash_chain(engine.kv.fingerprint, ids[: repeat.num_cached_tokens], 16)[-1]
-    engine.kv.lower.flush()
     Path(engine.kv.lower.top.files.path(state_piece_hash(key, 0))).unlink()
     again = engine.generate([{"prompt": prompts[0], "params": params}])[0]
     assert again.output_token_ids == want and again.num_cached_tokens == 0

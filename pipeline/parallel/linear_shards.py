@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from strata.pipeline.parallel.shard_plan import shard_range
+from strata.pipeline.parallel.shard_range import shard_range
 
 Cut = tuple[int, tuple[tuple[int, int], ...]]
 

@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from strata.pipeline.parallel.linear_shards import LinearShards
+from strata.pipeline.parallel.shard_range import shard_range
+
 
 class DecoderShape(Protocol):
     """The dimensions of a decoder a plan splits (``models.model_config.TextConfig`` is one). A plan
@@ -45,11 +48,6 @@ class DecoderShape(Protocol):
 
     @property
     def kv_cache_heads(self) -> int: ...
-
-
-def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    """The [start, stop) of part ``index`` when ``total`` items are split as evenly as possible."""
-    return total * index // parts, total * (index + 1) // parts
 
 
 _LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(\w+)\.(weight|bias)$")
@@ -138,10 +136,8 @@ class ShardPlan:
                        vocab_size=self.padded_vocab, moe=moe, linear=linear)
 
     @property
-    def linear_shards(self) -> Any:
-        """``LinearShards``: this rank's part of the linear-attention layers and their state; None without them."""
-        from strata.pipeline.parallel.linear_shards import LinearShards
-
+    def linear_shards(self) -> LinearShards | None:
+        """This rank's part of the linear-attention layers and their state; None without them."""
         return LinearShards(self.cfg.linear, self.rank, self.size) if self.cfg.linear is not None else None
 
     # ------------------------------------------------------------ checkpoint slices
