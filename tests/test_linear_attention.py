@@ -1,6 +1,7 @@
 """Linear attention with its per-sequence state cache, Gated DeltaNet (Qwen3-Next) and KDA (Kimi-Linear): the
-torch kernels against transformers' reference functions, the state pool's slots, and the engine through
-chunks, batches, preemption, spills, prefix hits, hand-offs and refusals. Greedy tokens against transformers'
+engine through chunks, batches, preemption, spills, prefix hits (snapshots in the tiers too), failing rows,
+hand-offs and refusals. The kernels and the pool's slots are in test_delta_rule.py, tensor parallelism in
+test_linear_attention_tp.py. Greedy tokens against transformers'
 generate, `strata ops` and `strata align` for the families are in test_text_models.py."""
 
 from __future__ import annotations
@@ -8,155 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import (assert_preemption_recomputes_the_same, build, greedy, spilling_engine, tokens_through_handoff,
                      transformers_greedy)
-from strata.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step,
-                                       l2_normalize, l2_normalize_div)
 from strata.kvstore.hashing import hash_chain
-from strata.kvstore.state_pool import StateKind, StatePool
 from strata.pipeline.contract.config import EngineConfig
-from strata.pipeline.core.tp_states import ShardedStatePool
 from strata.pipeline.models.config_errors import ModelConfigError
-from strata.pipeline.models.model_config import load_model_config
-from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
+from strata.pipeline.parallel.shard_plan import ShardingError
 
 PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
            "Tell me about the tides and the moon. " * 4, "A short one."]
-
-
-def _inputs(t: int, h: int = 4, k: int = 16, v: int = 12, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q, key = torch.randn(t, h, k, generator=gen), torch.randn(t, h, k, generator=gen)
-    val = torch.randn(t, h, v, generator=gen)
-    g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
-    state = torch.randn(h, k, v, generator=gen) * 0.1
-    return q, key, val, g, beta, state
-
-
-def test_the_chunked_delta_rule_is_transformers_and_continues_across_any_cut() -> None:
-    """One pass equals transformers' chunked reference to the bit; the same rows cut at 23 (mid-block)
-    continue the state, and decode steps one row at a time agree, to fp32 rounding."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
-    q, k, v, g, beta, state = _inputs(70)
-    want, want_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
-                                                    initial_state=state[None], output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=True)
-    qn, kn = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
-    out, final = delta_rule_chunked(qn, kn, v, g, beta, state)
-    assert torch.equal(out, want[0]) and torch.equal(final, want_state[0])
-    _cut_and_stepped_agree((qn, kn, v, g, beta), state, want[0], want_state[0], want[0])
-
-
-def _cut_and_stepped_agree(rows: tuple[torch.Tensor, ...], state: torch.Tensor, want: torch.Tensor,
-                           want_state: torch.Tensor, stepped: torch.Tensor) -> None:
-    """The rows cut at 23 (mid-block) continue the state to ``want`` / ``want_state``, and decode steps one
-    row at a time give ``stepped``, each to fp32 rounding."""
-    first, mid = delta_rule_chunked(*(x[:23] for x in rows), state)
-    rest, end = delta_rule_chunked(*(x[23:] for x in rows), mid)
-    torch.testing.assert_close(torch.cat([first, rest]), want, rtol=0, atol=2e-6)
-    torch.testing.assert_close(end, want_state, rtol=0, atol=2e-6)
-    s, steps = state[None], []
-    for i in range(rows[0].shape[0]):
-        o, s = delta_rule_step(*(x[i : i + 1] for x in rows), s)
-        steps.append(o)
-    torch.testing.assert_close(torch.cat(steps), stepped, rtol=0, atol=2e-6)
-
-
-def test_the_per_channel_delta_rule_is_kimi_linears_and_continues_across_any_cut() -> None:
-    """KDA's decay per key channel: one pass equals transformers' chunked reference and the decode steps its
-    recurrent one, to fp32 rounding (its reference solves the block by forward substitution, ours by a
-    triangular solve); cut at 23, the state continues; a steep decay stays finite. A decay averaged over the
-    channels is far off."""
-    from transformers.models.kimi_linear.modeling_kimi_linear import (chunk_kimi_delta_attention,
-                                                                      recurrent_kimi_delta_attention)
-
-    q, k, v, _, beta, state = _inputs(70, v=16)
-    g = -torch.rand(70, 4, 16, generator=torch.Generator().manual_seed(5))
-    args = (q[None], k[None], v[None], g[None], beta[None])
-    want, want_state = chunk_kimi_delta_attention(*args, initial_state=state[None], output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
-    stepped, _ = recurrent_kimi_delta_attention(*args, initial_state=state[None], output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
-    qn, kn = l2_normalize_div(q) * q.shape[-1] ** -0.5, l2_normalize_div(k)
-    out, final = delta_rule_chunked(qn, kn, v, g, beta, state)
-    torch.testing.assert_close(out, want[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(final, want_state[0], rtol=0, atol=1e-6)
-    _cut_and_stepped_agree((qn, kn, v, g, beta), state, want[0], want_state[0], stepped[0])
-    averaged, _ = delta_rule_chunked(qn, kn, v, g.mean(-1), beta, state)
-    assert (averaged - want[0]).abs().max() > 1e-2
-    steep = g * 40  # a block's decay falls to e^-1280 per channel: e^(-d) alone would overflow fp32
-    want, _ = chunk_kimi_delta_attention(q[None], k[None], v[None], steep[None], beta[None], initial_state=state[None],
-                                         use_qk_l2norm_in_kernel=True)
-    out, _ = delta_rule_chunked(qn, kn, v, steep, beta, state)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, want[0], rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
-def test_the_cpu_decode_step_kernel_equals_the_torch_step_over_pool_slots(per_channel: bool) -> None:
-    """The C++ step reads each sequence's state from one slot of a layer's (strided) pool view and writes the
-    new one to another, as the torch step does through a gather and a scatter; the slots it read are left
-    as they were. Gated DeltaNet's decay per head and KDA's per key channel alike."""
-    from strata.kernels.cpu_kernels import cpu_kernels
-    from strata.kernels.delta_rule import delta_rule_step_slots
-
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no C++ toolchain here")
-    gen = torch.Generator().manual_seed(4)
-    tensors = torch.randn(6, 3, 4, 16, 12, generator=gen)  # [slots, layers, heads, K, V]: layer 1's view strides
-    pool = tensors[:, 1]
-    b = 3
-    q, k = l2_normalize(torch.randn(b, 4, 16, generator=gen)), l2_normalize(torch.randn(b, 4, 16, generator=gen))
-    v, beta = torch.randn(b, 4, 12, generator=gen), torch.rand(b, 4, generator=gen)
-    g = -torch.rand(*((b, 4, 16) if per_channel else (b, 4)), generator=gen)  # KDA: a decay per key channel
-    read, write = torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])
-    before, other_layers = pool.clone(), tensors[:, [0, 2]].clone()
-    want, want_state = delta_rule_step(q, k, v, g, beta, before[read])
-    out = kernels.delta_rule_step(q, k, v, g, beta, pool, read, write)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool[write], want_state, rtol=1e-5, atol=1e-5)
-    assert torch.equal(pool[read], before[read]) and torch.equal(tensors[:, [0, 2]], other_layers)
-    torch.testing.assert_close(delta_rule_step_slots(q, k, v, g, beta, pool, read, write), want, rtol=1e-5, atol=1e-5)
-
-
-def test_the_causal_convolution_continues_from_its_state() -> None:
-    """Rows through the convolution in two calls, or one at a time, equal one call over all of them
-    (transformers' causal_conv1d_fn, zero-padded as a new sequence starts)."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
-
-    gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(20, 8, generator=gen), torch.randn(8, 4, generator=gen)
-    want = causal_conv1d_fn(x.t()[None], weight, activation="silu")[0].t()
-    zero = torch.zeros(8, 3)
-    a, state = causal_conv(x[:7], zero, weight)
-    b, _ = causal_conv(x[7:], state, weight)
-    torch.testing.assert_close(torch.cat([a, b]), want)
-    state, rows = zero[None], []
-    for i in range(20):
-        out, state = causal_conv_step(x[i : i + 1], state, weight)
-        rows.append(out)
-    torch.testing.assert_close(torch.cat(rows), want)
-
-
-def test_state_slots_are_claimed_zeroed_and_released_once() -> None:
-    pool = StatePool((StateKind("conv", (4, 3), torch.float32), StateKind("recurrent", (2, 4, 4), torch.float32)),
-                     num_layers=3, num_slots=2)
-    a = pool.claim()
-    pool.layer("recurrent", 1)[a].fill_(7.0)
-    b = pool.claim()
-    assert pool.claim() is None and pool.num_free == 0  # every slot held: the KV cache's reserve then fails
-    pool.release(a)
-    again = pool.claim()
-    assert again == a and not pool.tensors["recurrent"][again].any()  # a new sequence starts from zeros
-    pool.release(b)
-    with pytest.raises(ValueError, match="not claimed"):
-        pool.release(b)
-    pool.check_invariants()
-    assert pool.bytes_per_sequence() == 3 * (4 * 3 + 2 * 4 * 4) * 4
 
 
 @pytest.fixture(scope="module")
@@ -332,70 +194,6 @@ def test_a_step_that_raises_after_the_linear_layers_ran_leaves_every_state_as_it
             assert group.abandoned_steps > 0 and not group.broken
     finally:
         engine.close()
-
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "kimi_linear"])
-def any_hybrid(request, text_models) -> Path:
-    """Every hybrid's linear layer: Qwen3-Next's fused per-key-head projections, Qwen3.5's projections apart
-    (q|k|v cut in three ranges), Kimi-Linear's KDA."""
-    return text_models[request.param]
-
-
-def test_tp2_equals_tp1(any_hybrid: Path, tmp_path: Path, monkeypatch) -> None:
-    """Two ranks, each with half the key and value heads and their half of every state: through 5-token
-    chunks mixing prefill and decode, a prefix hit (a snapshot copied on every rank), preemption (slots
-    zeroed again), and hand-offs both ways (the state gathered from both ranks into tp=1's bytes, and
-    scattered from them), every answer is tp=1's and every slot is back."""
-    reqs = [{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS]
-    one = build(any_hybrid)
-    want = [o.output_token_ids for o in one.generate(reqs)]
-    two = build(any_hybrid, tp=2, prefill_chunk_tokens=5, max_num_batched_tokens=24, max_num_seqs=4)
-    try:
-        assert [o.output_token_ids for o in two.generate(reqs)] == want
-        again = two.generate(reqs[1:2])[0]
-        assert again.output_token_ids == want[1] and again.num_cached_tokens > 0
-        assert two.kv.states.pool.stats()["in_use"] == 0
-        two.kv.states.check_invariants()
-    finally:
-        two.close()
-    grown = [{"prompt": p, "params": greedy(24, ignore_eos=True)} for p in [*PROMPTS, PROMPTS[1] + " Again."]]
-    alone = [o.output_token_ids for o in one.generate(grown)]
-    preempting = build(any_hybrid, tp=2, num_kv_blocks=14, max_num_batched_tokens=64, prefill_chunk_tokens=32,
-                       enable_prefix_caching=False)
-    try:
-        assert [o.output_token_ids for o in preempting.generate(grown)] == alone
-        assert preempting.scheduler.num_preemptions > 0
-    finally:
-        preempting.close()
-    tp1 = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
-    tp2 = tp1.model_copy(update={"tp": 2})
-    installed, install = [], ShardedStatePool.write
-
-    def counted(pool: ShardedStatePool, slot: int, data: bytes) -> None:
-        installed.append(slot)
-        install(pool, slot, data)
-
-    monkeypatch.setattr(ShardedStatePool, "write", counted)
-    for prefill, decode in ((tp2, tp1), (tp1, tp2)):
-        assert tokens_through_handoff(any_hybrid, prefill, one, [], PROMPTS[1], greedy(10, ignore_eos=True),
-                                      decode_config=decode) == want[1]
-    assert len(installed) == 1  # the tp=2 decode took tp=1's state: its blocks adopted, not computed again
-
-
-def test_a_rank_reads_its_key_heads_and_the_value_heads_they_serve(text_models) -> None:
-    """Rank 1 of 2 on Qwen3.5 (2 key heads, 4 value heads, 16 wide): its q, k and v of the fused projection
-    and of the convolution are three ranges, read and joined; ``out_proj`` its value heads' input columns."""
-    plan = ShardPlan(load_model_config(text_models["qwen3_5_text"]).text, 1, 2)
-    three = (0, ((16, 32), (48, 64), (96, 128)))
-    assert plan.cut_for("layers.0.linear_attn.in_proj_qkv.weight") == three
-    assert plan.cut_for("layers.0.linear_attn.conv1d.weight") == three
-    assert plan.cut_for("layers.0.linear_attn.in_proj_z.weight") == (0, ((32, 64),))
-    assert plan.cut_for("layers.0.linear_attn.A_log") == (0, ((2, 4),))
-    assert plan.cut_for("layers.0.linear_attn.out_proj.weight") == (1, ((32, 64),))
-    assert plan.cut_for("layers.0.linear_attn.norm.weight") is None
-    assert plan.linear_shards.state_cuts() == {"conv": three, "recurrent": (0, ((2, 4),))}
-    with pytest.raises(ShardingError, match="3 ranges"):
-        plan.slice_for("layers.0.linear_attn.conv1d.weight")
 
 
 def test_what_linear_attention_cannot_run_with_is_refused_in_one_line(qwen3_next: Path) -> None:
