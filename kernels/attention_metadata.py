@@ -57,6 +57,7 @@ class AttentionMetadata:
     prompt_lens: list[int] = field(default_factory=list)  # per sequence, its prompt's length (DSA's top-k rule)
     sparse_reads: Any = None  # where sparse attention counts what it read (``kvstore.sparse_reads.SparseReads``)
     layer_mirror: Any = None  # the device copy of small layers' spilled blocks (``kvstore.layer_mirror``), if any
+    token_ids: torch.Tensor | None = None  # int64 [num_tokens]: the step's tokens (DeepSeek-V4's hash-routed layers)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         return self if self.by_layer is None else self.by_layer[layer]

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from strata.kernels.cpu_kernels import cpu_kernels
 
@@ -48,6 +49,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul_bf16(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def clamped_silu_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's expert gate of a fused gate/up projection [T, 2I]: the gate clamped from above and the up
+    from both sides at ``limit``, then ``silu(gate) * up`` as [T, I], in the reference's order."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

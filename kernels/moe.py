@@ -9,6 +9,7 @@ dispatches.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from typing import Callable
 
@@ -65,6 +66,21 @@ def moe_route_grouped(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def moe_route_sqrtsoftplus(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                           scaling: float, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing: scores sqrt(softplus(logits)) in the logits' dtype; the top-k of the bias-corrected
+    scores choose the experts, or ``chosen`` [T, k] does (its hash layers: a fixed expert list per token id);
+    the chosen scores, renormalised and times ``scaling``, weigh them (returned in fp32, their values rounded
+    as the reference's)."""
+    scores = F.softplus(router_logits).sqrt()
+    if chosen is None:
+        assert correction_bias is not None
+        chosen = torch.topk(scores + correction_bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, chosen)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * scaling).float(), chosen
 
 
 def moe_experts(

@@ -46,8 +46,10 @@ class CacheGroup:
     ``kv_parts`` is 2 for K and V (MHA/GQA: ``num_kv_heads`` heads of ``head_dim`` each) and 1 for a
     single tensor that serves as both (MLA: one "head" holding the compressed latent and the shared
     RoPE key, ``kv_lora_rank + qk_rope_head_dim`` values). ``window`` is the sliding window every layer
-    of the group attends over (None: the whole context). Tiers, block files and hashing see only the
-    geometry, so they hold any group unchanged."""
+    of the group attends over (None: the whole context). ``compress`` > 1 caches one row per that many
+    tokens (DeepSeek-V4's pooled entries: entry ``w`` sits in the block holding token ``(w + 1) m - 1``), so
+    a block holds ``block_size / compress`` rows, or one when the block is shorter than ``compress`` tokens.
+    Tiers, block files and hashing see only the geometry, so they hold any group unchanged."""
 
     layers: tuple[int, ...]  # model layer indices, ascending
     num_kv_heads: int
@@ -55,6 +57,7 @@ class CacheGroup:
     dtype: torch.dtype = torch.float32
     kv_parts: int = 2
     window: int | None = None
+    compress: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_parts not in (1, 2):
@@ -66,32 +69,41 @@ class CacheGroup:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"a sliding window must be positive, got {self.window}")
+        if self.compress < 1 or (self.compress > 1 and self.window is not None):
+            raise ValueError(f"a compressed group caches the whole context once per {self.compress} tokens: "
+                             f"compress must be >= 1 and has no window")
         dtype_name(self.dtype)  # validates
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def rows(self, block_size: int) -> int:
+        """Rows one block holds: a token each, or a compressed group's entries."""
+        return max(1, block_size // self.compress)
+
     def layer_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """One layer of one block: (kv_parts, block_size, num_kv_heads, head_dim); index 0 of dim 0 is K
-        and -1 is V (the same tensor when ``kv_parts`` is 1)."""
-        return (self.kv_parts, block_size, self.num_kv_heads, self.head_dim)
+        """One layer of one block: (kv_parts, rows, num_kv_heads, head_dim), rows being ``block_size`` unless
+        the group is compressed; index 0 of dim 0 is K and -1 is V (the same tensor when ``kv_parts`` is 1)."""
+        return (self.kv_parts, self.rows(block_size), self.num_kv_heads, self.head_dim)
 
     def layer_nbytes(self, block_size: int) -> int:
-        return self.kv_parts * block_size * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+        return self.kv_parts * self.rows(block_size) * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
 
     def with_heads(self, num_kv_heads: int) -> CacheGroup:
         return replace(self, num_kv_heads=num_kv_heads)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": dtype_name(self.dtype), "kv_parts": self.kv_parts, "window": self.window}
+                "dtype": dtype_name(self.dtype), "kv_parts": self.kv_parts, "window": self.window,
+                "compress": self.compress}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheGroup:
         window = d.get("window")
         return cls(tuple(int(i) for i in d["layers"]), int(d["num_kv_heads"]), int(d["head_dim"]),
-                   dtype_from_name(d["dtype"]), int(d["kv_parts"]), None if window is None else int(window))
+                   dtype_from_name(d["dtype"]), int(d["kv_parts"]), None if window is None else int(window),
+                   int(d.get("compress", 1)))
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,10 @@ class KVLayout:
         layers = sorted(i for g in self.groups for i in g.layers)
         if layers != list(range(len(layers))):
             raise ValueError(f"cache groups must cover layers 0..{len(layers) - 1} once each, got {layers}")
+        for g in self.groups:
+            if g.compress > 1 and self.block_size % g.compress and g.compress % self.block_size:
+                raise ValueError(f"block_size {self.block_size} and a group compressed {g.compress}:1 must divide "
+                                 "one another")
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
@@ -171,7 +187,7 @@ class KVLayout:
         return next(iter(dtypes))
 
     def bytes_per_token(self) -> int:
-        """What one token caches across all layers."""
+        """What one token caches across all layers (a compressed group's share of its block)."""
         return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self) -> int:

@@ -108,6 +108,8 @@ class LanguageStage:
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
             if cfg.text.dsa is not None:
                 self._sparse_attention(layout)
+            if cfg.text.compressed is not None:
+                self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
             if cfg.text.linear is not None:  # its heads' part of each state here, the rest on the workers
                 self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv, self.tp.group, self.tp.model.plan)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
@@ -124,6 +126,8 @@ class LanguageStage:
         self.kv = build_kv_cache(config, layout, self.fingerprint)
         if cfg.text.dsa is not None:
             self._sparse_attention(layout)
+        if cfg.text.compressed is not None:  # V4's indexer breaks top-k ties by the prompt's length, as DSA's does
+            self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
             self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv)
         self.runner = ModelRunner(model, self.kv, backend, config.device)

@@ -171,15 +171,17 @@ def test_minimax_m2_thinking_comes_back_apart_from_the_answer(minimax_server) ->
     assert not "".join(d.content or "" for d in streamed)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear", "deepseek_v32", "deepseek_v4"])
 def frontier_server(request, text_models, tmp_path_factory: pytest.TempPathFactory):
     """Each 2026 attention served in turn: Qwen3-Next (Gated DeltaNet + gated GQA), Kimi-Linear (KDA + NoPE
     MLA; served disaggregated, decoded by a tp=2 group of Ray actors: a tp=1 prefill's state is split over two
-    ranks), DeepSeek-V3.2 (DSA sparse MLA); ``server.model`` is its checkpoint."""
+    ranks), DeepSeek-V3.2 (DSA sparse MLA), DeepSeek-V4 (compressed attention and mHC; served disaggregated, decoded
+    at tp=2: its windows, projections and entries cross in the hand-off to a group that replicates them);
+    ``server.model`` is its checkpoint."""
     from serve_process import ServeProcess, stop_later
 
     config = {"engine": {"max_model_len": 1024}}
-    if request.param == "kimi_linear":
+    if request.param in ("kimi_linear", "deepseek_v4"):
         config.update(mode="disaggregated", stages={"decode": {"tp": 2}})
     server = ServeProcess(text_models[request.param], tmp_path_factory.mktemp(f"serve-{request.param}"), config)
     server.model, server.decode_tp = text_models[request.param], config.get("stages", {}).get("decode", {}).get("tp", 1)

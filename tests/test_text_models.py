@@ -20,7 +20,7 @@ PROMPTS = ["What is the capital of France? The quick brown fox jumps over the la
            "Tell me about the tides and the moon. " * 4, "A short one."]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-plain",
             "qwen3_moe-renorm", "glm4_moe", "glm4_moe-qknorm", "gpt_oss", "gpt_oss-square", "minimax_m2", "qwen3_next",
-            "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "glm_moe_dsa"]
+            "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -45,7 +45,8 @@ def test_ops_covers_every_family(arch: str, text_models, tmp_path: Path, capsys)
     names = {c["name"] for c in result["components"]}
     assert "vision_tower" not in names and {"attention", "rope", "mlp", "lm_head"} <= names
     attention = next(c for c in result["components"] if c["name"] == "attention")
-    assert attention["need"].startswith("MLA") == arch.startswith(("deepseek", "kimi", "glm_moe_dsa"))
+    assert attention["need"].startswith("MLA") == (arch.startswith(("deepseek", "kimi", "glm_moe_dsa"))
+                                                   and arch != "deepseek_v4")
     # ops prints the loader's own plan: the tensors it says a load reads are the ones the load reads
     assert result["weights"]["reads"] == load_language_model(text_models[arch])[1].tensors_read > 0
 
@@ -65,6 +66,10 @@ OPS_LINES = {  # what ops says is what the loader parsed: the family's rules app
     "deepseek_v32": {"attention": "sparse (DSA): an indexer of 2 heads of 16 picks the top 8 tokens",
                      "rope": "(interleaved pairs)"},
     "glm_moe_dsa": {"attention": "on 3 of 4 layers (the others reuse its choice)"},
+    "deepseek_v4": {"attention": "CSA 4:1 on 2 layers (an indexer of 2 heads of 16 picks the top 4 entries), HCA 16:1 "
+                                 "on 1 layers", "residual": "mHC: 4 streams",
+                    "mlp": "sqrt-softplus scores, bias-corrected choice, renormalised, scaling 1.5, 1 shared; SwiGLU "
+                           "clamped at 10; experts fixed per token id (hash) on 2 of 4 layers"},
 }
 
 
@@ -132,9 +137,11 @@ def test_kimi_linear_as_released_reads_its_linear_attn_config(text_models, tmp_p
 # 2, 5 and 11 of 48 rows of layers 1-3 to other experts than in fp32 (a top-2 margin of 3.5e-5 at layer 3).
 # DeepSeek-V3.2's DSA picks tokens as a router picks experts: transformers' own bf16 run keeps another top-8 than
 # its fp32 run on 7, 24 and 31 of 48 rows of layers 0-2 (ties at 0 and near-ties among the indexer's scores);
-# GLM-5's, the same DSA, likewise.
+# GLM-5's, the same DSA, likewise. DeepSeek-V4's too: transformers' own bf16 hidden states leave its fp32 ones by
+# 1.4 after layer 0 and 22 after layer 2 (its random routers and its indexer's top-4 of near-equal scores).
 BF16_FAMILIES = [a for a in FAMILIES if a not in ("deepseek_v3-plain", "glm4_moe", "glm4_moe-qknorm", "gpt_oss",
-                                                   "gpt_oss-square", "kimi_linear", "deepseek_v32", "glm_moe_dsa")]
+                                                   "gpt_oss-square", "kimi_linear", "deepseek_v32", "glm_moe_dsa",
+                                                   "deepseek_v4")]
 
 
 # Qwen3.5's tiny checkpoints leave align's fp32 bound on its prompt (their greedy tokens above are transformers'):
@@ -280,7 +287,8 @@ def test_tp2_equals_tp1(arch: str, text_models) -> None:
         two.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "glm4_moe", "qwen3_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe_text",
+                                  "deepseek_v4"])
 def test_the_planners_parameter_count_is_the_checkpoints(arch: str, text_models) -> None:
     """Sinks, router and expert biases included: the planner sizes what transformers holds."""
     from transformers import AutoModelForCausalLM

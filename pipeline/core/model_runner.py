@@ -101,6 +101,7 @@ class StepExecutor:
     def run(self, inputs: StepInputs, spilled: list[SpilledKV | None]) -> torch.Tensor | None:
         meta = self.metadata(inputs, spilled)
         ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
+        meta.token_ids = ids
         embeds = self.model.embed(ids)
         for row, image in inputs.images:
             embeds[row : row + len(image)] = torch.from_numpy(image).to(embeds.device, embeds.dtype)

@@ -140,6 +140,12 @@ for _family in (
     TextFamily("glm_moe_dsa", attention=attention_kinds.MLA_DSA_INTERLEAVED, router=router_kinds.SIGMOID_GROUPED,
                sparse_layers=typed_mlp_layers, shared_experts=True, experts_keys=("n_routed_experts",),
                rope_interleave=True),
+    # DeepSeek-V4: every layer a sliding window of shared-KV MQA with sinks, most also pooled entries (CSA with a
+    # lightning indexer, or HCA), the residual as mHC streams, sqrt-softplus routing (fixed per token id in the first
+    # layers) over clamped-SwiGLU experts and a clamped shared expert
+    TextFamily("deepseek_v4", attention=attention_kinds.COMPRESSED, router=router_kinds.SQRTSOFTPLUS,
+               shared_experts=True, experts=expert_kinds.CLAMPED_SILU, experts_keys=("n_routed_experts",),
+               config_aliases=(("moe_intermediate_size", "intermediate_size"),)),
     # Kimi-Linear: KDA linear attention in 3 of every 4 layers, MLA without positions (NoPE) in the 4th,
     # DeepSeek-V3's router and shared expert
     TextFamily("kimi_linear", attention=attention_kinds.MLA, positions=position_kinds.NOPE, linear_layers=kda_layers,
@@ -173,6 +179,35 @@ QWEN3_5_VL_RENAMES: tuple[NameRule, ...] = (  # the same, under Qwen3.5's vision
 MINIMAX_M2_RENAMES: tuple[NameRule, ...] = (
     (r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.e_score_correction_bias$", "text",
      r"layers.\1.mlp.gate.e_score_correction_bias"),)
+
+# DeepSeek-V4 as DeepSeek releases it (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``hc_attn_fn``, ``head``, with or
+# without ``model.``, which is also what transformers 5 writes): one rule per tensor kind onto Strata's modules,
+# which keep transformers' in-memory names. Its multi-token-prediction layers (``mtp.*``) belong to no part loaded.
+_V4_LAYER = r"^(?:model\.)?layers\.(\d+)\."
+_V4_ATTENTION = {"attn_sink$": "self_attn.sinks", r"wq_a\.": "self_attn.q_a_proj.", r"q_norm\.": "self_attn.q_a_norm.",
+                 r"wq_b\.": "self_attn.q_b_proj.", r"wkv\.": "self_attn.kv_proj.", r"norm\.": "self_attn.kv_norm.",
+                 r"wo_a\.": "self_attn.o_a_proj.", r"wo_b\.": "self_attn.o_b_proj.",
+                 r"indexer\.wq_b\.": "self_attn.compressor.indexer.q_b_proj.",
+                 r"indexer\.weights_proj\.": "self_attn.compressor.indexer.scorer.weights_proj."}
+_V4_POOLER = {r"wkv\.": "kv_proj.", r"wgate\.": "gate_proj.", "ape$": "position_bias", r"norm\.": "kv_norm."}
+DEEPSEEK_V4_RENAMES: tuple[NameRule, ...] = (
+    *((_V4_LAYER + r"attn\." + k, "text", r"layers.\1." + v) for k, v in _V4_ATTENTION.items()),
+    *((_V4_LAYER + r"attn\.compressor\." + k, "text", r"layers.\1.self_attn.compressor." + v) for k, v in _V4_POOLER.items()),
+    *((_V4_LAYER + r"attn\.indexer\.compressor\." + k, "text", r"layers.\1.self_attn.compressor.indexer." + v)
+      for k, v in _V4_POOLER.items()),
+    (_V4_LAYER + r"attn_norm\.", "text", r"layers.\1.input_layernorm."),
+    (_V4_LAYER + r"ffn_norm\.", "text", r"layers.\1.post_attention_layernorm."),
+    (_V4_LAYER + r"hc_(attn|ffn)_(fn|base|scale)$", "text", r"layers.\1.\2_hc.\3"),
+    (_V4_LAYER + r"ffn\.gate\.bias$", "text", r"layers.\1.mlp.gate.e_score_correction_bias"),
+    *((_V4_LAYER + rf"ffn\.shared_experts\.{k}\.", "text", rf"layers.\1.mlp.shared_experts.{v}.")
+      for k, v in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))),
+    (_V4_LAYER + r"ffn\.(gate|experts)\.", "text", r"layers.\1.mlp.\2."),
+    (r"^(?:model\.)?hc_head[._](?:hc_)?(fn|base|scale)$", "text", r"hc_head.hc_\1"),
+    (r"^(?:model\.)?embed\.weight$", "text", "embed_tokens.weight"),
+    (r"^head\.weight$", "text", "lm_head.weight"),
+    (r"^norm\.weight$", "text", "norm.weight"),
+    (r"^mtp\.", "mtp", ""),
+)
 
 CAUSAL_LM_NAMES: tuple[NameRule, ...] = (
     ("model.layers.", "text", "layers."),
@@ -335,6 +370,8 @@ for _cls, _type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistr
                     ("Glm4MoeForCausalLM", "glm4_moe"), ("DeepseekV32ForCausalLM", "deepseek_v32"),
                     ("GlmMoeDsaForCausalLM", "glm_moe_dsa")):
     register_architecture(ModelArchitecture(_cls, _type, CAUSAL_LM_NAMES, text_family=_type))
+register_architecture(ModelArchitecture("DeepseekV4ForCausalLM", "deepseek_v4", CAUSAL_LM_NAMES,
+                                        text_family="deepseek_v4", renames=DEEPSEEK_V4_RENAMES))
 register_architecture(ModelArchitecture("GptOssForCausalLM", "gpt_oss", CAUSAL_LM_NAMES, text_family="gpt_oss",
                                         renames=GPT_OSS_RENAMES))
 register_architecture(ModelArchitecture("MiniMaxM2ForCausalLM", "minimax_m2", CAUSAL_LM_NAMES, text_family="minimax_m2",

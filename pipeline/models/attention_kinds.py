@@ -208,6 +208,12 @@ class AttentionKind:
         """How a tensor-parallel group splits this layer's ``proj`` (its ``kind``, weight or bias): (dim, the
         heads it follows, "q" or "kv", values per head), or None when every rank reads it whole (MLA's latent
         projections and their norms, per-head norms, the output bias). ``cfg``: the parsed ``TextConfig``."""
+        if cfg.compressed is not None:  # V4: q heads, their sinks, and whole groups of the grouped output
+            c = cfg.compressed
+            rows = {"q_b_proj": c.head_dim, "sinks": 1, "o_a_proj": c.o_groups * c.o_lora_rank // cfg.num_heads}
+            if proj in rows:
+                return 0, "q", rows[proj]
+            return (1, "q", c.o_groups * c.o_lora_rank // cfg.num_heads) if proj == "o_b_proj" else None
         if cfg.mla is not None:
             m = cfg.mla
             rows = {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim}
@@ -243,6 +249,8 @@ class AttentionKind:
 
     def describe(self, cfg: Any) -> str:
         """Its ``strata ops`` line for a parsed config (windows and per-layer types are the family's rows)."""
+        if cfg.compressed is not None:
+            return _describe_compressed(cfg)
         if cfg.mla is not None:
             detail = (f"MLA ({cfg.num_heads} heads over one {cfg.mla.latent_dim}-value latent per token: compressed "
                       "KV + shared RoPE key)")
@@ -274,3 +282,24 @@ GQA_GATED = AttentionKind("GQA", "gqa", qk_norm="per-head", output_gate=True)  #
 MLA = AttentionKind("MLA", "mla")  # DeepSeek-V3, Kimi-K2
 MLA_DSA = AttentionKind("MLA", "mla_dsa", indexer=True)  # DeepSeek-V3.2
 MLA_DSA_INTERLEAVED = AttentionKind("MLA", "mla_dsa", indexer=True, indexer_rope_interleave=True)  # GLM-5
+# DeepSeek-V4: shared-KV MQA over a sliding window plus pooled entries (``compressed_attention_config``)
+COMPRESSED = AttentionKind("MQA", "v4", sinks=True)
+
+
+def _describe_compressed(cfg: Any) -> str:
+    """DeepSeek-V4's attention line: the window, each compression and the indexer, the grouped output."""
+    c = cfg.compressed
+    parts = [f"shared-KV MQA ({cfg.num_heads} query heads, one K=V head of {c.head_dim}) over a {c.window}-token "
+             "window, a sink logit per head"]
+    for rate in c.rates:
+        n = len(c.layers_at(rate))
+        if any(s for r, s in zip(c.compress, c.sparse) if r == rate):
+            parts.append(f"CSA {rate}:1 on {n} layers (an indexer of {c.index_heads} heads of {c.index_dim} picks the "
+                         f"top {c.index_topk} entries)")
+        else:
+            parts.append(f"HCA {rate}:1 on {n} layers (every entry)")
+    sliding = sum(1 for r in c.compress if not r)
+    if sliding:
+        parts.append(f"window only on {sliding} layers")
+    parts.append(f"grouped output projection ({c.o_groups} groups of rank {c.o_lora_rank})")
+    return ", ".join(parts)

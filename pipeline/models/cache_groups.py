@@ -4,6 +4,7 @@ Every group caches the attention kind's geometry (K and V per KV head, or MLA's 
 layers form the first group and each sliding window its own, so a model whose layers all attend alike
 (every model before gpt-oss) has one group, and gpt-oss has two: its full layers and its 128-token windows.
 DeepSeek-V3.2 adds a group of its own for DSA's indexer keys (one small vector per token and layer).
+DeepSeek-V4 has no per-token full group at all (``compressed_groups``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from strata.pipeline.models.text_config import TextConfig
 def cache_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]:
     """Full-attention layers first, then one group per distinct window (smallest first). An MTP layer
     run as a drafter (``models.mtp``) attends over the whole context: it joins the first group."""
+    if text.compressed is not None:
+        return compressed_groups(text, dtype)
     by_window: dict[int | None, list[int]] = {}
     for layer, window in enumerate(text.kv_layer_windows + (None,) * text.mtp_layers):  # KV-layout indices
         by_window.setdefault(window, []).append(layer)
@@ -32,3 +35,18 @@ def cache_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]
 def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
     """The block geometry the model caches, group by group."""
     return KVLayout(cache_groups(text, dtype), block_size)
+
+
+def compressed_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]:
+    """DeepSeek-V4: per compression rate, the pooled entries (a row per ``rate`` tokens, the whole context: the
+    full groups, first), then every layer's sliding window of K=V, then per rate the compressor's per-token
+    projections, kept only as long as a window that has not closed may pool them."""
+    c = text.compressed
+    assert c is not None
+    layers = len(c.compress)
+    entries = tuple(CacheGroup(tuple(c.entry_layer(i) for i in c.layers_at(r)), 1, c.entry_width(r), dtype, 1, None, r)
+                    for r in c.rates)
+    window = CacheGroup(tuple(range(layers)), 1, c.head_dim, dtype, 1, c.window)
+    projections = tuple(CacheGroup(tuple(c.projection_layer(i) for i in c.layers_at(r)), 1, c.projection_width(r),
+                                   dtype, 1, c.projection_window(r)) for r in c.rates)
+    return entries + (window,) + projections

@@ -19,7 +19,7 @@ from strata.pipeline.models.config_errors import ModelConfigError
 @dataclass(frozen=True)
 class ExpertKind:
     name: str
-    method: str  # "swiglu" | "clamped-swiglu": the activation in ``models.moe.EXPERT_ACTIVATIONS``
+    method: str  # "swiglu" | "clamped-swiglu" | "clamped-silu": the activation in ``models.moe.EXPERT_ACTIVATIONS``
     bias: bool = False  # gate/up and down carry biases
     interleaved_gate_up: bool = False  # stacked x @ W with gate and up columns interleaved (restacked at load)
     clamped: bool = False  # reads ``swiglu_alpha`` and ``swiglu_limit``
@@ -32,6 +32,8 @@ class ExpertKind:
 
     def describe(self, alpha: float, limit: float) -> str:
         """What ``strata ops`` adds to the MoE line ('' for plain SwiGLU experts)."""
+        if self.method == "clamped-silu":
+            return f"; SwiGLU clamped at {limit:g}"
         return f"; SwiGLU clamped at {limit:g} (alpha {alpha:g}), up + 1, biases" if self.clamped else ""
 
 
@@ -44,3 +46,5 @@ def _positive(tc: dict[str, Any], key: str, default: float) -> float:
 
 SWIGLU = ExpertKind("SwiGLU", "swiglu")
 CLAMPED_SWIGLU = ExpertKind("clamped SwiGLU", "clamped-swiglu", bias=True, interleaved_gate_up=True, clamped=True)  # gpt-oss
+# DeepSeek-V4: SwiGLU with the gate clamped from above and the up from both sides (shared experts too)
+CLAMPED_SILU = ExpertKind("clamped SwiGLU", "clamped-silu", clamped=True)

@@ -7,9 +7,12 @@ from pathlib import Path
 import torch
 
 from strata.pipeline.models.decoder import LanguageModel
+from strata.pipeline.models.deepseek_v4 import V4LanguageModel
+from strata.pipeline.models.deepseek_v4_parallel import ParallelV4LanguageModel
 from strata.pipeline.models.fallback_model import TransformersLanguageModel, load_transformers_model
 from strata.pipeline.models.image_encoder import ImageEncoderModel
 from strata.pipeline.models.model_config import ModelConfig, ModelConfigError, load_model_config
+from strata.pipeline.models.text_config import TextConfig
 from strata.pipeline.models.quant_loading import check_tp_split, quantized_modules
 from strata.pipeline.models.tensor_parallel import ParallelLanguageModel
 from strata.pipeline.models.weight_formats import WeightFormatError
@@ -73,6 +76,11 @@ def check_layers_in_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
                                "(its multi-token-prediction layer): speculative method mtp cannot run")
 
 
+def language_model(text: TextConfig) -> LanguageModel:
+    """The decoder of a text config: DeepSeek-V4's own (mHC streams, compressed attention), or the shared one."""
+    return V4LanguageModel(text) if text.compressed is not None else LanguageModel(text)
+
+
 def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> LoadPlan:
     """The load of every part of the model, planned against the checkpoint's tensor names with the
     modules built on the meta device (nothing allocated, nothing read): what ``strata ops`` reports."""
@@ -82,7 +90,7 @@ def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> Lo
                                "tensor names")
     mapping = weight_map(Path(model_dir))
     with torch.device("meta"):
-        modules: dict[str, torch.nn.Module] = {"text": LanguageModel(cfg.text)}
+        modules: dict[str, torch.nn.Module] = {"text": language_model(cfg.text)}
         if cfg.takes_images:
             encoder = ImageEncoderModel(cfg)
             modules.update(vision=encoder.vision_tower, projector=encoder.projector)
@@ -100,7 +108,7 @@ def load_language_model(
         return load_transformers_model(model_dir, cfg, dtype, device)
     check_layers_in_weights(model_dir, cfg)
     with torch.device("meta"):
-        model = LanguageModel(cfg.text)
+        model = language_model(cfg.text)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch, quant=cfg.quant)
     model.fuse_projections()
     return model.eval(), stats
@@ -116,7 +124,8 @@ def load_parallel_language_model(
     check_layers_in_weights(model_dir, cfg)
     plan = ShardPlan(cfg.text, group.rank, group.size)
     with torch.device("meta"):
-        model = ParallelLanguageModel(plan, group)
+        model = (ParallelV4LanguageModel(plan, group) if cfg.text.compressed is not None
+                 else ParallelLanguageModel(plan, group))
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, verify=group.is_driver, shard=plan,
                          arch=cfg.arch, quant=cfg.quant)
     model.fuse_projections()

@@ -17,10 +17,11 @@ import re
 from typing import Any, Callable
 
 from strata.kernels import moe_experts, moe_route, moe_route_grouped
-from strata.kernels.layer_ops import clamped_swiglu, silu_mul
-from strata.kernels.moe import gate_rows_first, moe_route_topk_logits
+from strata.kernels.layer_ops import clamped_silu_mul, clamped_swiglu, silu_mul
+from strata.kernels.moe import gate_rows_first, moe_route_sqrtsoftplus, moe_route_topk_logits
 from strata.pipeline.models.mlp import DenseMLP
 from strata.pipeline.models.model_config import MoEConfig, TextConfig
+from strata.pipeline.models.router_kinds import RouterKind
 
 
 _GPT_OSS_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
@@ -53,52 +54,72 @@ class MoEExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
-def _route_softmax(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_softmax(gate: "Router", x: torch.Tensor, token_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     m = gate.moe
     weights, ids = moe_route(F.linear(x, gate.weight), m.experts_per_tok, m.norm_topk_prob)
     return (weights.to(x.dtype).float() if m.router.weights_in_logits_dtype else weights), ids
 
 
-def _route_sigmoid(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_sigmoid(gate: "Router", x: torch.Tensor, token_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     m = gate.moe
     logits = F.linear(x.float(), gate.weight) if m.router.scores_fp32 else F.linear(x, gate.weight)
     return moe_route_grouped(logits, gate.e_score_correction_bias, m.experts_per_tok, m.n_group, m.topk_group,
                              m.norm_topk_prob, m.routed_scaling_factor)
 
 
-def _route_topk_softmax(gate: "Router", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_topk_softmax(gate: "Router", x: torch.Tensor, token_ids: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     return moe_route_topk_logits(F.linear(x, gate.weight, gate.bias), gate.moe.experts_per_tok)
 
 
+def _route_sqrtsoftplus(gate: "Router", x: torch.Tensor, token_ids: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    m = gate.moe
+    chosen = None
+    if gate.tid2eid is not None:
+        if token_ids is None:
+            raise ValueError("a hash-routed layer needs the step's token ids")
+        chosen = gate.tid2eid[token_ids].long()
+    return moe_route_sqrtsoftplus(F.linear(x, gate.weight), getattr(gate, "e_score_correction_bias", None),
+                                  m.experts_per_tok, m.routed_scaling_factor, chosen)
+
+
 # The arithmetic of each router kind (``router_kinds.RouterKind.method``): (fp32 weights [T, k], ids [T, k])
-ROUTES = {"softmax": _route_softmax, "sigmoid": _route_sigmoid, "topk-softmax": _route_topk_softmax}
+ROUTES = {"softmax": _route_softmax, "sigmoid": _route_sigmoid, "topk-softmax": _route_topk_softmax,
+          "sqrtsoftplus": _route_sqrtsoftplus}
 
 
 class Router(nn.Module):
     """Scores every expert for every token, as its kind (``moe.router``) says. A kind that scores in fp32
     whatever the model dtype (DeepSeek's) sets ``keep_fp32``: the loader leaves its tensors in fp32."""
 
-    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+    def __init__(self, moe: MoEConfig, hidden: int, kind: RouterKind | None = None, vocab_size: int = 0) -> None:
         super().__init__()
-        kind = moe.router
+        kind = kind or moe.router
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
         self.bias = nn.Parameter(torch.empty(moe.num_experts)) if kind.logit_bias else None
         if kind.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+        # the expert ids each token id routes to (DeepSeek-V4's hash layers): loaded with the weights
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, moe.experts_per_tok, dtype=torch.int64),
+                                    requires_grad=False) if kind.hashed else None
         if kind.scores_fp32:
             self.keep_fp32 = True
         self._route = ROUTES[kind.method]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 weights [T, k], expert ids [T, k])."""
-        return self._route(self, x)
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 weights [T, k], expert ids [T, k]); ``token_ids`` [T] for a kind that routes by them."""
+        return self._route(self, x, token_ids)
 
 
 # the activation of each expert kind (``expert_kinds.ExpertKind.method``), given the layer's MoE config
 EXPERT_ACTIVATIONS: dict[str, Callable[[Any], Callable[[torch.Tensor], torch.Tensor]]] = {
     "swiglu": lambda moe: silu_mul,
     "clamped-swiglu": lambda moe: functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit),
+    "clamped-silu": lambda moe: functools.partial(clamped_silu_mul, limit=moe.swiglu_limit),
 }
 
 

@@ -32,7 +32,7 @@ class RouterKind:
 
     name: str  # what ``strata ops`` calls it
     method: str  # "softmax" (top-k of a softmax), "sigmoid" (bias-corrected, group-limited top-k of sigmoid
-    # scores), "topk-softmax" (softmax over the k best logits)
+    # scores), "topk-softmax" (softmax over the k best logits), "sqrtsoftplus" (DeepSeek-V4's scores)
     renormalize: bool | None = None  # always (True), never (False) or as the config's ``norm_topk_prob`` (None)
     renormalize_default: bool = False  # when the config is silent
     weights_in_logits_dtype: bool = False  # round the weights to the logits' dtype (Qwen's reference does)
@@ -41,6 +41,7 @@ class RouterKind:
     scores_fp32: bool = False  # the router's GEMM runs in fp32 whatever the model dtype; its tensors stay fp32
     grouped: bool = False  # reads ``n_group`` / ``topk_group`` (only the best groups' experts are eligible)
     scaled: bool = False  # reads ``routed_scaling_factor``
+    hashed: bool = False  # a fixed expert list per token id (``gate.tid2eid``) chooses; the scores only weigh
 
     def routing(self, tc: dict[str, Any], num_experts: int) -> Routing:
         """This kind's settings from a text config, checked against the expert count."""
@@ -56,7 +57,8 @@ class RouterKind:
 
     def tensors(self) -> tuple[str, ...]:
         """The router's own tensors, by their name under ``mlp.gate``."""
-        return ("weight",) + ("bias",) * self.logit_bias + ("e_score_correction_bias",) * self.correction_bias
+        return (("weight",) + ("bias",) * self.logit_bias + ("e_score_correction_bias",) * self.correction_bias
+                + ("tid2eid",) * self.hashed)
 
     def params(self, num_experts: int, hidden: int) -> int:
         """Parameters of one layer's router."""
@@ -85,3 +87,9 @@ SIGMOID_GROUPED = RouterKind("sigmoid scores, bias-corrected group-limited choic
 SIGMOID_TOPK = RouterKind("sigmoid scores, bias-corrected choice", "sigmoid", renormalize=True, correction_bias=True)
 # gpt-oss: a router with a bias; softmax over the k best logits only
 TOPK_SOFTMAX = RouterKind("softmax over the k best logits of a router with a bias", "topk-softmax", logit_bias=True)
+# DeepSeek-V4: sqrt(softplus) scores, bias-corrected choice over every expert, renormalised, scaled
+SQRTSOFTPLUS = RouterKind("sqrt-softplus scores, bias-corrected choice", "sqrtsoftplus", renormalize=True,
+                          correction_bias=True, scaled=True)
+# ... and its first layers: the experts fixed per token id (``tid2eid``), weighed by the same scores
+HASH_SQRTSOFTPLUS = RouterKind("sqrt-softplus scores, experts fixed per token id (hash)", "sqrtsoftplus",
+                               renormalize=True, scaled=True, hashed=True)

@@ -12,6 +12,7 @@ from typing import Any
 from strata.pipeline.models.architectures import TEXT_FAMILIES, TextFamily
 from strata.pipeline.models.attention_kinds import (GQA, LINEAR_KINDS, AttentionKind, DSAConfig, GatedDeltaNetConfig,
                                                    MLAConfig)
+from strata.pipeline.models.compressed_attention_config import CompressedAttentionConfig, resolve_compressed_attention
 from strata.pipeline.models.config_errors import ModelConfigError
 from strata.pipeline.models.config_values import MAX_LAYERS, checked_size, divides, size
 from strata.pipeline.models.expert_kinds import SWIGLU, ExpertKind
@@ -100,6 +101,8 @@ class TextConfig:
     attention_gate: bool = False  # a sigmoid gate per head on the attention output (Qwen3-Next)
     rope: bool = True  # False: attention takes no positions (Kimi-Linear's MLA, NoPE)
     dsa: DSAConfig | None = None  # sparse MLA over an indexer's top-k (DeepSeek-V3.2): an indexer key cached per token
+    # DeepSeek-V4: a sliding window plus pooled entries per layer, mHC streams, hash-routed first layers
+    compressed: CompressedAttentionConfig | None = None
 
     @property
     def uses_mrope(self) -> bool:
@@ -257,7 +260,13 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     linear = LINEAR_KINDS[family.linear_kind](tc, family.linear_split_projections) if any(linear_layers) else None
     if linear_layers and all(linear_layers):
         raise ModelConfigError("config.json: every layer is linear attention; a hybrid needs full-attention layers")
+    compressed = resolve_compressed_attention(tc, layers) if family.attention.module == "v4" else None
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
+    if compressed is not None:  # V4's sliding-only layers rotate by "main"; compressed ones by ``compress_rope``
+        main = (tc.get("rope_parameters") or {}).get("main")
+        rope_parameters = dict(main) if isinstance(main, dict) else {
+            "rope_type": "default", "rope_theta": float(tc.get("rope_theta", 10000.0))}
+        rope_parameters["partial_rotary_factor"] = compressed.rope_dim / compressed.head_dim
     factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
     rotated = int((mla.qk_rope_head_dim if mla else head_dim) * factor)
     if not 0 < rotated <= (mla.qk_rope_head_dim if mla else head_dim) or rotated % 2:
@@ -273,7 +282,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         intermediate_size=size(tc, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=heads if mla else kv_heads,
+        num_kv_heads=heads if mla else (1 if compressed else kv_heads),
         head_dim=mla.v_head_dim if mla else int(head_dim),
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
         rope_parameters=rope_parameters,
@@ -303,5 +312,6 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
         rope_interleave=(family.rope_interleave if family.rope_interleave is not None
                          else bool(tc.get("rope_interleave", False))) if mla else False,
         dsa=attention.dsa,
+        compressed=compressed,
         **positions,
     )

@@ -137,6 +137,9 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dty
         tensor = tensor.transpose(1, 2)
     if tuple(current.shape) != tuple(tensor.shape):
         raise WeightsError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(current.shape)}")
+    if not current.dtype.is_floating_point and not tensor.dtype.is_floating_point:  # an index table (V4's tid2eid)
+        setattr(parent, leaf, nn.Parameter(tensor.to(current.dtype), requires_grad=False))
+        return
     if tensor.dtype not in DENSE_DTYPES:  # e4m3 bytes or packed integers read as numbers: every answer wrong
         raise WeightsError(f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, but the "
                            "checkpoint's config says nothing of how to read it (no quantization_config claims it)")

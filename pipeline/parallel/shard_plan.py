@@ -45,6 +45,7 @@ class DecoderShape(Protocol):
     moe_layers: tuple[bool, ...]
     linear: Any  # GatedDeltaNetConfig | None: the linear-attention layers' geometry and ``params``
     linear_layers: tuple[bool, ...]  # which layers are linear attention (Qwen3-Next); () for none
+    compressed: Any  # CompressedAttentionConfig | None: DeepSeek-V4's attention (its output groups split)
 
     @property
     def kv_cache_heads(self) -> int: ...
@@ -54,6 +55,7 @@ _LAYER = re.compile(r"^layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(\w+)\.
 _MIXER = re.compile(r"^layers\.(\d+)\.(?:self_attn|linear_attn)\.(.+)$")  # a layer's token mixer, any tensor
 _STACKED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _SINKS = re.compile(r"^layers\.\d+\.self_attn\.sinks$")
+_V4_OUTPUT = re.compile(r"^layers\.\d+\.self_attn\.(o_a_proj|o_b_proj|q_b_proj)\.weight$")
 _CLASSIC_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -76,6 +78,11 @@ class ShardPlan:
         checks = [("attention heads", c.num_heads)]
         if c.linear is not None:  # a rank holds whole key heads and the value heads they serve
             checks.append(("linear-attention key heads", c.linear.num_k_heads))
+        if c.compressed is not None:  # V4: a rank holds whole groups of its output projection
+            checks.append(("output projection groups", c.compressed.o_groups))
+            if n > 1 and c.compressed.o_groups * c.compressed.o_lora_rank % c.num_heads:
+                raise ShardingError(f"tp={n}: the output projection's {c.compressed.o_groups} x "
+                                    f"{c.compressed.o_lora_rank} rows do not split evenly over {c.num_heads} heads")
         if not all(c.moe_layers) or not c.num_experts:
             checks.append(("MLP intermediate size", c.intermediate_size))
         if c.moe is not None and c.moe.n_shared_experts:
@@ -132,8 +139,9 @@ class ShardPlan:
         moe = replace(c.moe, shared_split=n) if c.moe is not None else None
         kv_heads = c.num_heads // n if c.mla is not None else max(1, c.num_kv_heads // n)
         linear = self.linear_shards.local() if self.linear_shards is not None else None
+        extra = {"compressed": replace(c.compressed, o_groups=c.compressed.o_groups // n)} if c.compressed else {}
         return replace(c, num_heads=c.num_heads // n, num_kv_heads=kv_heads, intermediate_size=c.intermediate_size // n,
-                       vocab_size=self.padded_vocab, moe=moe, linear=linear)
+                       vocab_size=self.padded_vocab, moe=moe, linear=linear, **extra)
 
     @property
     def linear_shards(self) -> LinearShards | None:
@@ -168,6 +176,9 @@ class ShardPlan:
             return (0, *self.experts)
         if _SINKS.match(name):
             return self._attention_slice("sinks", "weight")
+        m = _V4_OUTPUT.match(name)
+        if m and c.compressed is not None:  # V4's q heads and whole output groups
+            return self._attention_slice(m.group(1), "weight")
         m = _LAYER.match(name)
         if m is None:
             return None
@@ -240,6 +251,10 @@ class ShardPlan:
         if c.dsa is not None:  # DSA's indexer, whole on every rank (DeepSeek-V3.2)
             roles["attention"] += c.index_layers * c.dsa.params(h, c.mla.q_lora_rank)
         roles["other"] = full * attention_other + c.num_layers * 2 * h + h  # two norms a layer, the final norm
+        if c.compressed is not None:  # DeepSeek-V4: each layer's own kind of attention, and the mHC streams
+            per_layer = [c.compressed.layer_params(i, h, heads, self.size) for i in range(c.num_layers)]
+            roles["attention"] = sum(w for w, _ in per_layer)
+            roles["other"] = sum(o for _, o in per_layer) + c.num_layers * 2 * h + h + c.compressed.hc_params(h)
         roles["dense_mlp"] = dense_layers * 3 * h * dense_i
         roles["other"] += dense_layers * (2 * dense_i + h) * c.mlp_bias
         if moe_layers:
@@ -247,6 +262,8 @@ class ShardPlan:
             roles["experts"] = moe_layers * e * 3 * h * ie
             roles["other"] += moe_layers * e * (2 * ie + h) * (c.mlp_bias or c.moe.expert_bias)
             roles["router"] = moe_layers * (c.moe.router.params(c.num_experts, h) + h * c.moe.shared_gate)
+            if c.compressed is not None:  # a hash layer's router has no correction bias (its choice is a table)
+                roles["router"] -= sum(c.compressed.hash_layers) * c.num_experts
             shared = c.moe.shared_total
             roles["shared_experts"] = moe_layers * 3 * h * (shared // self.size)
         roles["embed"] = self.padded_vocab * h

@@ -117,6 +117,10 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
         latent = tc["kv_lora_rank"] + (tc.get("qk_rope_head_dim") or 0)
         return Component("attention", f"MLA ({heads} heads over one {latent}-value latent per token: compressed "
                          "KV + shared RoPE key)", MISSING)
+    if parsed is not None and parsed.compressed is not None:
+        return Component("attention", parsed.attention.describe(parsed),
+                         "pipeline.models.attention_v4 (torch, a sequence at a time) over kernels.compress_kv; the "
+                         "window, the projections and the entries are cache groups of their own")
     if parsed is not None and parsed.dsa is not None:
         return Component("attention", parsed.attention.describe(parsed),
                          "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents) with "
@@ -179,6 +183,9 @@ def _mlp(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig | Non
     if m.n_shared_experts:
         desc += f", {m.n_shared_experts} shared" + (" behind a sigmoid gate" if m.shared_gate else "")
     desc += m.expert_kind.describe(m.swiglu_alpha, m.swiglu_limit)
+    hashed = sum(parsed.compressed.hash_layers) if parsed.compressed is not None else 0
+    if hashed:
+        desc += f"; experts fixed per token id (hash) on {hashed} of {parsed.num_layers} layers"
     dense = parsed.num_layers - sum(parsed.moe_layers)
     if dense:
         desc += f"; {dense} of {parsed.num_layers} layers dense"
@@ -191,9 +198,12 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     model_type = tc.get("model_type", "?")
     parsed, why_not = _parsed(tc, family)
     decoder = f"{family.model_type if family else model_type} decoder"
+    module = "deepseek_v4" if parsed is not None and parsed.compressed is not None else "decoder"
     out = [Component("decoder", decoder if parsed is not None or family is None else f"{decoder} ({why_not})",
-                     "pipeline.models.decoder (registry)" if parsed is not None else MISSING),
+                     f"pipeline.models.{module} (registry)" if parsed is not None else MISSING),
            _attention(tc, family, parsed), _rope(tc, parsed)]
+    if parsed is not None and parsed.compressed is not None:
+        out += _compressed_rows(tc, parsed)
     if parsed is not None and parsed.linear is not None:
         lin = parsed.linear
         out.append(Component("linear attention", f"{lin.name} on {sum(parsed.linear_layers)} of {parsed.num_layers} "
@@ -213,6 +223,22 @@ def text_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) 
     tied = _tied(raw, tc, arch)
     out.append(Component("lm_head", "tied to the embeddings" if tied else "its own matrix", "pipeline.models.decoder"))
     return out
+
+
+def _compressed_rows(tc: dict[str, Any], parsed: TextConfig) -> list[Component]:
+    """DeepSeek-V4's own rows: the residual streams, the compressed layers' RoPE, and its MTP layers (not loaded)."""
+    c = parsed.compressed
+    assert c is not None
+    rows = [Component("residual", f"mHC: {c.hc_mult} streams, mixed by a Sinkhorn-normalised matrix "
+                      f"({c.hc_sinkhorn_iters} iterations)", "pipeline.models.hyper_connections"),
+            Component("rope_compressed", f"RoPE {c.compress_rope.get('rope_type', 'default')}, theta "
+                      f"{c.compress_rope.get('rope_theta')}, the last {c.rope_dim} dims of each head in interleaved "
+                      "pairs, on compressed layers and their entries", "kernels.rope + kernels.compress_kv")]
+    mtp = int(tc.get("num_nextn_predict_layers") or 0)
+    if mtp:
+        rows.append(Component("mtp", f"{mtp} multi-token-prediction layer(s) in the checkpoint",
+                              "not loaded (ignored): speculation drafts with ngram"))
+    return rows
 
 
 def vision_components(raw: dict[str, Any], arch: ModelArchitecture | None = None) -> list[Component]:

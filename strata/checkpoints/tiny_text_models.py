@@ -24,7 +24,7 @@ from strata.checkpoints.tiny_model import INIT_RANGE, ROPE_THETA, SPECIAL_TOKENS
 
 TEXT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
                       "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
-                      "deepseek_v32", "glm_moe_dsa")
+                      "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 # Architectures with no Strata family, served on the transformers fallback (``models.fallback_model``)
 FALLBACK_ARCHITECTURES = ("ernie4_5_moe", "hunyuan_v1_moe", "seed_oss", "glm4")
 
@@ -115,6 +115,17 @@ _FAMILY: dict[str, dict[str, Any]] = {
                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8,
                         index_head_dim=16, index_n_heads=2, index_topk_freq=2, index_skip_topk_offset=2),
+    # DeepSeek-V4: a 16-token window, CSA (4:1, an indexer keeping 4 entries) and HCA (16:1) layers beside a
+    # sliding-only one, 4 mHC streams, the first two layers routed by token id
+    "deepseek_v4": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=1, q_lora_rank=32, o_groups=2,
+                        o_lora_rank=16, partial_rotary_factor=0.25, sliding_window=16, n_routed_experts=8,
+                        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, hc_mult=4, num_nextn_predict_layers=0,
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                     "sliding_attention", "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                        rope_parameters=None),
 }
 
 
@@ -132,7 +143,8 @@ def make_text_config(arch: str, vocab: int, overrides: dict[str, Any] | None = N
 
 
 def perturb_params(model, seed: int) -> None:
-    """Nonzero biases (routing biases included) and non-one norms, so code that drops them fails tests."""
+    """Nonzero biases (routing biases included), non-one norms, and DeepSeek-V4's sinks, mHC bases and token-id
+    routing table (transformers starts them at zero) filled, so code that drops any of them fails tests."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -140,6 +152,12 @@ def perturb_params(model, seed: int) -> None:
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("bias") and tensor.is_floating_point():
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_RANGE)
+            elif name.endswith(("sinks", ".base", "hc_base")) and not tensor.any():  # DeepSeek-V4's start at zero
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_RANGE)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts per token id
+                experts = int(model.config.n_routed_experts)
+                tensor.copy_(torch.stack([torch.randperm(experts, generator=gen)[: tensor.shape[1]]
+                                          for _ in range(tensor.shape[0])]))
             elif "norm" in name and name.endswith(".weight"):
                 tensor.copy_(torch.empty(tensor.shape).uniform_(0.5, 1.5, generator=gen))
 

@@ -3,7 +3,8 @@
 Full-attention layers cache per token; sliding-window layers a fixed window of slots (``kvstore.window_slots``);
 linear-attention layers (Qwen3-Next's Gated DeltaNet) no tokens at all, but a fixed state per sequence
 (``kvstore.state_pool``): two running copies (the one a step reads, the one it writes) and, with prefix
-caching, a snapshot slot.
+caching, a snapshot slot. DeepSeek-V4 caches per block a row per ``m`` tokens of its compressed layers (a row per
+block when blocks are shorter than ``m``), and a fixed window of KV and of the compressor's projections.
 """
 
 from __future__ import annotations
@@ -20,18 +21,42 @@ def kv_bytes_per_token(tc: TextConfig, elem_bytes: int) -> int:
     Sliding-window layers keep a fixed window instead (:func:`window_kv_bytes`), unless every layer slides
     (then, as the engine does, they are counted as full); linear-attention layers a state per sequence
     (:func:`linear_state_bytes`). DSA (DeepSeek-V3.2) adds its indexer key per token and layer."""
+    if tc.compressed is not None:  # per block, rows of entries (``kv_bytes_per_block``); this is a 128-token block's
+        return kv_bytes_per_block(tc, elem_bytes, 128) // 128
     index = tc.dsa.head_dim * elem_bytes * tc.index_layers if tc.dsa is not None else 0
     return _per_layer_token(tc, elem_bytes) * (tc.num_layers - sum(tc.linear_layers) - len(sliding_layers(tc))) + index
+
+
+def kv_bytes_per_block(tc: TextConfig, elem_bytes: int, block_size: int) -> int:
+    """What one block caches over the layers whose cache grows with the context (DeepSeek-V4: its pooled entries,
+    ``max(1, block_size / m)`` rows of each compressed layer)."""
+    c = tc.compressed
+    if c is None:
+        return kv_bytes_per_token(tc, elem_bytes) * block_size
+    return sum(len(c.layers_at(r)) * max(1, block_size // r) * c.entry_width(r) * elem_bytes for r in c.rates)
 
 
 def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
                     blocks_needed: int) -> int:
     """Device bytes of the sliding-window layers' slots (``kvstore.window_slots``): ``concurrency`` windows
     and one step's tokens, whatever the context (never more than ``blocks_needed`` blocks' worth)."""
+    if tc.compressed is not None:
+        return sum(width * elem_bytes * block_size * layers
+                   * min(blocks_needed, slots_for_window(window, block_size, concurrency, chunk_tokens))
+                   for window, width, layers in compressed_windows(tc))
     per_block = _per_layer_token(tc, elem_bytes) * block_size
     return sum(per_block * tc.layer_windows.count(w)
                * min(blocks_needed, slots_for_window(w, block_size, concurrency, chunk_tokens))
                for w in set(sliding_layers(tc)))
+
+
+def compressed_windows(tc: TextConfig) -> list[tuple[int, int, int]]:
+    """DeepSeek-V4's windowed caches as (window, values per token, layers): every layer's window of K=V, and each
+    compression's projections, kept until the windows they pool close (``models.cache_groups``)."""
+    c = tc.compressed
+    assert c is not None
+    return [(c.window, c.head_dim, len(c.compress))] + [
+        (c.projection_window(r), c.projection_width(r), len(c.layers_at(r))) for r in c.rates]
 
 
 def _per_layer_token(tc: TextConfig, elem_bytes: int) -> int:
@@ -56,6 +81,14 @@ def sparse_read_bytes(tc: TextConfig, elem_bytes: int, context_tokens: int) -> t
     """What one decode step of a DSA model reads, per sequence: (every indexer key of the context, kept on the
     device as ``kvstore.layer_mirror`` keeps them; the latents of the ``index_topk`` chosen tokens, from
     wherever they live). (0, 0) for a model without sparse attention."""
+    c = tc.compressed
+    if c is not None:  # V4: every CSA entry's indexer key, the chosen CSA entries, every HCA entry, the windows
+        sparse = [i for i, s in enumerate(c.sparse) if s and c.compress[i]]
+        dense = [i for i, s in enumerate(c.sparse) if not s and c.compress[i]]
+        keys = sum(context_tokens // c.compress[i] for i in sparse) * c.index_dim * elem_bytes
+        entries = (len(sparse) * min(c.index_topk, context_tokens) + sum(context_tokens // c.compress[i] for i in dense)
+                   + len(c.compress) * min(c.window, context_tokens)) * c.head_dim * elem_bytes
+        return keys, entries
     if tc.dsa is None:
         return 0, 0
     keys = context_tokens * tc.index_layers * tc.dsa.head_dim * elem_bytes

@@ -22,8 +22,8 @@ from strata.pipeline.models.model_config import (
     parse_model_config,
 )
 from strata.pipeline.parallel.shard_plan import ShardingError, ShardPlan
-from strata.planning.kv_bytes import (sliding_layers, kv_bytes_per_token, linear_state_bytes, sparse_read_bytes,
-                                      window_kv_bytes)
+from strata.planning.kv_bytes import (compressed_windows, kv_bytes_per_block, kv_bytes_per_token, linear_state_bytes,
+                                      sliding_layers, sparse_read_bytes, window_kv_bytes)
 from strata.planning.model_shapes import BUILTIN_SHAPES
 from strata.planning.param_counts import count_params, image_tokens, text_params
 
@@ -279,8 +279,8 @@ def _plan(
     tc = shape.text
     num_params = count_params(shape)
     kv_elem = elem if kv_cache_dtype == "auto" else 1
-    per_token = kv_bytes_per_token(tc, kv_elem)
-    per_block = per_token * block_size
+    per_block = kv_bytes_per_block(tc, kv_elem, block_size)
+    per_token = per_block // block_size if tc.compressed is not None else kv_bytes_per_token(tc, kv_elem)
     encoder = (num_params - text_params(tc)) * elem  # vision tower and projector, never quantized here
     weights, worker_shape, rank_block = decoder_weight_bytes(shape, ShardPlan(tc, 0, 1), elem) + encoder, shape, per_block
     states = linear_state_bytes(tc, elem)  # one sequence's; the device holds them for every running one
@@ -316,9 +316,14 @@ def _plan(
     if tc.mla is not None:
         kv_kind = f"MLA latent {tc.mla.kv_lora_rank}+{tc.mla.qk_rope_head_dim}" + \
             (f" + DSA indexer key {tc.dsa.head_dim}" if tc.dsa is not None else "") + " per layer"
+    elif tc.compressed is not None:
+        c = tc.compressed
+        kv_kind = "pooled entries: " + ", ".join(f"{len(c.layers_at(r))} layers {r}:1 of {c.entry_width(r)}"
+                                                 for r in c.rates) + \
+            "; windows of K=V and projections (" + "/".join(str(w) for w, _, _ in compressed_windows(tc)) + " tokens)"
     else:
         kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"
-    if windowed:
+    if windowed and tc.compressed is None:
         sliding = sliding_layers(tc)
         kv_kind += f", on {tc.num_layers - len(sliding)} of {tc.num_layers} layers ({len(sliding)} slide over " \
                    f"{'/'.join(str(w) for w in sorted(set(sliding)))} tokens)"

@@ -25,7 +25,8 @@ def format_plan(plan: MemoryPlan) -> str:
           if plan.state_bytes_per_sequence and group else []),
         *([("sparse attention, per sequence: indexer keys of the context (each step reads all)",
             format_bytes(plan.sparse_step[0]), "", f"{plan.context_tokens:,}"),
-           ("sparse attention, per sequence: chosen latents one decode step reads (any tier)",
+           ("sparse attention, per sequence: chosen " + ("entries and windows" if plan.model_type == "deepseek_v4"
+                                                         else "latents") + " one decode step reads (any tier)",
             format_bytes(plan.sparse_step[1]), "", "")] if plan.sparse_step[0] else []),
         *([("sparse attention: device room for spilled blocks' indexer keys (one context's" + (", per rank)" if group else ")"),
             format_bytes(plan.index_mirror_bytes), "", f"{plan.context_tokens:,}")] if plan.index_mirror_bytes else []),

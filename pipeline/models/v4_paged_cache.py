@@ -1,0 +1,134 @@
+"""One sequence's DeepSeek-V4 caches of one layer, read and written in the paged KV store.
+
+``attention_v4.V4Attention`` asks by absolute position; this answers from the layer's three KV-layout layers
+(``models.cache_groups.compressed_groups``): its sliding window of K=V and its compressor's per-token
+projections live in window groups (only the blocks inside their window are on the device, in the group's own
+slots: ``meta.for_layer``), its pooled entries in a compressed group of the sequence's own blocks, entry ``w``
+in the block that holds token ``(w + 1) m - 1``. Entries in blocks spilled to the host or disk tier are read
+back from there, only the blocks that hold them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels import AttentionMetadata
+from strata.pipeline.models.compressed_attention_config import CompressedAttentionConfig
+
+
+class PagedV4Cache:
+    """Sequence ``seq`` of the step, model layer ``layer``: the :class:`attention_v4.V4Cache` calls."""
+
+    def __init__(self, kv: list[torch.Tensor], meta: AttentionMetadata, seq: int, layer: int,
+                 cfg: CompressedAttentionConfig) -> None:
+        self.kv, self.meta, self.seq, self.layer = kv, meta, seq, layer
+        self.rows = slice(int(meta.query_start_loc[seq]), int(meta.query_start_loc[seq + 1]))
+        rate = cfg.compress[layer]
+        self.rate = rate
+        self._projection: dict[str, tuple[int, int, int]] = {}
+        if rate:
+            self.projection_layer, self.entry_layer = cfg.projection_layer(layer), cfg.entry_layer(layer)
+            d, i = cfg.head_dim, cfg.index_dim
+            sparse = cfg.sparse[layer]
+            # where each name's (value, gate) and entry sit in the layer's per-token and per-entry vectors
+            self._projection = ({"compressor": (0, 2 * d, 4 * d), "indexer": (4 * d, 4 * d + 2 * i, 4 * d + 4 * i)}
+                                if sparse else {"compressor": (0, d, 2 * d)})
+            self._entry = {"compressor": (0, d), "indexer": (d, d + i)}
+
+    def _write(self, layer: int, values: torch.Tensor, lo: int, hi: int) -> None:
+        """This step's rows of the sequence into KV-layout ``layer``, values [rows, width] at columns lo..hi."""
+        m = self.meta.for_layer(layer)
+        blocks, offsets = m.slot_blocks[self.rows], m.slot_offsets[self.rows]
+        self.kv[layer][blocks, 0, offsets, 0, lo:hi] = values.to(self.kv[layer].dtype)
+
+    def _read(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Positions start..end-1 of a window group's layer [n, width]: they must be inside its window."""
+        m = self.meta.for_layer(layer)
+        offset, bs = m.kv_offset(self.seq), m.block_size
+        if start < offset:
+            raise RuntimeError(f"position {start} is before the window kept on the device (from {offset})")
+        positions = torch.arange(start, end)
+        blocks = m.block_tables[self.seq, torch.div(positions - offset, bs, rounding_mode="floor")].long()
+        return self.kv[layer][blocks, 0, positions % bs, 0]
+
+    def write_kv(self, first: int, kv: torch.Tensor) -> None:
+        self._write(self.layer, kv, 0, kv.shape[-1])
+
+    def read_kv(self, start: int, end: int) -> torch.Tensor:
+        return self._read(self.layer, start, end)
+
+    def write_projections(self, name: str, first: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        lo, mid, hi = self._projection[name]
+        self._write(self.projection_layer, kv, lo, mid)
+        self._write(self.projection_layer, gate, mid, hi)
+
+    def read_projections(self, name: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, mid, hi = self._projection[name]
+        values = self._read(self.projection_layer, start, end)
+        return values[:, lo:mid], values[:, mid:hi]
+
+    def _entry_places(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block position in the sequence, row in the block) of entries ``ids``."""
+        bs, m = self.meta.block_size, self.rate
+        closing = (ids + 1) * m - 1  # the token that closes each entry's window
+        rows = torch.div(closing % bs, m, rounding_mode="floor") if bs >= m else torch.zeros_like(closing)
+        return torch.div(closing, bs, rounding_mode="floor"), rows
+
+    def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None:
+        lo, hi = self._entry[name]
+        blocks, rows = self._entry_places(torch.arange(first, first + entries.shape[0]))
+        resident = self.meta.kv_offset(self.seq) // self.meta.block_size
+        ids = self.meta.block_tables[self.seq, blocks - resident].long()
+        cache = self.kv[self.entry_layer]
+        cache[ids, 0, rows, 0, lo:hi] = entries.to(cache.dtype)
+
+    def read_entries(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Entries ``ids`` [n, width]: from the device blocks, or loaded from the tiers a run of spilled blocks at a
+        time, only those holding one of them. A CSA layer's reads are counted (``kvstore.sparse_reads``)."""
+        lo, hi = self._entry[name]
+        blocks, rows = self._entry_places(ids)
+        cache = self.kv[self.entry_layer]
+        resident = self.meta.kv_offset(self.seq) // self.meta.block_size
+        out = cache.new_empty((len(ids), hi - lo))
+        on_device = blocks >= resident
+        table = self.meta.block_tables[self.seq, blocks[on_device] - resident].long()
+        out[on_device] = cache[table, 0, rows[on_device], 0, lo:hi]
+        loaded = self._read_spilled(out, blocks, rows, ~on_device, lo, hi) if not bool(on_device.all()) else 0
+        if self.counted:
+            self._count(name, int(on_device.sum()) * (hi - lo) * out.element_size(), loaded, resident, blocks)
+        return out
+
+    @property
+    def counted(self) -> bool:
+        return self.meta.sparse_reads is not None and self.rate > 0 and "indexer" in self._projection
+
+    def _count(self, name: str, device_bytes: int, loaded: int, resident: int, blocks: torch.Tensor) -> None:
+        reads = self.meta.sparse_reads
+        if name == "indexer":  # every key of the context: one selection
+            reads.reads += 1
+            reads.index_key_bytes_device += device_bytes
+            reads.index_key_bytes_spilled += loaded
+            return
+        reads.latent_bytes_device += device_bytes
+        reads.latent_bytes_spilled += loaded
+        reads.spilled_blocks_seen += resident
+        reads.spilled_blocks_read += len(torch.unique(blocks[blocks < resident]))
+
+    def _read_spilled(self, out: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, spilled: torch.Tensor,
+                      lo: int, hi: int) -> int:
+        """Entries in blocks below the device, loaded a run of blocks at a time (``kernels.SpilledKV``); returns the
+        bytes of this name's part of the rows loaded."""
+        source = self.meta.spilled[self.seq] if self.meta.spilled is not None else None
+        if source is None:
+            raise RuntimeError("entries before the device blocks, but no spilled source for them")
+        wanted, i, loaded = torch.unique(blocks[spilled]).tolist(), 0, 0
+        while i < len(wanted):  # runs of consecutive blocks, a staging buffer's worth at a time
+            first, n = wanted[i], 1
+            while i + n < len(wanted) and wanted[i + n] == first + n and n < source.segment_blocks:
+                n += 1
+            k, _ = source.load(self.entry_layer, first, n)
+            here = spilled & (blocks >= first) & (blocks < first + n)
+            out[here] = k[blocks[here] - first, rows[here], 0, lo:hi].to(out.dtype)
+            loaded += k[:, :, 0, lo:hi].numel() * out.element_size()
+            i += n
+        return loaded

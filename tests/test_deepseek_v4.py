@@ -1,0 +1,152 @@
+"""DeepSeek-V4 in the engine, on a tiny checkpoint built by transformers' own classes: a 16-token window, CSA
+layers (4:1, an indexer keeping 4 entries of up to 40) and an HCA layer (16:1) beside a sliding-only one, 4 mHC
+streams, hash-routed first layers. Its caches are blocks like every model's (the window, the compressor's
+per-token projections and the pooled entries: three kinds of cache group), so chunks, prefix hits, preemption,
+spills and hand-offs are the engine's own paths. Greedy tokens against transformers on both backends, `strata ops`
+and `strata align` are in test_text_models.py; the components one by one in test_deepseek_v4_parts.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import (SPECULATIVE, assert_preemption_recomputes_the_same, build, greedy, tokens_through_handoff,
+                     transformers_greedy)
+from strata.pipeline.contract.config import EngineConfig
+from strata.pipeline.models.config_errors import ModelConfigError
+
+PROMPTS = ["What is the capital of France? The quick brown fox jumps over the lazy dog.",
+           "Tell me about the tides and the moon. " * 4, "A short one."]
+
+
+@pytest.fixture(scope="module")
+def v4(text_models) -> Path:
+    return text_models["deepseek_v4"]
+
+
+def test_the_caches_are_a_window_projections_and_entries(v4: Path) -> None:
+    """Entries first (the whole context: 4 rows a block at 4:1 for the two CSA layers, beside their indexer keys;
+    one row at 16:1), then every layer's 16-token window, then the projections each compression needs until its
+    windows close (two windows on CSA: 8 tokens; one on HCA: 16)."""
+    layout = build(v4).kv.layout
+    csa, hca, window, csa_proj, hca_proj = layout.groups
+    assert (csa.compress, csa.rows(16), csa.head_dim, csa.window) == (4, 4, 32 + 16, None)
+    assert (hca.compress, hca.rows(16), hca.head_dim) == (16, 1, 32)
+    assert (window.layers, window.window, window.head_dim) == ((0, 1, 2, 3), 16, 32)
+    assert (csa_proj.window, csa_proj.head_dim, hca_proj.window, hca_proj.head_dim) == (8, 4 * 32 + 4 * 16, 16, 64)
+    assert layout.layer_meta == (1, 1, 1, 1, 2, 2, 3, 0, 0, 0)  # each window group reads its own metadata
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_prefill_chunks_cut_through_the_compression_windows(chunk: int, v4: Path) -> None:
+    engine = build(v4, prefill_chunk_tokens=chunk, max_num_batched_tokens=24, max_num_seqs=4)
+    outs = engine.generate([{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.output_token_ids == transformers_greedy(v4, prompt, 12), prompt
+
+
+def test_a_prefix_hit_answers_as_a_fresh_run(v4: Path) -> None:
+    """The same prompt again adopts its blocks (entries, and the windows at its end) and answers the same."""
+    engine, fresh = build(v4), build(v4)
+    params = greedy(8, ignore_eos=True)
+    first = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    again = engine.generate([{"prompt": PROMPTS[1], "params": params}])[0]
+    assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16 > 0
+    assert again.output_token_ids == first.output_token_ids == fresh.generate(
+        [{"prompt": PROMPTS[1], "params": params}])[0].output_token_ids
+
+
+def test_preempted_sequences_recompute_the_same(v4: Path) -> None:
+    assert_preemption_recomputes_the_same(v4, PROMPTS)
+
+
+def test_spilled_entries_are_read_back_from_the_host_tier(v4: Path, tmp_path: Path) -> None:
+    """A context four times the device pool: its oldest blocks, and the entries in them, live in the host tier (the
+    windows never spill). An HCA layer reads every entry back; a CSA layer reads every indexer key, then only the
+    blocks holding an entry its indexer chose (counted as ``/strata/stats`` reports them). A fresh engine over
+    the same tier adopts the blocks. Every answer is the all-on-device one."""
+    prompt = "Tell me the whole story of the sea and the stars, from the start. " * 12
+    expected = build(v4).generate([{"prompt": prompt, "params": greedy(10)}])[0]
+    tier = dict(num_kv_blocks=12, prefill_chunk_tokens=32, host_kv_blocks=300, host_kv_dir=str(tmp_path / "host"))
+    spilling = build(v4, **tier)
+    out = spilling.generate([{"prompt": prompt, "params": greedy(10)}])[0]
+    assert out.output_token_ids == expected.output_token_ids
+    assert spilling.kv.spills.peak > 8
+    reads = spilling.kv.stats()["sparse_reads"]
+    assert reads["latent_bytes_spilled"] > 0 and reads["index_key_bytes_spilled"] > 0
+    assert 0 < reads["spilled_blocks_read"] < reads["spilled_blocks_seen"]
+    again = build(v4, **tier).generate([{"prompt": prompt, "params": greedy(10)}])[0]
+    assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 400
+
+
+def test_the_hand_off_carries_every_cache(v4: Path, tmp_path: Path) -> None:
+    engine = build(v4)
+    want = engine.generate([{"prompt": PROMPTS[1], "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
+    config = EngineConfig(host_kv_blocks=256, host_kv_dir=str(tmp_path / "host"))
+    assert tokens_through_handoff(v4, config, engine, [], PROMPTS[1], greedy(10, ignore_eos=True)) == want
+
+
+def test_ngram_drafts_answer_as_plain_decoding(v4: Path) -> None:
+    """A rejected draft wrote KV, projections and perhaps an entry past the accepted tokens: each is written again
+    when its position is computed again, and never read before."""
+    requests = [{"prompt": p, "params": greedy(40, ignore_eos=True)} for p in PROMPTS]
+    plain = [o.output_token_ids for o in build(v4).generate(requests)]
+    engine = build(v4, speculative=SPECULATIVE)
+    assert [o.output_token_ids for o in engine.generate(requests)] == plain
+    assert engine.core.speculation.drafted > 0
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(v4: Path) -> None:
+    """Two ranks split the q heads and the output groups (one each) and the experts; each pools and chooses the
+    same entries, so every answer is tp=1's, through prefill chunks and a batch."""
+    requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
+    expected = [o.output_token_ids for o in build(v4).generate(requests)]
+    two = build(v4, tp=2, prefill_chunk_tokens=5, max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        assert [o.output_token_ids for o in two.generate(requests)] == expected
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype auto"),
+    (dict(compile=True), "eager"), (dict(speculative={"method": "mtp", "num_speculative_tokens": 1}), "use ngram")])
+def test_what_it_does_not_run_with_yet_is_refused_in_one_line(setting: dict, words: str, v4: Path) -> None:
+    with pytest.raises(ModelConfigError, match=words):
+        build(v4, **setting)
+
+
+def test_the_planner_counts_what_the_engine_caches(v4: Path) -> None:
+    """Per block the planner counts the pooled entries (the groups that grow with the context), and per sequence
+    the windows: the engine's layout holds the same bytes."""
+    from strata.pipeline.models.model_config import load_model_config
+    from strata.planning.kv_bytes import compressed_windows, kv_bytes_per_block
+
+    layout = build(v4).kv.layout
+    tc = load_model_config(v4).text
+    growing = sum(g.layer_nbytes(16) * g.num_layers for g in layout.groups if g.window is None)
+    assert kv_bytes_per_block(tc, 4, 16) == growing == 16 * 4 * (2 * 48 // 4) + 1 * 32 * 4
+    windows = {(g.window, g.head_dim, g.num_layers) for g in layout.groups if g.window is not None}
+    assert windows == set(compressed_windows(tc))
+
+
+def test_a_million_tokens_of_v4_flash_cost_a_thirteenth_of_v32s() -> None:
+    """DeepSeek-V4-Flash at its real shape (transformers' defaults): 284B parameters as DeepSeek counts them; per
+    token 20 CSA layers keep a quarter of a 512 + 128-value entry and 23 HCA layers 1/128 of a 512-value one, where
+    DeepSeek-V3.2 keeps 61 latents and indexer keys whole. 128-token blocks hold HCA entries without waste; a
+    16-token block still holds one row of each."""
+    from strata.planning.memory_plan import plan_memory
+
+    GiB = 1 << 30
+    v4 = plan_memory("deepseek-v4-flash", 1_000_000, 1, 80 * GiB, block_size=128)
+    v32 = plan_memory("deepseek-v3.2", 1_000_000, 1, 80 * GiB, block_size=128)
+    assert v4.num_params == pytest.approx(284e9, rel=0.005)
+    assert v4.kv_bytes_per_token == 20 * 640 * 2 // 4 + 23 * 512 * 2 // 128 == 6584
+    assert v32.kv_bytes_per_token == 61 * (576 + 128) * 2 > 13 * v4.kv_bytes_per_token
+    small = plan_memory("deepseek-v4-flash", 1_000_000, 1, 80 * GiB, block_size=16)
+    assert small.bytes_per_block == 20 * 4 * 640 * 2 + 23 * 512 * 2
+    keys, reads = v4.sparse_step
+    assert keys == 20 * (1_000_000 // 4) * 128 * 2  # every CSA entry's indexer key, each decode step
+    assert reads == (20 * 512 + 23 * (1_000_000 // 128) + 43 * 128) * 512 * 2
