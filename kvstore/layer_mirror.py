@@ -1,4 +1,5 @@
-"""A device copy of some layers' spilled blocks, for layers small enough to keep: DSA's indexer keys.
+"""A device copy of some layers' spilled blocks, for layers small enough to keep: DSA's indexer keys, DeepSeek-V4's
+indexer keys and its 128:1 entries.
 
 Sparse attention reads every indexer key of a context each step, but only the latents it chooses. A
 sequence whose older blocks spilled would stream all of its indexer keys back from the host tier every step,
@@ -17,22 +18,22 @@ from typing import Any
 import torch
 
 
-def index_mirror_bytes(layout: Any, max_model_len: int) -> int:
-    """The device budget for DSA's indexer keys of spilled blocks: one ``max_model_len`` context's keys in every
-    layer of the layout's last group (the indexer keys' own, ``models.cache_groups``)."""
-    group = layout.groups[-1]
-    return -(-max_model_len // layout.block_size) * group.num_layers * group.layer_nbytes(layout.block_size)
+def mirror_bytes(layout: Any, groups: tuple[int, ...], max_model_len: int) -> int:
+    """The device budget for spilled blocks' copies: one ``max_model_len`` context of every layer of ``groups``."""
+    blocks = -(-max_model_len // layout.block_size)
+    return sum(blocks * layout.groups[g].num_layers * layout.groups[g].layer_nbytes(layout.block_size) for g in groups)
 
 
 class SpilledLayerMirror:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._copies: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()  # (last block's hash, layer)
+        self._blocks: dict[tuple[bytes, int], int] = {}  # the spilled blocks each copy spans
         self.nbytes = 0
         self.hits = self.extensions = 0
 
     def tokens(self, source: Any, layer: int, num_blocks: int) -> tuple[torch.Tensor, int]:
-        """KV-layout ``layer``'s values [num_blocks * block_size, heads, dim] over the first ``num_blocks``
+        """KV-layout ``layer``'s values [num_blocks * rows, heads, dim] over the first ``num_blocks``
         spilled blocks of ``source`` (a ``kvstore.spilled_reads.SpilledBlocks``), and the bytes this call
         read from the tiers. A tensor-parallel rank's source (``core.tp_runner``) knows no block hashes but
         can ``agree``: every rank then takes the driver's decision, so their copies stay the same and each
@@ -57,7 +58,7 @@ class SpilledLayerMirror:
             parts.append(k.reshape(-1, *k.shape[2:]).clone())
             loaded += k.numel() * k.element_size()
         copy = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self._keep(key, copy)
+        self._keep(key, copy, num_blocks)
         return copy, loaded
 
     def _decide(self, source: Any, layer: int, num_blocks: int) -> tuple[tuple[bytes, int], tuple[bytes, int] | None, int]:
@@ -67,16 +68,15 @@ class SpilledLayerMirror:
         if key in self._copies:
             return key, None, num_blocks
         best, base = 0, None
-        for (last, held_layer), copy in self._copies.items():  # the longest copy over a prefix of these blocks
-            n = copy.shape[0] // source.block_size
+        for (last, held_layer), n in self._blocks.items():  # the longest copy over a prefix of these blocks
             if held_layer == layer and best < n < num_blocks and source.hashes[n - 1] == last:
                 best, base = n, (last, held_layer)
         return key, base, best
 
-    def _keep(self, key: tuple[bytes, int], copy: torch.Tensor) -> None:
+    def _keep(self, key: tuple[bytes, int], copy: torch.Tensor, num_blocks: int) -> None:
         if key in self._copies:  # rebuilt (a rank told to build what it still held): counted once
             self._drop(key)
-        self._copies[key] = copy
+        self._copies[key], self._blocks[key] = copy, num_blocks
         self.nbytes += copy.numel() * copy.element_size()
         while self.nbytes > self.capacity_bytes and len(self._copies) > 1:
             self._drop(next(iter(self._copies)))
@@ -85,6 +85,7 @@ class SpilledLayerMirror:
 
     def _drop(self, key: tuple[bytes, int]) -> None:
         copy = self._copies.pop(key)
+        del self._blocks[key]
         self.nbytes -= copy.numel() * copy.element_size()
 
     def stats(self) -> dict[str, int]:

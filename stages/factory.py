@@ -25,6 +25,7 @@ from strata.pipeline.core.tp_runner import ShardedDeviceBlocks, TPModelRunner, c
 from strata.pipeline.core.tp_states import ShardedStatePool, StateShard
 from strata.pipeline.core.tp_workers import Launcher
 from strata.pipeline.frontend.tokenizer import PromptTokenizer
+from strata.pipeline.models.cache_groups import mirrored_groups
 from strata.pipeline.models.fallback_config import check_fallback_engine
 from strata.pipeline.models.linear_mixer import state_kinds, state_slot_counts
 from strata.pipeline.models.model_config import load_model_config, with_model_impl
@@ -42,7 +43,7 @@ from strata.stages.prefill_service import PrefillService
 from strata.stages.prefiller import Prefiller
 from strata.stages.image_preprocessing import image_preprocessor
 from strata.stages.kv_budget import kv_dtype, kv_layout, with_kv_budget
-from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
+from strata.kvstore.layer_mirror import SpilledLayerMirror, mirror_bytes
 from strata.kvstore.sparse_reads import SparseReads
 from strata.stages.preflight import check_model_engine
 from strata.stages.tensor_parallel import TPGroupHandle, open_group
@@ -106,10 +107,8 @@ class LanguageStage:
                 share_kv_scales(group, shard, scales)
             self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
-            if cfg.text.dsa is not None:
-                self._sparse_attention(layout)
-            if cfg.text.compressed is not None:
-                self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
+            if cfg.text.dsa is not None or cfg.text.compressed is not None:
+                self._sparse_attention(layout, cfg.text)
             if cfg.text.linear is not None:  # its heads' part of each state here, the rest on the workers
                 self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv, self.tp.group, self.tp.model.plan)
             self.runner: ModelRunner = TPModelRunner(self.tp.model, self.kv, backend, self.tp.group, config.device)
@@ -124,10 +123,8 @@ class LanguageStage:
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
-        if cfg.text.dsa is not None:
-            self._sparse_attention(layout)
-        if cfg.text.compressed is not None:  # V4's indexer breaks top-k ties by the prompt's length, as DSA's does
-            self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
+        if cfg.text.dsa is not None or cfg.text.compressed is not None:
+            self._sparse_attention(layout, cfg.text)
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots
             self.kv.states = linear_state_cache(config, cfg.text, dtype, self.kv)
         self.runner = ModelRunner(model, self.kv, backend, config.device)
@@ -135,12 +132,13 @@ class LanguageStage:
             self.runner.compile_seconds = compile_model(model, torch.device(config.device), config.max_num_seqs,
                                                        config.max_num_batched_tokens)
 
-    def _sparse_attention(self, layout: KVLayout) -> None:
-        """DSA's cache settings: under its top-k ties a prefix's KV depends on its prompt's length, so blocks are
-        named by it; its reads are counted; the indexer keys of spilled blocks stay on the device
+    def _sparse_attention(self, layout: KVLayout, text: TextConfig) -> None:
+        """Sparse attention's cache settings (DSA, DeepSeek-V4's indexer): under its top-k ties a prefix's KV
+        depends on its prompt's length, so blocks are named by it; its reads are counted; what every step reads
+        whole of spilled blocks (indexer keys; V4's 128:1 entries) stays on the device while it fits
         (``kvstore.layer_mirror``; a tensor-parallel worker keeps the same copies, following the driver)."""
         self.kv.prompt_keyed, self.kv.sparse_reads = True, SparseReads()
-        self.kv.layer_mirror = SpilledLayerMirror(index_mirror_bytes(layout, self.config.max_model_len))
+        self.kv.layer_mirror = SpilledLayerMirror(mirror_bytes(layout, mirrored_groups(text), self.config.max_model_len))
 
     @property
     def model_kind(self) -> str:

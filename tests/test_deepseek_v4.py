@@ -26,16 +26,17 @@ def v4(text_models) -> Path:
 
 
 def test_the_caches_are_a_window_projections_and_entries(v4: Path) -> None:
-    """Entries first (the whole context: 4 rows a block at 4:1 for the two CSA layers, beside their indexer keys;
-    one row at 16:1), then every layer's 16-token window, then the projections each compression needs until its
+    """Entries first (the whole context: 4 rows a block at 4:1 for the two CSA layers, one at 16:1), the CSA layers'
+    indexer keys alike, then every layer's 16-token window, then the projections each compression needs until its
     windows close (two windows on CSA: 8 tokens; one on HCA: 16)."""
     layout = build(v4).kv.layout
-    csa, hca, window, csa_proj, hca_proj = layout.groups
-    assert (csa.compress, csa.rows(16), csa.head_dim, csa.window) == (4, 4, 32 + 16, None)
-    assert (hca.compress, hca.rows(16), hca.head_dim) == (16, 1, 32)
+    csa, hca, keys, window, csa_proj, hca_proj = layout.groups
+    assert (csa.compress, csa.rows(16), csa.head_dim, csa.window, csa.layers) == (4, 4, 32, None, (7, 8))
+    assert (hca.compress, hca.rows(16), hca.head_dim, hca.layers) == (16, 1, 32, (9,))
+    assert (keys.compress, keys.rows(16), keys.head_dim, keys.layers) == (4, 4, 16, (10, 11))
     assert (window.layers, window.window, window.head_dim) == ((0, 1, 2, 3), 16, 32)
     assert (csa_proj.window, csa_proj.head_dim, hca_proj.window, hca_proj.head_dim) == (8, 4 * 32 + 4 * 16, 16, 64)
-    assert layout.layer_meta == (1, 1, 1, 1, 2, 2, 3, 0, 0, 0)  # each window group reads its own metadata
+    assert layout.layer_meta == (1, 1, 1, 1, 2, 2, 3, 0, 0, 0, 0, 0)  # each window group reads its own metadata
 
 
 @pytest.mark.parametrize("chunk", [5, 16])
@@ -98,16 +99,26 @@ def test_ngram_drafts_answer_as_plain_decoding(v4: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_equals_tp1(v4: Path) -> None:
+def test_tp2_equals_tp1(v4: Path, tmp_path: Path) -> None:
     """Two ranks split the q heads and the output groups (one each) and the experts; each pools and chooses the
-    same entries, so every answer is tp=1's, through prefill chunks and a batch."""
+    same entries, so every answer is tp=1's, through prefill chunks and a batch, and with a context spilled to a
+    host tier (every rank loads the same chosen blocks and keeps the same device copies, the driver deciding)."""
     requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
-    expected = [o.output_token_ids for o in build(v4).generate(requests)]
+    long = [{"prompt": "Tell me the whole story of the sea and the stars, from the start. " * 12,
+             "params": greedy(10)}]
+    expected = [o.output_token_ids for o in build(v4).generate(requests + long)]
     two = build(v4, tp=2, prefill_chunk_tokens=5, max_num_batched_tokens=24, max_num_seqs=4)
     try:
-        assert [o.output_token_ids for o in two.generate(requests)] == expected
+        assert [o.output_token_ids for o in two.generate(requests)] == expected[:3]
     finally:
         two.close()
+    spilling = build(v4, tp=2, num_kv_blocks=12, prefill_chunk_tokens=32, host_kv_blocks=300,
+                     host_kv_dir=str(tmp_path / "host"))
+    try:
+        assert spilling.generate(long)[0].output_token_ids == expected[3]
+        assert spilling.kv.spills.peak > 8 and spilling.kv.layer_mirror.stats()["copies"] > 0
+    finally:
+        spilling.close()
 
 
 @pytest.mark.parametrize("setting, words", [
@@ -127,7 +138,7 @@ def test_the_planner_counts_what_the_engine_caches(v4: Path) -> None:
     layout = build(v4).kv.layout
     tc = load_model_config(v4).text
     growing = sum(g.layer_nbytes(16) * g.num_layers for g in layout.groups if g.window is None)
-    assert kv_bytes_per_block(tc, 4, 16) == growing == 16 * 4 * (2 * 48 // 4) + 1 * 32 * 4
+    assert kv_bytes_per_block(tc, 4, 16) == growing == 2 * 4 * (32 + 16) * 4 + 1 * 32 * 4
     windows = {(g.window, g.head_dim, g.num_layers) for g in layout.groups if g.window is not None}
     assert windows == set(compressed_windows(tc))
 
@@ -147,6 +158,6 @@ def test_a_million_tokens_of_v4_flash_cost_a_thirteenth_of_v32s() -> None:
     assert v32.kv_bytes_per_token == 61 * (576 + 128) * 2 > 13 * v4.kv_bytes_per_token
     small = plan_memory("deepseek-v4-flash", 1_000_000, 1, 80 * GiB, block_size=16)
     assert small.bytes_per_block == 20 * 4 * 640 * 2 + 23 * 512 * 2
-    keys, reads = v4.sparse_step
-    assert keys == 20 * (1_000_000 // 4) * 128 * 2  # every CSA entry's indexer key, each decode step
-    assert reads == (20 * 512 + 23 * (1_000_000 // 128) + 43 * 128) * 512 * 2
+    whole, chosen = v4.sparse_step  # each decode step: every indexer key and HCA entry; the chosen CSA entries, windows
+    assert whole == (20 * (1_000_000 // 4) * 128 + 23 * (1_000_000 // 128) * 512) * 2
+    assert chosen == (20 * 512 + 43 * 128) * 512 * 2

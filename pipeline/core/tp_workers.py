@@ -20,14 +20,14 @@ from strata.kernels import get_attention_backend
 from strata.kernels.threads import apply_threads
 from strata.kvstore import KVLayout
 from strata.kvstore.device_kv import DeviceKV
-from strata.kvstore.layer_mirror import SpilledLayerMirror, index_mirror_bytes
+from strata.kvstore.layer_mirror import SpilledLayerMirror, mirror_bytes
 from strata.kvstore.state_pool import StatePool
 from strata.kvstore.window_slots import window_slot_counts
 from strata.pipeline.contract.config import EngineConfig
 from strata.pipeline.core.model_runner import StepExecutor
 from strata.pipeline.core.tp_runner import serve_commands
 from strata.pipeline.core.tp_states import StateShard
-from strata.pipeline.models.cache_groups import kv_layout
+from strata.pipeline.models.cache_groups import kv_layout, mirrored_groups
 from strata.pipeline.models.linear_mixer import state_kinds, state_slot_counts
 from strata.pipeline.models.model_config import load_model_config
 from strata.pipeline.models.model_loader import load_parallel_language_model, resolve_dtype, resolve_kv_dtype
@@ -84,8 +84,9 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
         slots = window_slot_counts(layout, config.num_kv_blocks, config.max_num_seqs, config.max_num_batched_tokens)
         kv = DeviceKV(local, [slots.get(gi, config.num_kv_blocks) for gi in range(len(layout.groups))], config.device)
         backend = get_attention_backend(config.attention_backend, config.device, dtype, kv_dtype=kv_dtype)
-        # DSA: the driver's budget for spilled indexer keys (its decisions are followed: ``kvstore.layer_mirror``)
-        mirror = SpilledLayerMirror(index_mirror_bytes(layout, config.max_model_len)) if cfg.text.dsa is not None else None
+        # sparse attention: the driver's budget for spilled blocks' copies (its decisions are followed: ``kvstore.layer_mirror``)
+        mirrored = mirrored_groups(cfg.text)
+        mirror = SpilledLayerMirror(mirror_bytes(layout, mirrored, config.max_model_len)) if mirrored else None
         states, shard = worker_states(config, cfg.text, model.plan, dtype)
         executor = StepExecutor(model, kv.layers, backend, config.block_size, config.device, layout.layer_meta,
                                 states=states, layer_mirror=mirror)

@@ -38,15 +38,31 @@ def kv_layout(text: TextConfig, block_size: int, dtype: torch.dtype) -> KVLayout
 
 
 def compressed_groups(text: TextConfig, dtype: torch.dtype) -> tuple[CacheGroup, ...]:
-    """DeepSeek-V4: per compression rate, the pooled entries (a row per ``rate`` tokens, the whole context: the
-    full groups, first), then every layer's sliding window of K=V, then per rate the compressor's per-token
-    projections, kept only as long as a window that has not closed may pool them."""
+    """DeepSeek-V4: per compression rate the pooled entries (a row per ``rate`` tokens over the whole context: the
+    full groups, first), then per CSA rate its indexer keys alike (a group of their own, so they can be read, and
+    kept on the device, without the entries), then every layer's sliding window of K=V, then per rate the
+    compressor's per-token projections, kept only as long as a window that has not closed may pool them."""
     c = text.compressed
     assert c is not None
     layers = len(c.compress)
-    entries = tuple(CacheGroup(tuple(c.entry_layer(i) for i in c.layers_at(r)), 1, c.entry_width(r), dtype, 1, None, r)
+    entries = tuple(CacheGroup(tuple(c.entry_layer(i) for i in c.layers_at(r)), 1, c.head_dim, dtype, 1, None, r)
                     for r in c.rates)
+    keys = tuple(CacheGroup(tuple(c.index_layer(i) for i in c.layers_at(r)), 1, c.index_dim, dtype, 1, None, r)
+                 for r in c.rates if c.is_sparse(r))
     window = CacheGroup(tuple(range(layers)), 1, c.head_dim, dtype, 1, c.window)
     projections = tuple(CacheGroup(tuple(c.projection_layer(i) for i in c.layers_at(r)), 1, c.projection_width(r),
                                    dtype, 1, c.projection_window(r)) for r in c.rates)
-    return entries + (window,) + projections
+    return entries + keys + (window,) + projections
+
+
+def mirrored_groups(text: TextConfig) -> tuple[int, ...]:
+    """The groups a step reads whole, which the device keeps copies of for spilled blocks while they fit
+    (``kvstore.layer_mirror``): DSA's indexer keys (its last group); DeepSeek-V4's indexer keys and its HCA
+    layers' entries (one per 128 tokens, every one attended). () for other models."""
+    if text.dsa is not None:
+        return (len(cache_groups(text, torch.float32)) - 1,)
+    c = text.compressed
+    if c is None:
+        return ()
+    dense = tuple(k for k, r in enumerate(c.rates) if not c.is_sparse(r))
+    return dense + tuple(range(len(c.rates), len(c.rates) + sum(c.is_sparse(r) for r in c.rates)))

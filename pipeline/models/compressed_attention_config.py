@@ -61,22 +61,28 @@ class CompressedAttentionConfig:
         """The KV-layout layer of ``layer``'s pooled entries (after every compressed layer's projections)."""
         return len(self.compress) + len(self.compressed_layers) + self.compressed_layers.index(layer)
 
+    @property
+    def indexed_layers(self) -> tuple[int, ...]:
+        """The CSA layers, in the same order: each keeps its indexer's keys beside its entries."""
+        return tuple(i for i in self.compressed_layers if self.sparse[i])
+
+    def index_layer(self, layer: int) -> int:
+        """The KV-layout layer of CSA layer ``layer``'s indexer keys (after every layer's entries)."""
+        return len(self.compress) + 2 * len(self.compressed_layers) + self.indexed_layers.index(layer)
+
     def projection_window(self, rate: int) -> int:
         """Tokens of projections a step may pool from, counting its first row: the window before the one its
         first row is in (CSA), or that window only (HCA)."""
-        sparse = any(s for c, s in zip(self.compress, self.sparse) if c == rate)
-        return 2 * rate if sparse else rate
+        return 2 * rate if self.is_sparse(rate) else rate
 
     def projection_width(self, rate: int) -> int:
         """Values a token keeps for a layer compressed ``rate``:1 until its windows close: value and gate, twice as
         wide on CSA (two series), plus the indexer's."""
-        sparse = any(s for c, s in zip(self.compress, self.sparse) if c == rate)
-        return 4 * self.head_dim + 4 * self.index_dim if sparse else 2 * self.head_dim
+        return 4 * self.head_dim + 4 * self.index_dim if self.is_sparse(rate) else 2 * self.head_dim
 
-    def entry_width(self, rate: int) -> int:
-        """Values an entry keeps: the pooled KV, plus the indexer's key on CSA."""
-        sparse = any(s for c, s in zip(self.compress, self.sparse) if c == rate)
-        return self.head_dim + (self.index_dim if sparse else 0)
+    def is_sparse(self, rate: int) -> bool:
+        """The layers compressed ``rate``:1 are CSA (entries over two windows, chosen by an indexer)."""
+        return any(s for c, s in zip(self.compress, self.sparse) if c == rate)
 
     def layer_params(self, layer: int, hidden: int, heads: int, ranks: int = 1) -> tuple[int, int]:
         """One layer's attention parameters on a rank of ``ranks`` holding ``heads`` q heads and their output

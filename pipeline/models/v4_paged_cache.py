@@ -1,11 +1,12 @@
 """One sequence's DeepSeek-V4 caches of one layer, read and written in the paged KV store.
 
-``attention_v4.V4Attention`` asks by absolute position; this answers from the layer's three KV-layout layers
+``attention_v4.V4Attention`` asks by absolute position; this answers from the layer's KV-layout layers
 (``models.cache_groups.compressed_groups``): its sliding window of K=V and its compressor's per-token
 projections live in window groups (only the blocks inside their window are on the device, in the group's own
-slots: ``meta.for_layer``), its pooled entries in a compressed group of the sequence's own blocks, entry ``w``
-in the block that holds token ``(w + 1) m - 1``. Entries in blocks spilled to the host or disk tier are read
-back from there, only the blocks that hold them.
+slots: ``meta.for_layer``), its pooled entries (and on CSA its indexer keys) in compressed groups of the
+sequence's own blocks, entry ``w`` in the block that holds token ``(w + 1) m - 1``. Of blocks spilled to the host
+or disk tier, what every step reads whole (indexer keys, HCA entries) comes from the device's copies of them
+(``kvstore.layer_mirror``) while they fit; the CSA entries a step chose are loaded, only the blocks that hold them.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ class PagedV4Cache:
         self.rate = rate
         self._projection: dict[str, tuple[int, int, int]] = {}
         if rate:
-            self.projection_layer, self.entry_layer = cfg.projection_layer(layer), cfg.entry_layer(layer)
+            self.projection_layer = cfg.projection_layer(layer)
             d, i = cfg.head_dim, cfg.index_dim
-            sparse = cfg.sparse[layer]
-            # where each name's (value, gate) and entry sit in the layer's per-token and per-entry vectors
+            self.sparse = cfg.sparse[layer]
+            # where each name's (value, gate) sit in the layer's per-token vectors, and its entries' layer
             self._projection = ({"compressor": (0, 2 * d, 4 * d), "indexer": (4 * d, 4 * d + 2 * i, 4 * d + 4 * i)}
-                                if sparse else {"compressor": (0, d, 2 * d)})
-            self._entry = {"compressor": (0, d), "indexer": (d, d + i)}
+                                if self.sparse else {"compressor": (0, d, 2 * d)})
+            self._entries = {"compressor": cfg.entry_layer(layer)}
+            if self.sparse:
+                self._entries["indexer"] = cfg.index_layer(layer)
 
     def _write(self, layer: int, values: torch.Tensor, lo: int, hi: int) -> None:
         """This step's rows of the sequence into KV-layout ``layer``, values [rows, width] at columns lo..hi."""
@@ -75,32 +78,44 @@ class PagedV4Cache:
         return torch.div(closing, bs, rounding_mode="floor"), rows
 
     def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None:
-        lo, hi = self._entry[name]
         blocks, rows = self._entry_places(torch.arange(first, first + entries.shape[0]))
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
         ids = self.meta.block_tables[self.seq, blocks - resident].long()
-        cache = self.kv[self.entry_layer]
-        cache[ids, 0, rows, 0, lo:hi] = entries.to(cache.dtype)
+        cache = self.kv[self._entries[name]]
+        cache[ids, 0, rows, 0] = entries.to(cache.dtype)
 
     def read_entries(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Entries ``ids`` [n, width]: from the device blocks, or loaded from the tiers a run of spilled blocks at a
-        time, only those holding one of them. A CSA layer's reads are counted (``kvstore.sparse_reads``)."""
-        lo, hi = self._entry[name]
+        """Entries ``ids`` [n, width]: from the device blocks; of spilled blocks, from the device's copy when every
+        step reads the layer whole (indexer keys, HCA entries), else loaded a run of blocks at a time, only those
+        holding one of them. A CSA layer's reads are counted (``kvstore.sparse_reads``)."""
+        layer = self._entries[name]
         blocks, rows = self._entry_places(ids)
-        cache = self.kv[self.entry_layer]
+        cache = self.kv[layer]
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
-        out = cache.new_empty((len(ids), hi - lo))
+        out = cache.new_empty((len(ids), cache.shape[-1]))
         on_device = blocks >= resident
         table = self.meta.block_tables[self.seq, blocks[on_device] - resident].long()
-        out[on_device] = cache[table, 0, rows[on_device], 0, lo:hi]
-        loaded = self._read_spilled(out, blocks, rows, ~on_device, lo, hi) if not bool(on_device.all()) else 0
+        out[on_device] = cache[table, 0, rows[on_device], 0]
+        loaded, kept = 0, 0
+        if not bool(on_device.all()):
+            source = self.meta.spilled[self.seq] if self.meta.spilled is not None else None
+            if source is None:
+                raise RuntimeError("entries before the device blocks, but no spilled source for them")
+            spilled = ~on_device
+            if self.meta.layer_mirror is not None and (name == "indexer" or not self.sparse):
+                copy, loaded = self.meta.layer_mirror.tokens(source, layer, resident)  # [resident * rows, 1, width]
+                out[spilled] = copy[blocks[spilled] * cache.shape[2] + rows[spilled], 0].to(out.dtype)
+                kept = copy.numel() * copy.element_size() - loaded
+            else:
+                loaded = self._load(source, layer, out, blocks, rows, spilled)
         if self.counted:
-            self._count(name, int(on_device.sum()) * (hi - lo) * out.element_size(), loaded, resident, blocks)
+            device = int(on_device.sum()) * out.shape[-1] * out.element_size() + kept
+            self._count(name, device, loaded, resident, blocks)
         return out
 
     @property
     def counted(self) -> bool:
-        return self.meta.sparse_reads is not None and self.rate > 0 and "indexer" in self._projection
+        return self.meta.sparse_reads is not None and self.rate > 0 and self.sparse
 
     def _count(self, name: str, device_bytes: int, loaded: int, resident: int, blocks: torch.Tensor) -> None:
         reads = self.meta.sparse_reads
@@ -114,21 +129,19 @@ class PagedV4Cache:
         reads.spilled_blocks_seen += resident
         reads.spilled_blocks_read += len(torch.unique(blocks[blocks < resident]))
 
-    def _read_spilled(self, out: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, spilled: torch.Tensor,
-                      lo: int, hi: int) -> int:
+    @staticmethod
+    def _load(source: object, layer: int, out: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor,
+              spilled: torch.Tensor) -> int:
         """Entries in blocks below the device, loaded a run of blocks at a time (``kernels.SpilledKV``); returns the
-        bytes of this name's part of the rows loaded."""
-        source = self.meta.spilled[self.seq] if self.meta.spilled is not None else None
-        if source is None:
-            raise RuntimeError("entries before the device blocks, but no spilled source for them")
+        bytes loaded."""
         wanted, i, loaded = torch.unique(blocks[spilled]).tolist(), 0, 0
         while i < len(wanted):  # runs of consecutive blocks, a staging buffer's worth at a time
             first, n = wanted[i], 1
             while i + n < len(wanted) and wanted[i + n] == first + n and n < source.segment_blocks:
                 n += 1
-            k, _ = source.load(self.entry_layer, first, n)
+            k, _ = source.load(layer, first, n)
             here = spilled & (blocks >= first) & (blocks < first + n)
-            out[here] = k[blocks[here] - first, rows[here], 0, lo:hi].to(out.dtype)
-            loaded += k[:, :, 0, lo:hi].numel() * out.element_size()
+            out[here] = k[blocks[here] - first, rows[here], 0].to(out.dtype)
+            loaded += k.numel() * k.element_size()
             i += n
         return loaded

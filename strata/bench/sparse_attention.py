@@ -1,13 +1,16 @@
-"""`strata bench sparse`: DSA sparse attention over contexts far larger than the device tier, read from the tiers.
+"""`strata bench sparse`: sparse attention over contexts far larger than the device tier, read from the tiers.
 
-A tiny DeepSeek-V3.2 built here (3 layers, an indexer of 2 heads keeping ``--topk`` tokens, fp32) with a device
-pool of ``--device-blocks`` blocks and the rest of each context in a host tier. For each ``--contexts`` length a
+A tiny DeepSeek-V3.2 built here (3 layers, an indexer of 2 heads keeping ``--topk`` tokens, fp32), or with
+``--model deepseek_v4`` a tiny DeepSeek-V4 (two CSA layers whose indexer keeps ``--topk`` entries of 4 tokens, an
+HCA layer of 16-token entries, a window-only layer), with a device pool of ``--device-blocks`` blocks and the
+rest of each context in a host tier. For each ``--contexts`` length a
 random prompt is prefilled (its older blocks spill as it grows), then 16 tokens are decoded. Printed per
 context, with what it compared:
 
 * decode TPOT (median of the decoded tokens) against the shortest context's;
-* bytes read per decode step from each place: indexer keys and latents, on the device and streamed back
-  from the host tier (``kvstore.sparse_reads``, the counters ``/strata/stats`` reports);
+* bytes read per decode step from each place: indexer keys and latents (V4: the CSA layers' chosen entries),
+  on the device and streamed back from the host tier (``kvstore.sparse_reads``, the counters ``/strata/stats``
+  reports);
 * the share of spilled blocks whose latents a step read (the rest stayed in the host tier);
 * the device pool's bytes (the same at every length) against the context's KV;
 * whether the answer is the one an engine with every block on the device gives (``--check-all-device``).
@@ -28,6 +31,8 @@ import torch
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", nargs="+", type=int, default=[16384, 65536])
+    p.add_argument("--model", choices=["deepseek_v32", "deepseek_v4"], default="deepseek_v32",
+                   help="which tiny sparse-attention model to build")
     p.add_argument("--device-blocks", type=int, default=256, help="device pool, in 16-token blocks")
     p.add_argument("--topk", type=int, default=64, help="tokens each query's indexer keeps")
     p.add_argument("--check-all-device", action="store_true", help="also run every context all on the device")
@@ -73,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="strata-sparse-") as tmp:
         longest = max(args.contexts) + 64
-        model = build_tiny_text_model("deepseek_v32", Path(tmp) / "v32", overrides={
+        model = build_tiny_text_model(args.model, Path(tmp) / args.model, overrides={
             "index_topk": args.topk, "max_position_embeddings": longest})
-        print(f"# sparse: tiny DeepSeek-V3.2 (3 layers, indexer top-{args.topk}), fp32, {torch.get_num_threads()} "
-              f"threads; device pool {args.device_blocks} blocks, the rest in a host tier; 16 tokens decoded")
+        what = (f"DeepSeek-V3.2 (3 layers, indexer top-{args.topk} tokens)" if args.model == "deepseek_v32" else
+                f"DeepSeek-V4 (2 CSA layers, indexer top-{args.topk} of 4-token entries; an HCA layer; a window-only "
+                "layer)")
+        print(f"# sparse: tiny {what}, fp32, {torch.get_num_threads()} threads; device pool {args.device_blocks} "
+              "blocks, the rest in a host tier; 16 tokens decoded")
         for n in sorted(args.contexts):
             engine = _engine(model, n, args.device_blocks, Path(tmp) / f"host-{n}")
             tokens, tpot, counters = _run(engine, n)
@@ -89,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
             rows[str(n)] = row
             del engine
         base = rows[str(min(args.contexts))]["tpot_ms"]
+        attended = "latents" if args.model == "deepseek_v32" else "chosen entries"
         for n, row in rows.items():
             s = row["per_step"]
             same = row.get("identical_to_all_on_device")
             print(f"  context {int(n):>8,}: TPOT {row['tpot_ms']:7.2f} ms ({row['tpot_ms'] / base:.2f}x the shortest); "
                   f"per step: indexer keys {s['index_key_bytes_device'] / 2**20:.2f} MiB device + "
-                  f"{s['index_key_bytes_spilled'] / 2**20:.2f} MiB host, latents "
+                  f"{s['index_key_bytes_spilled'] / 2**20:.2f} MiB host, {attended} "
                   f"{s['latent_bytes_device'] / 2**10:.1f} KiB device + {s['latent_bytes_spilled'] / 2**10:.1f} KiB host "
                   f"({100 * s['share_of_spilled_blocks_read']:.1f}% of spilled blocks touched); device pool "
                   f"{row['device_pool_bytes'] / 2**20:.2f} MiB for {row['context_kv_bytes'] / 2**20:.1f} MiB of KV"

@@ -33,7 +33,8 @@ def kv_bytes_per_block(tc: TextConfig, elem_bytes: int, block_size: int) -> int:
     c = tc.compressed
     if c is None:
         return kv_bytes_per_token(tc, elem_bytes) * block_size
-    return sum(len(c.layers_at(r)) * max(1, block_size // r) * c.entry_width(r) * elem_bytes for r in c.rates)
+    width = {r: c.head_dim + (c.index_dim if c.is_sparse(r) else 0) for r in c.rates}  # an entry, and a CSA key
+    return sum(len(c.layers_at(r)) * max(1, block_size // r) * width[r] * elem_bytes for r in c.rates)
 
 
 def window_kv_bytes(tc: TextConfig, elem_bytes: int, block_size: int, concurrency: int, chunk_tokens: int,
@@ -80,15 +81,18 @@ def linear_state_bytes(tc: TextConfig, elem_bytes: int) -> int:
 def sparse_read_bytes(tc: TextConfig, elem_bytes: int, context_tokens: int) -> tuple[int, int]:
     """What one decode step of a DSA model reads, per sequence: (every indexer key of the context, kept on the
     device as ``kvstore.layer_mirror`` keeps them; the latents of the ``index_topk`` chosen tokens, from
-    wherever they live). (0, 0) for a model without sparse attention."""
+    wherever they live); DeepSeek-V4's: (its indexer keys and HCA entries; its chosen CSA entries and its windows).
+    (0, 0) for a model without sparse attention."""
     c = tc.compressed
-    if c is not None:  # V4: every CSA entry's indexer key, the chosen CSA entries, every HCA entry, the windows
+    if c is not None:  # V4: (every CSA indexer key and every HCA entry, kept on the device; the chosen CSA entries and
+        # the windows)
         sparse = [i for i, s in enumerate(c.sparse) if s and c.compress[i]]
         dense = [i for i, s in enumerate(c.sparse) if not s and c.compress[i]]
-        keys = sum(context_tokens // c.compress[i] for i in sparse) * c.index_dim * elem_bytes
-        entries = (len(sparse) * min(c.index_topk, context_tokens) + sum(context_tokens // c.compress[i] for i in dense)
-                   + len(c.compress) * min(c.window, context_tokens)) * c.head_dim * elem_bytes
-        return keys, entries
+        whole = (sum(context_tokens // c.compress[i] for i in sparse) * c.index_dim
+                 + sum(context_tokens // c.compress[i] for i in dense) * c.head_dim) * elem_bytes
+        chosen = (len(sparse) * min(c.index_topk, context_tokens) + len(c.compress) * min(c.window, context_tokens)
+                  ) * c.head_dim * elem_bytes
+        return whole, chosen
     if tc.dsa is None:
         return 0, 0
     keys = context_tokens * tc.index_layers * tc.dsa.head_dim * elem_bytes

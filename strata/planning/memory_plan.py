@@ -318,8 +318,10 @@ def _plan(
             (f" + DSA indexer key {tc.dsa.head_dim}" if tc.dsa is not None else "") + " per layer"
     elif tc.compressed is not None:
         c = tc.compressed
-        kv_kind = "pooled entries: " + ", ".join(f"{len(c.layers_at(r))} layers {r}:1 of {c.entry_width(r)}"
-                                                 for r in c.rates) + \
+        kv_kind = "pooled entries: " + ", ".join(
+            f"{len(c.layers_at(r))} layers {r}:1 of {c.head_dim}" + (f" + an indexer key of {c.index_dim}"
+                                                                     if c.is_sparse(r) else "")
+            for r in c.rates) + \
             "; windows of K=V and projections (" + "/".join(str(w) for w, _, _ in compressed_windows(tc)) + " tokens)"
     else:
         kv_kind = f"K+V of {tc.num_kv_heads} heads x {tc.head_dim} per layer"

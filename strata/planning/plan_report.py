@@ -11,6 +11,7 @@ def format_plan(plan: MemoryPlan) -> str:
     kind = f"vision + text, up to {plan.image_tokens:,} tokens an image" if plan.multimodal else "text-only"
     ctx = f"{plan.concurrency} x {plan.context_tokens:,}"
     group = plan.tp > 1
+    v4 = plan.model_type == "deepseek_v4"  # its indexer keys and its HCA entries are what every step reads whole
     weights = (f"weights per rank (largest of {plan.tp} shards)" if group else f"weights ({plan.num_params:,} params)")
     rows: list[tuple[str, str, str, str]] = [
         ("item", "bytes", "blocks", "tokens"),
@@ -23,12 +24,14 @@ def format_plan(plan: MemoryPlan) -> str:
             format_bytes(plan.state_bytes_per_sequence), "", "")] if plan.state_bytes_per_sequence else []),
         *([("linear-attention state per sequence, one rank's heads", format_bytes(plan.rank_state_bytes), "", "")]
           if plan.state_bytes_per_sequence and group else []),
-        *([("sparse attention, per sequence: indexer keys of the context (each step reads all)",
+        *([("sparse attention, per sequence: indexer keys " + ("and HCA entries " if v4 else "") +
+            "of the context (each step reads all)",
             format_bytes(plan.sparse_step[0]), "", f"{plan.context_tokens:,}"),
-           ("sparse attention, per sequence: chosen " + ("entries and windows" if plan.model_type == "deepseek_v4"
-                                                         else "latents") + " one decode step reads (any tier)",
+           ("sparse attention, per sequence: chosen " + ("entries and windows" if v4 else "latents") +
+            " one decode step reads (any tier)",
             format_bytes(plan.sparse_step[1]), "", "")] if plan.sparse_step[0] else []),
-        *([("sparse attention: device room for spilled blocks' indexer keys (one context's" + (", per rank)" if group else ")"),
+        *([("sparse attention: device room for spilled blocks' indexer keys" + (" and HCA entries" if v4 else "") +
+            " (one context's" + (", per rank)" if group else ")"),
             format_bytes(plan.index_mirror_bytes), "", f"{plan.context_tokens:,}")] if plan.index_mirror_bytes else []),
         (f"KV for {ctx} tokens", format_bytes(plan.kv_bytes_needed), f"{plan.blocks_needed:,}", f"{plan.blocks_needed * bs:,}"),
         (f"activations ({plan.chunk_tokens:,}-token chunk, est.)", format_bytes(plan.activation_bytes), "", ""),
