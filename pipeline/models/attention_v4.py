@@ -103,7 +103,8 @@ class Pooler(nn.Module):
             pooled = pool_windows(kv.view(-1, m, width), gate.view(-1, m, width), self.position_bias, self.overlap,
                                   *(prior or (None, None)))
             normed = rms_norm_fp32_weight(pooled, self.kv_norm.weight, self.eps)
-            cos, sin = tail_rope_cos_sin(inv_freq, scaling, torch.arange(done, closed) * m, normed.dtype)
+            cos, sin = tail_rope_cos_sin(inv_freq, scaling, torch.arange(done, closed, device=h.device) * m,
+                                         normed.dtype)
             cache.write_entries(name, done, rope_tail(normed, cos, sin))
         return closed
 
@@ -132,11 +133,11 @@ class Indexer(Pooler):
         visible = (positions + 1) // self.compress
         widths = torch.clamp(visible, min=prompt_len // self.compress)
         k = min(self.topk, int(widths.max()))
-        chosen = torch.full((h.shape[0], k), -1, dtype=torch.int64)
+        chosen = torch.full((h.shape[0], k), -1, dtype=torch.int64, device=h.device)
         for width in torch.unique(widths).tolist():
             rows = torch.nonzero(widths == width).flatten()
             padded = F.pad(scores[rows], (0, max(0, width - keys.shape[0])), value=float("-inf"))[:, :width]
-            padded = padded.masked_fill(torch.arange(width)[None, :] >= visible[rows, None], float("-inf"))
+            padded = padded.masked_fill(torch.arange(width, device=h.device)[None, :] >= visible[rows, None], float("-inf"))
             picked = padded.topk(min(self.topk, width), dim=-1).indices
             chosen[rows, : picked.shape[1]] = torch.where(picked >= visible[rows, None], -1, picked)
         return chosen
@@ -170,7 +171,7 @@ class V4Attention(nn.Module):
         """Rows h [n, hidden] (normed) of one sequence at positions ``first ..`` of a ``prompt_len``-token prompt
         (0: every row generated): [n, hidden]."""
         g, n = self.g, h.shape[0]
-        positions = torch.arange(first, first + n)
+        positions = torch.arange(first, first + n, device=h.device)
         cos, sin = tail_rope_cos_sin(*self.rope, positions, h.dtype)
         q_resid = rms_norm_fp32_weight(F.linear(h, self.q_a_proj.weight), self.q_a_norm.weight, g.eps)
         q = rms_norm_unweighted(F.linear(q_resid, self.q_b_proj.weight).view(n, g.heads, g.head_dim), g.eps)
@@ -179,7 +180,7 @@ class V4Attention(nn.Module):
         cache.write_kv(first, kv)
         lo = max(0, first - g.window + 1)
         keys = cache.read_kv(lo, first + n)  # every row's window: [lo, its position]
-        key_pos = torch.arange(lo, first + n)
+        key_pos = torch.arange(lo, first + n, device=h.device)
         allowed = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - g.window)
         if g.compress:
             count = self.compressor.step("compressor", h, first, cache, *self.compress_rope)
@@ -202,14 +203,14 @@ class V4Attention(nn.Module):
         window closed at or before the row; on CSA only those the indexer chose, so only they are read."""
         g = self.g
         if not g.sparse:
-            ids = torch.arange(count)
+            ids = torch.arange(count, device=h.device)
             return ids, ids[None, :] < ((positions + 1) // g.compress)[:, None]
         cos, sin = tail_rope_cos_sin(*self.compress_rope, positions, h.dtype)
-        keys = cache.read_entries("indexer", torch.arange(count))
+        keys = cache.read_entries("indexer", torch.arange(count, device=h.device))
         chosen = self.compressor.indexer.choose(h, q_resid, keys, positions, cos, sin, prompt_len)
         ids = torch.unique(chosen[chosen >= 0])  # ascending: every entry any row chose, read once
         at = torch.searchsorted(ids, chosen.clamp(min=0))
-        seen = torch.zeros(h.shape[0], len(ids) + 1, dtype=torch.bool)
+        seen = torch.zeros(h.shape[0], len(ids) + 1, dtype=torch.bool, device=h.device)
         seen.scatter_(1, torch.where(chosen >= 0, at, len(ids)), True)
         return ids, seen[:, : len(ids)]
 

@@ -50,7 +50,7 @@ class PagedV4Cache:
         offset, bs = m.kv_offset(self.seq), m.block_size
         if start < offset:
             raise RuntimeError(f"position {start} is before the window kept on the device (from {offset})")
-        positions = torch.arange(start, end)
+        positions = torch.arange(start, end, device=m.block_tables.device)
         blocks = m.block_tables[self.seq, torch.div(positions - offset, bs, rounding_mode="floor")].long()
         return self.kv[layer][blocks, 0, positions % bs, 0]
 
@@ -78,7 +78,7 @@ class PagedV4Cache:
         return torch.div(closing, bs, rounding_mode="floor"), rows
 
     def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None:
-        blocks, rows = self._entry_places(torch.arange(first, first + entries.shape[0]))
+        blocks, rows = self._entry_places(torch.arange(first, first + entries.shape[0], device=entries.device))
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
         ids = self.meta.block_tables[self.seq, blocks - resident].long()
         cache = self.kv[self._entries[name]]
