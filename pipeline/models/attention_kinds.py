@@ -178,6 +178,11 @@ class AttentionKind:
         """K and V are one cached latent (MLA), attended in the weight-absorbed form."""
         return self.module in ("mla", "mla_dsa")
 
+    @property
+    def compressed(self) -> bool:
+        """DeepSeek-V4's: a window plus pooled entries per layer (``compressed_attention_config``)."""
+        return self.module == "v4"
+
     def resolve(self, tc: dict[str, Any]) -> ResolvedAttention:
         """This kind's settings from a text config; a combination its module does not compute is refused."""
         bias = self.qkv_bias or bool(tc.get("attention_bias", False))

@@ -260,7 +260,7 @@ def parse_text_config(tc: dict[str, Any], family_name: str | None = None) -> Tex
     linear = LINEAR_KINDS[family.linear_kind](tc, family.linear_split_projections) if any(linear_layers) else None
     if linear_layers and all(linear_layers):
         raise ModelConfigError("config.json: every layer is linear attention; a hybrid needs full-attention layers")
-    compressed = resolve_compressed_attention(tc, layers) if family.attention.module == "v4" else None
+    compressed = resolve_compressed_attention(tc, layers) if family.attention.compressed else None
     rope_parameters = _rope_parameters(tc, mla.qk_rope_head_dim if mla else int(head_dim))
     if compressed is not None:  # V4's sliding-only layers rotate by "main"; compressed ones by ``compress_rope``
         main = (tc.get("rope_parameters") or {}).get("main")
