@@ -210,7 +210,7 @@ def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str) -> None:
     compression windows; the indexer keeps 3 of up to 8 entries, so its choice matters."""
     from transformers.masking_utils import create_sliding_window_causal_mask
     from strata.kernels.rope import RotaryEmbedding
-    from strata.pipeline.models.attention_v4 import V4Attention
+    from strata.pipeline.models.attention_v4 import V4Attention, V4Span
     cfg = DeepseekV4Config(**{**_config().to_dict(), "layer_types": [layer_type] * 2})
     cfg._attn_implementation = "eager"
     theirs = ref.DeepseekV4Attention(cfg, 0).float()
@@ -235,6 +235,6 @@ def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str) -> None:
         expected, _ = theirs(rows, embeddings, positions, mask, cache)
         # each call of the reference picks top-k over the entries closed so far: the engine's rule for a prompt
         # that ends with this chunk (``Indexer.choose``)
-        got = ours(rows[0], start, seq, prompt_len=start + n)
+        got = ours(rows[0], [V4Span(start, n, seq, prompt_len=start + n)])
         torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-6, msg=f"rows {start}..{start + n}")
         start += n

@@ -1,10 +1,11 @@
 """The DeepSeek-V4 decoder: mHC streams around compressed attention and a sqrt-softplus MoE, over the paged cache.
 
 A layer collapses the token's ``hc_mult`` residual streams into the attention's input (``hyper_connections``),
-runs :class:`attention_v4.V4Attention` sequence by sequence over its paged caches (``v4_paged_cache``), spreads
-the output back over the streams, and does the same around the MoE. The MoE's first layers route by token id
-(``tid2eid``), so the step's token ids ride on the attention metadata. Norms keep fp32 weights, as the
-reference keeps them. Multi-token-prediction layers are not loaded (``strata ops`` says so).
+runs :class:`attention_v4.V4Attention` over its paged caches (``v4_paged_cache``; projections over the whole
+step, attention sequence by sequence), spreads the output back over the streams, and does the same around the
+MoE. The MoE's first layers route by token id (``tid2eid``), so the step's token ids ride on the attention
+metadata. Norms keep fp32 weights, as the reference keeps them. Multi-token-prediction layers are not loaded
+(``strata ops`` says so).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from strata.kernels import AttentionBackend, AttentionMetadata, linear, moe_expe
 from strata.kernels.compress_kv import rms_norm_fp32_weight
 from strata.kernels.rope import RotaryEmbedding
 from strata.pipeline.models import router_kinds
-from strata.pipeline.models.attention_v4 import V4Attention, V4Geometry
+from strata.pipeline.models.attention_v4 import V4Attention, V4Geometry, V4Span
 from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.hyper_connections import HyperConnection, HyperHead, expand
 from strata.pipeline.models.moe import Router, SparseMoE
@@ -102,12 +103,9 @@ class V4DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         post, comb, collapsed = self.attn_hc(streams)
         h = self.input_layernorm(collapsed)
-        parts, start = [], 0
-        for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
-            cache = PagedV4Cache(kv, meta, i, self.layer_idx, self.c)
-            parts.append(self.self_attn(h[start : start + rows], seq_len - rows, cache, meta.prompt_len(i)))
-            start += rows
-        streams = expand(streams, self.sum_partial(torch.cat(parts)), post, comb)
+        spans = [V4Span(seq_len - rows, rows, PagedV4Cache(kv, meta, i, self.layer_idx, self.c), meta.prompt_len(i))
+                 for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list))]
+        streams = expand(streams, self.sum_partial(self.self_attn(h, spans)), post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         assert meta.token_ids is not None, "DeepSeek-V4's hash layers route by the step's token ids"
         out = self.mlp(self.post_attention_layernorm(collapsed), meta.token_ids, self.first_expert)
