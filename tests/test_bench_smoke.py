@@ -212,3 +212,10 @@ def test_bench_sparse_reads_few_spilled_blocks_and_answers_as_all_on_device(mode
         assert 0 < step["share_of_spilled_blocks_read"] < 0.5 and step["index_key_bytes_spilled"] == 0  # kept
     assert result["1024"]["device_pool_bytes"] == result["2048"]["device_pool_bytes"]
     assert "identical to all-on-device" in printed and "of spilled blocks touched" in printed
+
+
+def test_bench_sparse_decode_batches_reports_both_models_side_by_side(tmp_path: Path, capsys) -> None:
+    result, printed = _bench(tmp_path, capsys, "sparse", "--decode-batches", "1", "2")
+    assert set(result) == {"deepseek_v32", "deepseek_v4"}
+    assert all(row["decode_b1_tok_s"] > 0 and row["decode_b2_tok_s"] > 0 for row in result.values())
+    assert "x batch 1" in printed and "interleaved" in printed

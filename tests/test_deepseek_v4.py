@@ -81,6 +81,36 @@ def test_spilled_entries_are_read_back_from_the_host_tier(v4: Path, tmp_path: Pa
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 400
 
 
+def test_a_decode_step_reads_resident_sequences_together_and_spilled_ones_alone(
+        v4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences whose blocks are all on the device decode together over padded reads; one whose oldest blocks
+    spilled reads them back alone, in the same steps. Each answers as it does by itself."""
+    from strata.pipeline.models.v4_paged_step import PagedV4Step
+    long = "Tell me the whole story of the sea and the stars, from the start. " * 12
+    requests = [{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in [long, *PROMPTS]]
+    alone = [build(v4).generate([r])[0].output_token_ids for r in requests]
+    seen: list[bool] = []
+    batchable = PagedV4Step.batchable
+    monkeypatch.setattr(PagedV4Step, "batchable", lambda self, i: seen.append(batchable(self, i)) or seen[-1])
+    engine = build(v4, num_kv_blocks=24, prefill_chunk_tokens=32, host_kv_blocks=300,
+                   host_kv_dir=str(tmp_path / "host"))
+    assert [o.output_token_ids for o in engine.generate(requests)] == alone
+    assert engine.kv.spills.peak > 0 and True in seen and False in seen
+
+
+def test_a_decode_batch_counts_the_reads_the_one_by_one_path_counts(v4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/strata/stats``' sparse-read counters do not depend on how a step's sequences were read."""
+    from strata.pipeline.models.v4_paged_step import PagedV4Step
+    requests = [{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS]
+    together = build(v4)
+    answers = [o.output_token_ids for o in together.generate(requests)]
+    monkeypatch.setattr(PagedV4Step, "batchable", lambda self, i: False)
+    alone = build(v4)
+    assert [o.output_token_ids for o in alone.generate(requests)] == answers
+    counted = together.kv.stats()["sparse_reads"]
+    assert counted == alone.kv.stats()["sparse_reads"] and counted["latent_bytes_device"] > 0
+
+
 def test_the_hand_off_carries_every_cache(v4: Path, tmp_path: Path) -> None:
     engine = build(v4)
     want = engine.generate([{"prompt": PROMPTS[1], "params": greedy(10, ignore_eos=True)}])[0].output_token_ids

@@ -161,36 +161,61 @@ def test_tail_rope_and_its_inverse_equal_the_reference() -> None:
 
 
 class SequenceCache:
-    """One sequence's caches of one layer as whole tensors (the engine's paged cache answers the same calls)."""
+    """One sequence's caches of one layer as whole tensors, as a one-sequence step (the engine's paged caches
+    answer the same calls); ``batched``: its decode rows read through the decode batch's calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, batched: bool = False) -> None:
         self.kv: torch.Tensor | None = None
         self.projections: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.entries: dict[str, torch.Tensor] = {}
+        self.entries_by_name: dict[str, torch.Tensor] = {}
+        self.batched = batched
 
-    def write_kv(self, first: int, kv: torch.Tensor) -> None:
-        assert first == (0 if self.kv is None else len(self.kv))
+    def write_kv(self, kv: torch.Tensor) -> None:
         self.kv = kv if self.kv is None else torch.cat([self.kv, kv])
 
     def read_kv(self, start: int, end: int) -> torch.Tensor:
         return self.kv[start:end]
 
-    def write_projections(self, name: str, first: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+    def write_projections(self, name: str, kv: torch.Tensor, gate: torch.Tensor) -> None:
         old = self.projections.get(name)
         self.projections[name] = (kv, gate) if old is None else (torch.cat([old[0], kv]), torch.cat([old[1], gate]))
-        assert len(self.projections[name][0]) == first + len(kv)
 
     def read_projections(self, name: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv, gate = self.projections[name]
         return kv[start:end], gate[start:end]
 
     def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None:
-        old = self.entries.get(name)
+        old = self.entries_by_name.get(name)
         assert first == (0 if old is None else len(old))
-        self.entries[name] = entries if old is None else torch.cat([old, entries])
+        self.entries_by_name[name] = entries if old is None else torch.cat([old, entries])
 
     def read_entries(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.entries[name][ids]
+        return self.entries_by_name[name][ids]
+
+    def sequence(self, i: int) -> "SequenceCache":
+        assert i == 0
+        return self
+
+    def batchable(self, i: int) -> bool:
+        return self.batched
+
+    def decode_batch(self, seqs: list[int]) -> "SequenceCache":
+        return self
+
+    def window(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last = len(self.kv) - 1
+        positions = torch.arange(last - size + 1, last + 1)
+        return self.kv[positions.clamp(min=0)][None], (positions >= 0)[None]
+
+    def entries(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(counts[0])
+        return self.entries_by_name[name][:n][None], torch.ones(1, n, dtype=torch.bool)
+
+    def entries_at(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.entries_by_name[name][ids]
+
+    def count(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+        pass
 
 
 def _geometry(cfg: DeepseekV4Config, layer_type: str):
@@ -203,11 +228,13 @@ def _geometry(cfg: DeepseekV4Config, layer_type: str):
                       cfg.rms_norm_eps)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "decode-batch"])
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "heavily_compressed_attention",
                                         "compressed_sparse_attention"])
-def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str) -> None:
+def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str, batched: bool) -> None:
     """Chunks of 3, 7, 1, 13 and then single decoded tokens cross the 8-token window and the 4- and 8-token
-    compression windows; the indexer keeps 3 of up to 8 entries, so its choice matters."""
+    compression windows; the indexer keeps 3 of up to 8 entries, so its choice matters. One-row steps go
+    through the sequence's own reads, or through a decode batch's padded ones."""
     from transformers.masking_utils import create_sliding_window_causal_mask
     from strata.kernels.rope import RotaryEmbedding
     from strata.pipeline.models.attention_v4 import V4Attention, V4Span
@@ -223,7 +250,7 @@ def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str) -> None:
                        (compress.inv_freq, compress.attention_scaling))
     missing = ours.load_state_dict(theirs.state_dict(), strict=False)
     assert not missing.missing_keys and all("rotary_emb" in k for k in missing.unexpected_keys)
-    cache, seq = ref.DynamicCache(config=cfg), SequenceCache()
+    cache, seq = ref.DynamicCache(config=cfg), SequenceCache(batched)
     h = torch.randn(1, 30, HIDDEN)
     start = 0
     for n in [3, 7, 1, 13, 1, 1, 1, 1, 1, 1]:
@@ -235,6 +262,6 @@ def test_attention_equals_the_reference_chunk_by_chunk(layer_type: str) -> None:
         expected, _ = theirs(rows, embeddings, positions, mask, cache)
         # each call of the reference picks top-k over the entries closed so far: the engine's rule for a prompt
         # that ends with this chunk (``Indexer.choose``)
-        got = ours(rows[0], [V4Span(start, n, seq, prompt_len=start + n)])
+        got = ours(rows[0], [V4Span(start, n, prompt_len=start + n)], seq)
         torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-6, msg=f"rows {start}..{start + n}")
         start += n

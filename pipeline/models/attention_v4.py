@@ -55,22 +55,39 @@ class V4Geometry:
 class V4Cache(Protocol):
     """One sequence's caches of one layer, by absolute token position (``entries``: by entry index)."""
 
-    def write_kv(self, first: int, kv: torch.Tensor) -> None: ...
     def read_kv(self, start: int, end: int) -> torch.Tensor: ...
-    def write_projections(self, name: str, first: int, kv: torch.Tensor, gate: torch.Tensor) -> None: ...
     def read_projections(self, name: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None: ...
     def read_entries(self, name: str, ids: torch.Tensor) -> torch.Tensor: ...
 
 
+class V4DecodeReads(Protocol):
+    """Sequences of one new row each, read together: [B, ...] tensors padded to the longest, with which exist."""
+
+    def window(self, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def entries(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def entries_at(self, name: str, ids: torch.Tensor) -> torch.Tensor: ...
+    def count(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None: ...
+
+
+class V4StepCache(Protocol):
+    """Every sequence's caches of one layer in a step: the rows' writes at once, the reads per sequence or, for
+    one-row sequences it can read together (``batchable``), in one decode batch."""
+
+    def write_kv(self, kv: torch.Tensor) -> None: ...
+    def write_projections(self, name: str, kv: torch.Tensor, gate: torch.Tensor) -> None: ...
+    def sequence(self, i: int) -> V4Cache: ...
+    def batchable(self, i: int) -> bool: ...
+    def decode_batch(self, seqs: list[int]) -> V4DecodeReads: ...
+
+
 @dataclass(frozen=True)
 class V4Span:
     """One sequence's rows in a step: ``rows`` rows at positions ``first ..`` of a ``prompt_len``-token prompt
-    (0: every row generated), and that sequence's caches of the layer."""
+    (0: every row generated)."""
 
     first: int
     rows: int
-    cache: V4Cache
     prompt_len: int = 0
 
 
@@ -102,12 +119,10 @@ class Pooler(nn.Module):
         """Every row's value and gate projections, for the whole step at once."""
         return linear(h, self.kv_proj.weight), linear(h, self.gate_proj.weight)
 
-    def step(self, name: str, values: torch.Tensor, gates: torch.Tensor, first: int, cache: V4Cache,
-             inv_freq: torch.Tensor, scaling: float) -> int:
-        """Writes one sequence's projected rows at ``first ..`` into its cache, pools every window they close into
-        an entry; returns the entries there are now."""
-        m, end = self.compress, first + values.shape[0]
-        cache.write_projections(name, first, values, gates)
+    def pool(self, name: str, first: int, end: int, cache: V4Cache, inv_freq: torch.Tensor, scaling: float) -> int:
+        """Pools every window that one sequence's rows ``first .. end - 1`` (their projections already written)
+        close into an entry; returns the entries there are now."""
+        m = self.compress
         done, closed = first // m, end // m
         if closed > done:
             lo = (done - 1) * m if (self.overlap and done) else done * m
@@ -119,7 +134,7 @@ class Pooler(nn.Module):
             pooled = pool_windows(kv.view(-1, m, width), gate.view(-1, m, width), self.position_bias, self.overlap,
                                   *(prior or (None, None)))
             normed = rms_norm_fp32_weight(pooled, self.kv_norm.weight, self.eps)
-            cos, sin = tail_rope_cos_sin(inv_freq, scaling, torch.arange(done, closed, device=values.device) * m,
+            cos, sin = tail_rope_cos_sin(inv_freq, scaling, torch.arange(done, closed, device=kv.device) * m,
                                          normed.dtype)
             cache.write_entries(name, done, rope_tail(normed, cos, sin))
         return closed
@@ -142,23 +157,25 @@ class Indexer(Pooler):
         return rope_tail(q, cos, sin), linear(h, self.scorer.weights_proj.weight).float() * self.heads**-0.5
 
     def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-               prompt_len: int) -> torch.Tensor:
-        """Per row of one sequence (``queries``' rows), the entries it attends: int64 [rows, k], -1 where it sees
-        fewer than k.
+               prompt_len: int | torch.Tensor) -> torch.Tensor:
+        """Per row (``queries``' rows), the entries it attends: int64 [rows, k], -1 where it sees fewer than k.
+        ``keys`` are one sequence's [E, dim], or each row's own [rows, E, dim] (a decode batch, padded: entries a
+        row may not see are never chosen); ``prompt_len`` is the sequence's, or each row's.
 
         transformers picks a prompt's rows in one forward, over every entry the prompt closes (later ones at
         -inf), and a generated row's over the entries closed up to it; torch's top-k breaks ties by that width,
         so each row scores as many entries as transformers' does, the ones it may not see at -inf."""
-        scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.dim**-0.5  # [rows, heads, entries]
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.dim**-0.5  # [rows, heads, E]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         visible = (positions + 1) // self.compress
-        widths = torch.clamp(visible, min=prompt_len // self.compress)
+        widths = torch.maximum(visible, torch.as_tensor(prompt_len, device=q.device) // self.compress)
         k = min(self.topk, int(widths.max()))
         chosen = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
         for width in torch.unique(widths).tolist():
             rows = torch.nonzero(widths == width).flatten()
-            padded = F.pad(scores[rows], (0, max(0, width - keys.shape[0])), value=float("-inf"))[:, :width]
-            padded = padded.masked_fill(torch.arange(width, device=q.device)[None, :] >= visible[rows, None], float("-inf"))
+            padded = F.pad(scores[rows], (0, max(0, width - keys.shape[-2])), value=float("-inf"))[:, :width]
+            hidden = torch.arange(width, device=q.device)[None, :] >= visible[rows, None]
+            padded = padded.masked_fill(hidden, float("-inf"))
             picked = padded.topk(min(self.topk, width), dim=-1).indices
             chosen[rows, : picked.shape[1]] = torch.where(picked >= visible[rows, None], -1, picked)
         return chosen
@@ -189,11 +206,12 @@ class V4Attention(nn.Module):
             if g.sparse:
                 self.compressor.indexer = Indexer(g)
 
-    def forward(self, h: torch.Tensor, spans: Sequence[V4Span]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, spans: Sequence[V4Span], cache: V4StepCache) -> torch.Tensor:
         """The step's rows h [n, hidden] (normed), sequence after sequence as ``spans`` lay them out: [n, hidden].
 
-        Every projection runs once over the whole step, so a decode step of many sequences reads each weight
-        once; only the cache reads and writes, the pooling and the attention itself go sequence by sequence."""
+        Every projection and cache write runs once over the whole step, so a decode step of many sequences
+        reads each weight once; the sequences of one new row attend together over padded reads, the others
+        (prefill chunks, contexts with spilled blocks) one by one, in the same step."""
         g, n = self.g, h.shape[0]
         positions = torch.cat([torch.arange(s.first, s.first + s.rows, device=h.device) for s in spans])
         cos, sin = tail_rope_cos_sin(*self.rope, positions, h.dtype)
@@ -202,13 +220,25 @@ class V4Attention(nn.Module):
         q = rope_tail(q, cos, sin)
         kv = rope_tail(rms_norm_fp32_weight(linear(h, self.kv_proj.weight), self.kv_norm.weight, g.eps), cos, sin)
         pooled = self._projections(h, q_resid, cos, sin)
-        outs, start = [], 0
-        for s in spans:
-            rows = slice(start, start + s.rows)
+        cache.write_kv(kv)
+        for name, inputs in pooled.items():
+            cache.write_projections(name, *inputs[:2])
+        starts = torch.tensor([0] + [s.rows for s in spans]).cumsum(0).tolist()
+        decode = [i for i, s in enumerate(spans) if s.rows == 1 and cache.batchable(i)]
+        batch, together = (cache.decode_batch(decode) if decode else None), set(decode)
+        out = torch.empty_like(q)
+        for i, s in enumerate(spans):
+            if i not in together:
+                rows = slice(starts[i], starts[i] + s.rows)
+                mine = {name: tuple(t[rows] for t in inputs) for name, inputs in pooled.items()}
+                out[rows] = self._attend_one(s, cache.sequence(i), q[rows], positions[rows], mine)
+        if batch is not None:
+            rows = torch.tensor([starts[i] for i in decode], device=h.device)
             mine = {name: tuple(t[rows] for t in inputs) for name, inputs in pooled.items()}
-            outs.append(self._attend_one(s, q[rows], kv[rows], positions[rows], mine))
-            start += s.rows
-        out = rope_tail(torch.cat(outs), cos, -sin)
+            closing = [cache.sequence(i) if g.compress and (spans[i].first + 1) % g.compress == 0 else None
+                       for i in decode]
+            out[rows] = self._attend_decode(batch, [spans[i] for i in decode], closing, q[rows], positions[rows], mine)
+        out = rope_tail(out, cos, -sin)
         grouped = out.reshape(n, g.o_groups, -1).transpose(0, 1)  # [groups, n, heads * dim / groups]
         w = self.o_a_proj.weight.view(g.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
         mixed = torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1)
@@ -226,34 +256,38 @@ class V4Attention(nn.Module):
             out["indexer"] = indexer.project(h) + indexer.queries(h, q_resid, cos, sin)
         return out
 
-    def _attend_one(self, s: V4Span, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+    def _attend_one(self, s: V4Span, cache: V4Cache, q: torch.Tensor, positions: torch.Tensor,
                     pooled: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """One sequence's rows: its caches written, its window and entries read, attended: [rows, heads, dim]."""
-        g, cache = self.g, s.cache
-        cache.write_kv(s.first, kv)
+        """One sequence's rows: its windows pooled, its window and entries read, attended: [rows, heads, dim]."""
+        g = self.g
         lo = max(0, s.first - g.window + 1)
         keys = cache.read_kv(lo, s.first + s.rows)  # every row's window: [lo, its position]
         key_pos = torch.arange(lo, s.first + s.rows, device=q.device)
         allowed = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - g.window)
         if g.compress:
-            count = self.compressor.step("compressor", *pooled["compressor"], s.first, cache, *self.compress_rope)
-            if g.sparse:
-                self.compressor.indexer.step("indexer", *pooled["indexer"][:2], s.first, cache, *self.compress_rope)
+            count = self._pool(cache, s.first, s.first + s.rows)
             if count:
-                ids, seen = self._entries_seen(s, pooled, positions, count)
+                ids, seen = self._entries_seen(s, cache, pooled, positions, count)
                 keys = torch.cat([keys, cache.read_entries("compressor", ids)])
                 allowed = torch.cat([allowed, seen], dim=1)
-        return _attend_with_sinks(q, keys, allowed, self.sinks, g.head_dim**-0.5)
+        return _attend_with_sinks(q[None], keys[None], allowed[None], self.sinks, g.head_dim**-0.5)[0]
 
-    def _entries_seen(self, s: V4Span, pooled: dict[str, tuple[torch.Tensor, ...]], positions: torch.Tensor,
-                      count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pool(self, cache: V4Cache, first: int, end: int) -> int:
+        """One sequence's windows closed by rows ``first .. end - 1`` pooled (and the indexer's); the entries now."""
+        count = self.compressor.pool("compressor", first, end, cache, *self.compress_rope)
+        if self.g.sparse:
+            self.compressor.indexer.pool("indexer", first, end, cache, *self.compress_rope)
+        return count
+
+    def _entries_seen(self, s: V4Span, cache: V4Cache, pooled: dict[str, tuple[torch.Tensor, ...]],
+                      positions: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the entries the rows attend, ascending [e]; which row sees which [rows, e]): on HCA every entry whose
         window closed at or before the row; on CSA only those the indexer chose, so only they are read."""
         g, device = self.g, positions.device
         if not g.sparse:
             ids = torch.arange(count, device=device)
             return ids, ids[None, :] < ((positions + 1) // g.compress)[:, None]
-        keys = s.cache.read_entries("indexer", torch.arange(count, device=device))
+        keys = cache.read_entries("indexer", torch.arange(count, device=device))
         chosen = self.compressor.indexer.choose(*pooled["indexer"][2:], keys, positions, s.prompt_len)
         ids = torch.unique(chosen[chosen >= 0])  # ascending: every entry any row chose, read once
         at = torch.searchsorted(ids, chosen.clamp(min=0))
@@ -261,14 +295,43 @@ class V4Attention(nn.Module):
         seen.scatter_(1, torch.where(chosen >= 0, at, len(ids)), True)
         return ids, seen[:, : len(ids)]
 
+    def _attend_decode(self, reads: V4DecodeReads, spans: list[V4Span], closing: list[V4Cache | None],
+                       q: torch.Tensor, positions: torch.Tensor, pooled: dict[str, tuple[torch.Tensor, ...]]
+                       ) -> torch.Tensor:
+        """Sequences of one new row each, together: the windows their rows close pooled (``closing``: the caches
+        of those whose row closes one), each row's window and entries read padded, one batched attention:
+        [B, heads, dim]."""
+        g = self.g
+        keys, allowed = reads.window(g.window)  # [B, window, D]
+        if g.compress:
+            for s, cache in zip(spans, closing):
+                if cache is not None:
+                    self._pool(cache, s.first, s.first + 1)
+            counts = (positions + 1) // g.compress  # every entry closed at or before each row
+            if int(counts.max()):
+                if g.sparse:
+                    index_keys, exist = reads.entries("indexer", counts)
+                    reads.count("indexer", index_keys, exist)
+                    prompt_lens = torch.tensor([s.prompt_len for s in spans], device=q.device)
+                    chosen = self.compressor.indexer.choose(*pooled["indexer"][2:], index_keys, positions, prompt_lens)
+                    seen = chosen >= 0
+                    entries = reads.entries_at("compressor", chosen.clamp(min=0))
+                    reads.count("compressor", entries, seen)
+                else:
+                    entries, seen = reads.entries("compressor", counts)
+                keys, allowed = torch.cat([keys, entries], dim=1), torch.cat([allowed, seen], dim=1)
+        return _attend_with_sinks(q[:, None], keys, allowed[:, None], self.sinks, g.head_dim**-0.5)[:, 0]
+
 
 def _attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """q [n, H, D] over shared key/values [K, D] where ``allowed`` [n, K], one softmax with a sink logit per head
-    (the reference's eager order: logits in q's dtype, the sink joined in fp32, the max subtracted)."""
-    logits = torch.matmul(q.transpose(0, 1), keys.t().unsqueeze(0)) * scale  # [H, n, K]
-    logits = logits.masked_fill(~allowed.unsqueeze(0), torch.finfo(logits.dtype).min)
-    combined = torch.cat([logits, sinks.view(-1, 1, 1).expand(-1, q.shape[0], 1)], dim=-1)
+    """q [B, n, H, D] over shared key/values [B, K, D] where ``allowed`` [B, n, K], one softmax with a sink logit
+    per head (the reference's eager order: logits in q's dtype, the sink joined in fp32, the max subtracted):
+    [B, n, H, D]."""
+    logits = torch.matmul(q.transpose(1, 2), keys.transpose(1, 2).unsqueeze(1)) * scale  # [B, H, n, K]
+    logits = logits.masked_fill(~allowed.unsqueeze(1), torch.finfo(logits.dtype).min)
+    b, h, n, _ = logits.shape
+    combined = torch.cat([logits, sinks.view(1, -1, 1, 1).expand(b, h, n, 1)], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys.unsqueeze(0)).transpose(0, 1)  # [n, H, D]
+    return torch.matmul(probs, keys.unsqueeze(1)).transpose(1, 2)

@@ -1,9 +1,9 @@
 """The DeepSeek-V4 decoder: mHC streams around compressed attention and a sqrt-softplus MoE, over the paged cache.
 
 A layer collapses the token's ``hc_mult`` residual streams into the attention's input (``hyper_connections``),
-runs :class:`attention_v4.V4Attention` over its paged caches (``v4_paged_cache``; projections over the whole
-step, attention sequence by sequence), spreads the output back over the streams, and does the same around the
-MoE. The MoE's first layers route by token id (``tid2eid``), so the step's token ids ride on the attention
+runs :class:`attention_v4.V4Attention` over its paged caches (``v4_paged_step``: projections and writes over
+the whole step, a decode step's sequences attended together), spreads the output back over the streams, and
+does the same around the MoE. The MoE's first layers route by token id (``tid2eid``), so the step's token ids ride on the attention
 metadata. Norms keep fp32 weights, as the reference keeps them. Multi-token-prediction layers are not loaded
 (``strata ops`` says so).
 """
@@ -23,7 +23,7 @@ from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.hyper_connections import HyperConnection, HyperHead, expand
 from strata.pipeline.models.moe import Router, SparseMoE
 from strata.pipeline.models.text_config import TextConfig
-from strata.pipeline.models.v4_paged_cache import PagedV4Cache
+from strata.pipeline.models.v4_paged_step import PagedV4Step
 
 
 class FP32Norm(nn.Module):
@@ -103,9 +103,10 @@ class V4DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         post, comb, collapsed = self.attn_hc(streams)
         h = self.input_layernorm(collapsed)
-        spans = [V4Span(seq_len - rows, rows, PagedV4Cache(kv, meta, i, self.layer_idx, self.c), meta.prompt_len(i))
+        spans = [V4Span(seq_len - rows, rows, meta.prompt_len(i))
                  for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list))]
-        streams = expand(streams, self.sum_partial(self.self_attn(h, spans)), post, comb)
+        attended = self.self_attn(h, spans, PagedV4Step(kv, meta, self.layer_idx, self.c))
+        streams = expand(streams, self.sum_partial(attended), post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         assert meta.token_ids is not None, "DeepSeek-V4's hash layers route by the step's token ids"
         out = self.mlp(self.post_attention_layernorm(collapsed), meta.token_ids, self.first_expert)

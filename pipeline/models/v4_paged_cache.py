@@ -18,12 +18,12 @@ from strata.pipeline.models.compressed_attention_config import CompressedAttenti
 
 
 class PagedV4Cache:
-    """Sequence ``seq`` of the step, model layer ``layer``: the :class:`attention_v4.V4Cache` calls."""
+    """Sequence ``seq`` of the step, model layer ``layer``: the :class:`attention_v4.V4Cache` calls (the step's
+    writes are ``v4_paged_step``'s)."""
 
     def __init__(self, kv: list[torch.Tensor], meta: AttentionMetadata, seq: int, layer: int,
                  cfg: CompressedAttentionConfig) -> None:
         self.kv, self.meta, self.seq, self.layer = kv, meta, seq, layer
-        self.rows = slice(int(meta.query_start_loc[seq]), int(meta.query_start_loc[seq + 1]))
         rate = cfg.compress[layer]
         self.rate = rate
         self._projection: dict[str, tuple[int, int, int]] = {}
@@ -38,12 +38,6 @@ class PagedV4Cache:
             if self.sparse:
                 self._entries["indexer"] = cfg.index_layer(layer)
 
-    def _write(self, layer: int, values: torch.Tensor, lo: int, hi: int) -> None:
-        """This step's rows of the sequence into KV-layout ``layer``, values [rows, width] at columns lo..hi."""
-        m = self.meta.for_layer(layer)
-        blocks, offsets = m.slot_blocks[self.rows], m.slot_offsets[self.rows]
-        self.kv[layer][blocks, 0, offsets, 0, lo:hi] = values.to(self.kv[layer].dtype)
-
     def _read(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Positions start..end-1 of a window group's layer [n, width]: they must be inside its window."""
         m = self.meta.for_layer(layer)
@@ -54,23 +48,23 @@ class PagedV4Cache:
         blocks = m.block_tables[self.seq, torch.div(positions - offset, bs, rounding_mode="floor")].long()
         return self.kv[layer][blocks, 0, positions % bs, 0]
 
-    def write_kv(self, first: int, kv: torch.Tensor) -> None:
-        self._write(self.layer, kv, 0, kv.shape[-1])
-
     def read_kv(self, start: int, end: int) -> torch.Tensor:
         return self._read(self.layer, start, end)
-
-    def write_projections(self, name: str, first: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        lo, mid, hi = self._projection[name]
-        self._write(self.projection_layer, kv, lo, mid)
-        self._write(self.projection_layer, gate, mid, hi)
 
     def read_projections(self, name: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         lo, mid, hi = self._projection[name]
         values = self._read(self.projection_layer, start, end)
         return values[:, lo:mid], values[:, mid:hi]
 
-    def _entry_places(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def projection_columns(self, name: str) -> tuple[int, int, int]:
+        """Where ``name``'s value and gate sit in the layer's per-token vectors: (start, split, end)."""
+        return self._projection[name]
+
+    def entry_layer(self, name: str) -> int:
+        """The KV-layout layer that holds ``name``'s entries."""
+        return self._entries[name]
+
+    def entry_places(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block position in the sequence, row in the block) of entries ``ids``."""
         bs, m = self.meta.block_size, self.rate
         closing = (ids + 1) * m - 1  # the token that closes each entry's window
@@ -78,7 +72,7 @@ class PagedV4Cache:
         return torch.div(closing, bs, rounding_mode="floor"), rows
 
     def write_entries(self, name: str, first: int, entries: torch.Tensor) -> None:
-        blocks, rows = self._entry_places(torch.arange(first, first + entries.shape[0], device=entries.device))
+        blocks, rows = self.entry_places(torch.arange(first, first + entries.shape[0], device=entries.device))
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
         ids = self.meta.block_tables[self.seq, blocks - resident].long()
         cache = self.kv[self._entries[name]]
@@ -89,7 +83,7 @@ class PagedV4Cache:
         step reads the layer whole (indexer keys, HCA entries), else loaded a run of blocks at a time, only those
         holding one of them. A CSA layer's reads are counted (``kvstore.sparse_reads``)."""
         layer = self._entries[name]
-        blocks, rows = self._entry_places(ids)
+        blocks, rows = self.entry_places(ids)
         cache = self.kv[layer]
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
         out = cache.new_empty((len(ids), cache.shape[-1]))

@@ -14,6 +14,10 @@ context, with what it compared:
 * the share of spilled blocks whose latents a step read (the rest stayed in the host tier);
 * the device pool's bytes (the same at every length) against the context's KV;
 * whether the answer is the one an engine with every block on the device gives (``--check-all-device``).
+
+With ``--decode-batches`` it measures instead how decode scales with the batch: decode tok/s of both tiny models
+at each batch size (64-token prompts, 32 tokens decoded, all on the device, the two engines interleaved round by
+round, medians of 3), each batch's rate against batch 1's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-blocks", type=int, default=256, help="device pool, in 16-token blocks")
     p.add_argument("--topk", type=int, default=64, help="tokens each query's indexer keeps")
     p.add_argument("--check-all-device", action="store_true", help="also run every context all on the device")
+    p.add_argument("--decode-batches", nargs="+", type=int,
+                   help="instead: decode tok/s of both tiny models at these batch sizes, side by side")
     p.add_argument("--json", type=Path)
 
 
@@ -72,9 +78,39 @@ def _per_step(counters: list[dict[str, int]]) -> dict[str, float]:
     return out
 
 
+def _decode_batches(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode tok/s of the tiny DSA and DeepSeek-V4 models at ``args.decode_batches``, interleaved."""
+    from strata.bench.engine_rates import measure_rates
+    from strata.checkpoints.tiny_text_models import build_tiny_text_model
+    from strata.pipeline.contract.config import EngineConfig
+    from strata.stages.factory import build_engine
+
+    models = ["deepseek_v32", "deepseek_v4"]
+    print(f"# sparse: decode tok/s by batch size, tiny {' and '.join(models)} (fp32, all on the device, "
+          f"{torch.get_num_threads()} threads), 64-token prompts, 32 tokens decoded, the engines interleaved")
+    rows: dict[str, Any] = {m: {} for m in models}
+    with tempfile.TemporaryDirectory(prefix="strata-sparse-") as tmp:
+        engines = {m: build_engine(build_tiny_text_model(m, Path(tmp) / m), EngineConfig(max_model_len=512))
+                   for m in models}
+        rates = argparse.Namespace(batches=args.decode_batches, prompt_len=64, output_len=32, prefill_len=256,
+                                   repeats=3)
+        measure_rates(engines, rates, 500, rows)
+    for m, row in rows.items():
+        base = row[f"decode_b{args.decode_batches[0]}_tok_s"]
+        print(f"  {m:>13}: " + "; ".join(f"batch {b}: {row[f'decode_b{b}_tok_s']:7.1f} tok/s "
+                                          f"({row[f'decode_b{b}_tok_s'] / base:.2f}x batch {args.decode_batches[0]})"
+                                          for b in args.decode_batches))
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from strata.checkpoints.tiny_text_models import build_tiny_text_model
 
+    if args.decode_batches:
+        rows = _decode_batches(args)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="strata-sparse-") as tmp:
         longest = max(args.contexts) + 64

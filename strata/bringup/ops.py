@@ -119,8 +119,9 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
                          "KV + shared RoPE key)", MISSING)
     if parsed is not None and parsed.compressed is not None:
         return Component("attention", parsed.attention.describe(parsed),
-                         "pipeline.models.attention_v4 (torch, a sequence at a time) over kernels.compress_kv; the "
-                         "window, the projections and the entries are cache groups of their own")
+                         "pipeline.models.attention_v4 (torch; a decode step's sequences together, prefill a sequence "
+                         "at a time) over kernels.compress_kv; the window, the projections and the entries are cache "
+                         "groups of their own")
     if parsed is not None and parsed.dsa is not None:
         return Component("attention", parsed.attention.describe(parsed),
                          "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents) with "
