@@ -42,8 +42,6 @@ def check_compressed_attention(engine: Any) -> None:
     """What DeepSeek-V4 does not run with yet, refused in one line before it loads."""
     from strata.pipeline.models.config_errors import ModelConfigError
 
-    if engine.kv_cache_dtype != "auto":
-        raise ModelConfigError("DeepSeek-V4 needs kv_cache_dtype auto: its pooled entries have no FP8 scales yet")
     if engine.compile:
         raise ModelConfigError("DeepSeek-V4 runs eager (compile: false)")
 

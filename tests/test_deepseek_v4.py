@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import (SPECULATIVE, assert_preemption_recomputes_the_same, build, greedy, tokens_through_handoff,
                      transformers_greedy)
@@ -111,6 +112,33 @@ def test_a_decode_batch_counts_the_reads_the_one_by_one_path_counts(v4: Path, mo
     assert counted == alone.kv.stats()["sparse_reads"] and counted["latent_bytes_device"] > 0
 
 
+def test_a_spilled_block_lost_mid_request_is_recomputed_not_served(v4: Path, tmp_path: Path) -> None:
+    """A spilled block the request still reads (its entries, and on CSA its indexer keys) truncated on the host
+    tier and gone from the device: the read finds it corrupt, the sequence is preempted and recomputed, and the
+    answer is the all-on-device one."""
+    prompt = "Tell me the whole story of the sea and the stars, from the start. " * 12
+    expected = build(v4).generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0]
+    engine = build(v4, num_kv_blocks=12, prefill_chunk_tokens=32, host_kv_blocks=300,
+                   host_kv_dir=str(tmp_path / "host"))
+    rid = engine.add_request(prompt=prompt, params=greedy(10, ignore_eos=True))
+    host, damaged, tokens = engine.kv.lower.top, False, []
+    while engine.has_unfinished():
+        tokens += [o.token_id for o in engine.step() if o.request_id == rid]
+        seq = engine._requests.get(rid)
+        if not damaged and seq is not None and seq.block_table.num_spilled > 4:
+            lost = seq.block_hashes[1]
+            path = Path(host.files.path(lost))
+            path.write_bytes(path.read_bytes()[:-8])
+            pool = engine.kv.pool
+            if (victim := pool.lookup(lost)) is not None:  # the device cannot serve it either
+                pool._by_hash.pop(lost)
+                pool._hash[victim] = None
+            damaged = True
+    assert damaged and host.counters["corrupt"] >= 1
+    assert engine.core.scheduler.num_preemptions >= 1
+    assert tokens == expected.output_token_ids
+
+
 def test_the_hand_off_carries_every_cache(v4: Path, tmp_path: Path) -> None:
     engine = build(v4)
     want = engine.generate([{"prompt": PROMPTS[1], "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
@@ -152,11 +180,54 @@ def test_tp2_equals_tp1(v4: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("setting, words", [
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype auto"),
     (dict(compile=True), "eager"), (dict(speculative={"method": "mtp", "num_speculative_tokens": 1}), "use ngram")])
 def test_what_it_does_not_run_with_yet_is_refused_in_one_line(setting: dict, words: str, v4: Path) -> None:
     with pytest.raises(ModelConfigError, match=words):
         build(v4, **setting)
+
+
+def test_an_fp8_cache_holds_full_precision_rounded_to_e4m3(v4: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_cache_dtype: fp8``: the window's K=V, the projections, the entries and the indexer keys are stored as
+    e4m3 over their KV-layout layer's scale, every read widened. The logits equal a full-precision cache's whose
+    writes are rounded to e4m3 at the same scales. With a context four times the device pool, the blocks read
+    back from the host tier and the device's copies of spilled keys widen alike: the answer is the all-on-device
+    FP8 cache's. Two ranks (each calibrating its replicated caches) answer as one."""
+    from strata.bringup.teacher_forced import sequence_logits
+    from strata.pipeline.models.v4_paged_cache import V4CacheFormat
+
+    fp8 = build(v4, kv_cache_dtype="fp8")
+    assert {t.dtype for t in fp8.kv.device_kv} == {torch.float8_e4m3fn}
+    scales = fp8.core.runner.model.layers[0].layout_scales
+    assert len(scales) == fp8.kv.layout.num_layers and len(set(scales)) > 1  # a scale of its own per layer
+    full = build(v4)
+    store = V4CacheFormat.store
+
+    def rounded(self: V4CacheFormat, layer: int, values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        e4m3 = (values.float() / scales[layer]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return (e4m3.float() * scales[layer]).to(cache_dtype)
+
+    ids = full.tokenizer.tokenizer(PROMPTS[1])["input_ids"]
+    plain = sequence_logits(full, ids)
+    monkeypatch.setattr(V4CacheFormat, "store", rounded)
+    want = sequence_logits(full, ids)
+    monkeypatch.setattr(V4CacheFormat, "store", store)
+    torch.testing.assert_close(sequence_logits(fp8, ids), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-3)  # the rounding shows
+
+    prompt = "Tell me the whole story of the sea and the stars, from the start. " * 12
+    expected = fp8.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
+    spilling = build(v4, kv_cache_dtype="fp8", num_kv_blocks=12, prefill_chunk_tokens=32, host_kv_blocks=300,
+                     host_kv_dir=str(tmp_path / "host"))
+    assert spilling.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids == expected
+    assert spilling.kv.spills.peak > 8 and spilling.kv.stats()["sparse_reads"]["latent_bytes_spilled"] > 0
+    requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
+    two = build(v4, tp=2, kv_cache_dtype="fp8", prefill_chunk_tokens=5, max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        assert [o.output_token_ids for o in two.generate(requests)] == [
+            o.output_token_ids for o in fp8.generate(requests)]
+    finally:
+        two.close()
 
 
 def test_the_planner_counts_what_the_engine_caches(v4: Path) -> None:

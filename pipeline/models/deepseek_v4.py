@@ -23,6 +23,7 @@ from strata.pipeline.models.decoder import LanguageModel
 from strata.pipeline.models.hyper_connections import HyperConnection, HyperHead, expand
 from strata.pipeline.models.moe import Router, SparseMoE
 from strata.pipeline.models.text_config import TextConfig
+from strata.pipeline.models.v4_paged_cache import V4CacheFormat
 from strata.pipeline.models.v4_paged_step import PagedV4Step
 
 
@@ -81,6 +82,7 @@ class V4DecoderLayer(nn.Module):
     """Compressed attention and the MoE, each between a collapse and an expansion of the mHC streams."""
 
     first_expert = 0  # the first routed expert this process holds (``deepseek_v4_parallel``)
+    layout_scales: tuple[float, ...] | None = None  # an FP8 cache's scale per KV-layout layer (``kv_scales``)
 
     def __init__(self, cfg: TextConfig, layer_idx: int, main_rope: RotaryEmbedding,
                  compress_rope: RotaryEmbedding) -> None:
@@ -105,7 +107,8 @@ class V4DecoderLayer(nn.Module):
         h = self.input_layernorm(collapsed)
         spans = [V4Span(seq_len - rows, rows, meta.prompt_len(i))
                  for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list))]
-        attended = self.self_attn(h, spans, PagedV4Step(kv, meta, self.layer_idx, self.c))
+        fmt = V4CacheFormat(streams.dtype, self.layout_scales)
+        attended = self.self_attn(h, spans, PagedV4Step(kv, meta, self.layer_idx, self.c, fmt))
         streams = expand(streams, self.sum_partial(attended), post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         assert meta.token_ids is not None, "DeepSeek-V4's hash layers route by the step's token ids"
@@ -137,6 +140,12 @@ class V4LanguageModel(LanguageModel):
 
     def fuse_projections(self) -> None:
         """Nothing to fuse: each projection feeds its own path."""
+
+    def set_layout_kv_scales(self, scales: list[tuple[float, float]] | None) -> None:
+        """An FP8 cache's scales (``models.kv_scales``): a layer reads and writes several KV-layout layers (its
+        window, projections, entries, indexer keys), each over its own scale (one part each: the key's)."""
+        for layer in self.layers:
+            layer.layout_scales = None if scales is None else tuple(k for k, _ in scales)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata,
                 backend: AttentionBackend, deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

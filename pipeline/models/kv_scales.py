@@ -79,6 +79,7 @@ def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: i
     meta.prompt_lens = [t]
     set_kv_scales(model, None)
     ids = torch.tensor(token_ids, device=device)
+    meta.token_ids = ids  # DeepSeek-V4's hash-routed layers
     model.forward(model.embed(ids), torch.arange(t, device=device), kv, meta, backend)
     parts = [layer.abs().amax(dim=(0, 2, 3, 4)) for layer in kv]  # [kv_parts] each
     return torch.stack([torch.stack([p[0], p[-1]]) for p in parts]).float().cpu()
@@ -91,7 +92,11 @@ def scales_from_amax(amax: torch.Tensor) -> list[tuple[float, float]]:
 
 def set_kv_scales(model: torch.nn.Module, scales: list[tuple[float, float]] | None) -> None:
     """Give each layer's attention its (key, value) scales, and a DSA indexer its keys' scale (the row of its
-    KV-layout layer); None: a cache in the model's own dtype."""
+    KV-layout layer); None: a cache in the model's own dtype. A model whose layers read several KV-layout layers
+    each (DeepSeek-V4) takes the whole list."""
+    if (by_layout := getattr(model, "set_layout_kv_scales", None)) is not None:
+        by_layout(scales)
+        return
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         attn.kv_scales = None if scales is None else scales[i]

@@ -11,10 +11,34 @@ or disk tier, what every step reads whole (indexer keys, HCA entries) comes from
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from strata.kernels import AttentionMetadata
+from strata.kernels.cache_ops import FP8_MAX
 from strata.pipeline.models.compressed_attention_config import CompressedAttentionConfig
+
+
+@dataclass(frozen=True)
+class V4CacheFormat:
+    """How the caches hold values: in ``dtype`` (the model's), or in an FP8 cache as e4m3 over the scale of their
+    KV-layout layer (``scales``: one per layer, powers of two from ``models.kv_scales``), widened on read. The
+    window's K=V, the projections and the entries share one softmax or pool with values of other layers, so
+    reads widen here rather than folding scales into queries as the other attentions do."""
+
+    dtype: torch.dtype
+    scales: tuple[float, ...] | None = None
+
+    def store(self, layer: int, values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        if self.scales is None:
+            return values.to(cache_dtype)
+        return (values.float() / self.scales[layer]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+    def widen(self, layer: int, stored: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return stored.to(self.dtype)
+        return (stored.float() * self.scales[layer]).to(self.dtype)
 
 
 class PagedV4Cache:
@@ -22,8 +46,8 @@ class PagedV4Cache:
     writes are ``v4_paged_step``'s)."""
 
     def __init__(self, kv: list[torch.Tensor], meta: AttentionMetadata, seq: int, layer: int,
-                 cfg: CompressedAttentionConfig) -> None:
-        self.kv, self.meta, self.seq, self.layer = kv, meta, seq, layer
+                 cfg: CompressedAttentionConfig, fmt: V4CacheFormat) -> None:
+        self.kv, self.meta, self.seq, self.layer, self.fmt = kv, meta, seq, layer, fmt
         rate = cfg.compress[layer]
         self.rate = rate
         self._projection: dict[str, tuple[int, int, int]] = {}
@@ -46,7 +70,7 @@ class PagedV4Cache:
             raise RuntimeError(f"position {start} is before the window kept on the device (from {offset})")
         positions = torch.arange(start, end, device=m.block_tables.device)
         blocks = m.block_tables[self.seq, torch.div(positions - offset, bs, rounding_mode="floor")].long()
-        return self.kv[layer][blocks, 0, positions % bs, 0]
+        return self.fmt.widen(layer, self.kv[layer][blocks, 0, positions % bs, 0])
 
     def read_kv(self, start: int, end: int) -> torch.Tensor:
         return self._read(self.layer, start, end)
@@ -75,8 +99,8 @@ class PagedV4Cache:
         blocks, rows = self.entry_places(torch.arange(first, first + entries.shape[0], device=entries.device))
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
         ids = self.meta.block_tables[self.seq, blocks - resident].long()
-        cache = self.kv[self._entries[name]]
-        cache[ids, 0, rows, 0] = entries.to(cache.dtype)
+        layer = self._entries[name]
+        self.kv[layer][ids, 0, rows, 0] = self.fmt.store(layer, entries, self.kv[layer].dtype)
 
     def read_entries(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Entries ``ids`` [n, width]: from the device blocks; of spilled blocks, from the device's copy when every
@@ -86,10 +110,10 @@ class PagedV4Cache:
         blocks, rows = self.entry_places(ids)
         cache = self.kv[layer]
         resident = self.meta.kv_offset(self.seq) // self.meta.block_size
-        out = cache.new_empty((len(ids), cache.shape[-1]))
+        out = torch.empty((len(ids), cache.shape[-1]), dtype=self.fmt.dtype, device=cache.device)
         on_device = blocks >= resident
         table = self.meta.block_tables[self.seq, blocks[on_device] - resident].long()
-        out[on_device] = cache[table, 0, rows[on_device], 0]
+        out[on_device] = self.fmt.widen(layer, cache[table, 0, rows[on_device], 0])
         loaded, kept = 0, 0
         if not bool(on_device.all()):
             source = self.meta.spilled[self.seq] if self.meta.spilled is not None else None
@@ -98,12 +122,12 @@ class PagedV4Cache:
             spilled = ~on_device
             if self.meta.layer_mirror is not None and (name == "indexer" or not self.sparse):
                 copy, loaded = self.meta.layer_mirror.tokens(source, layer, resident)  # [resident * rows, 1, width]
-                out[spilled] = copy[blocks[spilled] * cache.shape[2] + rows[spilled], 0].to(out.dtype)
+                out[spilled] = self.fmt.widen(layer, copy[blocks[spilled] * cache.shape[2] + rows[spilled], 0])
                 kept = copy.numel() * copy.element_size() - loaded
             else:
                 loaded = self._load(source, layer, out, blocks, rows, spilled)
         if self.counted:
-            device = int(on_device.sum()) * out.shape[-1] * out.element_size() + kept
+            device = int(on_device.sum()) * out.shape[-1] * cache.element_size() + kept
             self._count(name, device, loaded, resident, blocks)
         return out
 
@@ -123,8 +147,7 @@ class PagedV4Cache:
         reads.spilled_blocks_seen += resident
         reads.spilled_blocks_read += len(torch.unique(blocks[blocks < resident]))
 
-    @staticmethod
-    def _load(source: object, layer: int, out: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor,
+    def _load(self, source: object, layer: int, out: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor,
               spilled: torch.Tensor) -> int:
         """Entries in blocks below the device, loaded a run of blocks at a time (``kernels.SpilledKV``); returns the
         bytes loaded."""
@@ -135,7 +158,7 @@ class PagedV4Cache:
                 n += 1
             k, _ = source.load(layer, first, n)
             here = spilled & (blocks >= first) & (blocks < first + n)
-            out[here] = k[blocks[here] - first, rows[here], 0].to(out.dtype)
+            out[here] = self.fmt.widen(layer, k[blocks[here] - first, rows[here], 0])
             loaded += k.numel() * k.element_size()
             i += n
         return loaded

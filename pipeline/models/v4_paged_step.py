@@ -14,23 +14,23 @@ import torch
 
 from strata.kernels import AttentionMetadata
 from strata.pipeline.models.compressed_attention_config import CompressedAttentionConfig
-from strata.pipeline.models.v4_paged_cache import PagedV4Cache
+from strata.pipeline.models.v4_paged_cache import PagedV4Cache, V4CacheFormat
 
 
 class PagedV4Step:
     """Model layer ``layer``'s caches of every sequence in the step (:class:`attention_v4.V4StepCache`)."""
 
     def __init__(self, kv: list[torch.Tensor], meta: AttentionMetadata, layer: int,
-                 cfg: CompressedAttentionConfig) -> None:
-        self.kv, self.meta, self.layer, self.cfg = kv, meta, layer, cfg
+                 cfg: CompressedAttentionConfig, fmt: V4CacheFormat) -> None:
+        self.kv, self.meta, self.layer, self.cfg, self.fmt = kv, meta, layer, cfg, fmt
 
     def sequence(self, i: int) -> PagedV4Cache:
-        return PagedV4Cache(self.kv, self.meta, i, self.layer, self.cfg)
+        return PagedV4Cache(self.kv, self.meta, i, self.layer, self.cfg, self.fmt)
 
     def _write(self, layer: int, values: torch.Tensor, lo: int, hi: int) -> None:
         """Every row of the step into KV-layout ``layer``, values [rows, width] at columns lo..hi."""
         m = self.meta.for_layer(layer)
-        self.kv[layer][m.slot_blocks, 0, m.slot_offsets, 0, lo:hi] = values.to(self.kv[layer].dtype)
+        self.kv[layer][m.slot_blocks, 0, m.slot_offsets, 0, lo:hi] = self.fmt.store(layer, values, self.kv[layer].dtype)
 
     def write_kv(self, kv: torch.Tensor) -> None:
         self._write(self.layer, kv, 0, kv.shape[-1])
@@ -71,7 +71,8 @@ class PagedV4Decode:
             raise RuntimeError("a decode row's window starts before the blocks kept on the device")
         held = held.clamp(min=0)
         blocks = m.block_tables[self.seqs[:, None], torch.div(held, m.block_size, rounding_mode="floor")].long()
-        return self.step.kv[self.step.layer][blocks, 0, held % m.block_size, 0], valid
+        layer = self.step.layer
+        return self.step.fmt.widen(layer, self.step.kv[layer][blocks, 0, held % m.block_size, 0]), valid
 
     def entries(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's first ``counts`` entries, padded to the most: [B, E, width] and which exist [B, E]."""
@@ -82,16 +83,16 @@ class PagedV4Decode:
     def entries_at(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Entries ``ids`` [B, k] (non-negative) of each sequence: [B, k, width]."""
         blocks, rows = self.places.entry_places(ids)
-        cache = self.step.kv[self.places.entry_layer(name)]
+        layer = self.places.entry_layer(name)
         table = self.meta.block_tables[self.seqs[:, None], blocks].long()
-        return cache[table, 0, rows, 0]
+        return self.step.fmt.widen(layer, self.step.kv[layer][table, 0, rows, 0])
 
     def count(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
         """What a CSA layer read, in ``kvstore.sparse_reads``' counters (every block here is on the device)."""
         reads = self.meta.sparse_reads
         if reads is None or not self.places.counted:
             return
-        size = int(valid.sum()) * values.shape[-1] * values.element_size()
+        size = int(valid.sum()) * values.shape[-1] * self.step.kv[self.places.entry_layer(name)].element_size()
         if name == "indexer":
             reads.reads += len(self.seqs)
             reads.index_key_bytes_device += size

@@ -25,8 +25,10 @@ def sequence_logits(engine: Any, token_ids: list[int]) -> torch.Tensor:
     try:
         t = seq.num_tokens
         meta = runner.executor.metadata(runner.prepare([ScheduledChunk(seq, 0, t)]), [None])
+        ids = torch.tensor(seq.token_ids)
+        meta.token_ids = ids  # DeepSeek-V4's hash-routed layers
         with torch.inference_mode():
-            embeds = runner.model.embed(torch.tensor(seq.token_ids))
+            embeds = runner.model.embed(ids)
             hidden = runner.model.forward(embeds, torch.arange(t), kv.device_kv, meta, runner.backend)
             return runner.model.logits(hidden)
     finally:
