@@ -42,13 +42,15 @@ def index_scores_reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.T
     return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
 
 
-def select_topk(scores: torch.Tensor, positions: list[int], prompt_len: int, topk: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, positions: list[int], prompt_len: int | list[int], topk: int) -> torch.Tensor:
     """The tokens each row attends: int64 [rows, k] positions, -1 where a row has fewer (k = ``topk`` or less),
-    from ``scores`` [rows, tokens] of rows at absolute ``positions`` (ascending) of a sequence whose prompt is
-    ``prompt_len`` tokens. A row's top-k is taken over ``max(prompt_len, position + 1)`` entries, later ones at
-    -inf (see the module's docstring); a choice past the row's own position is no choice."""
+    from ``scores`` [rows, tokens] of rows at absolute ``positions`` of a sequence whose prompt is ``prompt_len``
+    tokens (or of one row each of several sequences: a prompt length per row; their scores past a row's own
+    position may be anything). A row's top-k is taken over ``max(prompt_len, position + 1)`` entries, later ones
+    at -inf (see the module's docstring); a choice past the row's own position is no choice."""
     rows, tokens = scores.shape
-    lengths = [max(prompt_len, p + 1) for p in positions]
+    prompts = prompt_len if isinstance(prompt_len, list) else [prompt_len] * rows
+    lengths = [max(prompt, p + 1) for prompt, p in zip(prompts, positions)]
     width = min(topk, max(lengths, default=1))
     chosen = torch.full((rows, width), -1, dtype=torch.int64, device=scores.device)
     by_length: dict[int, list[int]] = {}

@@ -172,6 +172,34 @@ def test_the_indexer_keys_cross_the_hand_off(dsa: Path, tmp_path: Path) -> None:
     assert tokens_through_handoff(dsa, config, engine, [], PROMPTS[1], greedy(10, ignore_eos=True)) == want
 
 
+def test_a_decode_step_selects_and_attends_its_resident_sequences_together(dsa: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences of one new row with every block on the device are selected and attended in one batch
+    (``dsa_decode_batch``; GLM-5's sharing layers reuse the batch's choice); the answers and the
+    ``/strata/stats`` read counters are the per-sequence path's. A sequence whose oldest blocks spilled goes
+    the per-sequence way in the same steps, and every answer is still its own."""
+    import strata.pipeline.models.attention_dsa as attention_dsa
+    requests = [{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS]
+    batched: list[int] = []
+    decode_sequences = attention_dsa.decode_sequences
+    monkeypatch.setattr(attention_dsa, "decode_sequences",
+                        lambda meta: batched.append(len(seqs := decode_sequences(meta))) or seqs)
+    together = build(dsa)
+    answers = [o.output_token_ids for o in together.generate(requests)]
+    assert max(batched) == len(PROMPTS)
+    long = {"prompt": "Tell me the whole story of the sea and the stars, from the start. " * 12,
+            "params": greedy(10, ignore_eos=True)}
+    spilling = build(dsa, num_kv_blocks=24, prefill_chunk_tokens=32, host_kv_blocks=300,
+                     host_kv_dir=str(tmp_path / "host"))
+    mixed = [o.output_token_ids for o in spilling.generate([long] + requests)]
+    assert spilling.kv.spills.peak > 0
+    monkeypatch.setattr(attention_dsa, "decode_sequences", lambda meta: [])
+    alone = build(dsa)
+    assert [o.output_token_ids for o in alone.generate(requests)] == answers
+    assert together.kv.stats()["sparse_reads"] == alone.kv.stats()["sparse_reads"]
+    assert mixed == [build(dsa).generate([r])[0].output_token_ids for r in [long] + requests]
+
+
 def test_ngram_drafts_select_as_plain_decoding(v32: Path) -> None:
     """A draft row at position p picks its top-k over the p + 1 tokens before it, as one decode step would."""
     from helpers import SPECULATIVE

@@ -22,6 +22,7 @@ from torch import nn
 from strata.kernels import AttentionBackend, AttentionMetadata, linear, rms_norm, rotate_heads, write_cache
 from strata.kernels.sparse_index import index_scores, select_topk, sparse_latent_attention
 from strata.kvstore.sparse_reads import SparseReads
+from strata.pipeline.models.dsa_decode_batch import chosen_latents, choose_together, count_together, decode_sequences
 from strata.pipeline.models.attention_mla import LATENT_NORM_EPS, MLAAttention
 from strata.pipeline.models.text_config import TextConfig
 
@@ -101,10 +102,17 @@ class DSAAttention(MLAAttention):
         if s is not None:  # softmax(q.(s c)) = softmax((s q).c); the output is s times the stored values'
             q = q * s
         out = q.new_empty(q.shape[0], self.num_heads, self.rank)
-        start = 0
+        together = decode_sequences(meta)
+        if together:
+            at = meta.query_start_loc[together]
+            out[at] = self._decode_together(together, q[at], cache, keys if self.runs_indexer else None,
+                                            (iq[at], weights[at]) if self.runs_indexer else None, meta)
+        start, skip = 0, set(together)
         for i, (rows, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
             r = slice(start, start + rows)
             start += rows
+            if i in skip:
+                continue
             if self.runs_indexer:  # stored FP8 keys score 1/s of their values: a power of two, the same top-k
                 context, key_device, key_spilled = gather_context(keys, meta, i, self.index_layer, seq_len)
                 chosen = self._select(iq[r], weights[r], context[:, 0].to(iq.dtype), seq_len, meta.prompt_len(i))
@@ -124,6 +132,24 @@ class DSAAttention(MLAAttention):
         if s is not None:
             out = out * s
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1).contiguous()
+
+    def _decode_together(self, seqs: list[int], q: torch.Tensor, cache: torch.Tensor, keys: torch.Tensor | None,
+                         index_q: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
+        """The rows of ``seqs`` (one each, every block on the device: ``dsa_decode_batch``) selected and attended
+        together: [B, H, rank]."""
+        if keys is not None and index_q is not None:
+            chosen = choose_together(*index_q, keys, meta, seqs, self.indexer.head_dim**-0.5, self.indexer.topk)
+            for j, i in enumerate(seqs):
+                meta.prepared[("dsa", i)] = chosen[j : j + 1]  # for the layers after it that share its choice
+        else:
+            parts = [meta.prepared[("dsa", i)] for i in seqs]
+            width = max(p.shape[1] for p in parts)
+            chosen = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+        latents = chosen_latents(cache, meta, seqs, chosen)
+        if meta.sparse_reads is not None:
+            key_bytes = keys[0, 0].numel() * keys.element_size() if keys is not None else 0
+            count_together(meta, seqs, chosen, key_bytes, cache[0, 0].numel() * cache.element_size())
+        return sparse_latent_attention(q, latents, chosen >= 0, self.rank, self.scale)
 
     def _select(self, iq: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_len: int,
                 prompt_len: int) -> torch.Tensor:

@@ -124,7 +124,8 @@ def _attention(tc: dict[str, Any], family: TextFamily | None, parsed: TextConfig
                          "groups of their own")
     if parsed is not None and parsed.dsa is not None:
         return Component("attention", parsed.attention.describe(parsed),
-                         "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents) with "
+                         "pipeline.models.attention_dsa (weight-absorbed, over the chosen latents; a decode step's "
+                         "sequences together) with "
                          "kernels.sparse_index (torch; fused C++ on CPU, Triton on CUDA); indexer keys a cache group of their own")
     if parsed is not None and parsed.mla is not None:
         return Component("attention", parsed.attention.describe(parsed),
