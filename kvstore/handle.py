@@ -26,7 +26,9 @@ class KVHandle(msgspec.Struct, tag_field="kind", tag="kv_handle"):
     on the device, valid inside the pool named ``pool_id``. A consumer on another pool
     resolves full blocks by hash through the host/disk tiers and recomputes the partial
     tail (fewer than ``block_size`` tokens) itself. ``fingerprint`` names the model, dtype and KV
-    layout the blocks were written with (``hashing.model_fingerprint``): nothing else reads them.
+    layout the blocks were written with (``hashing.model_fingerprint``): nothing else reads them. ``model_key``
+    is the same without an FP8 cache's scales: a consumer of the same model whose node calibrated other scales
+    cannot read the blocks either, but may recompute the prompt (``same_model_other_scales``).
     """
 
     VERSION: ClassVar[int] = HANDLE_VERSION
@@ -38,6 +40,7 @@ class KVHandle(msgspec.Struct, tag_field="kind", tag="kv_handle"):
     pool_id: str
     tail_block: int | None = None  # block id of the partial tail (owned by the handle's holder)
     num_spilled: int = 0
+    model_key: bytes = b""  # empty from a producer that predates it: a mismatch is then an error
     v: Literal[3] = 3
 
     def check(self, fingerprint: bytes) -> "KVHandle":
@@ -45,6 +48,11 @@ class KVHandle(msgspec.Struct, tag_field="kind", tag="kv_handle"):
         if self.fingerprint != fingerprint:
             raise HandleError("KV handle was made for another model (fingerprint mismatch)")
         return self
+
+    def same_model_other_scales(self, fingerprint: bytes, model_key: bytes) -> bool:
+        """Whether the blocks are the consumer's model, dtype and layout, written over other FP8 scales (two nodes
+        calibrate each their own): unreadable here, though the prompt is this model's to recompute."""
+        return self.fingerprint != fingerprint and bool(self.model_key) and self.model_key == model_key
 
     def to_bytes(self) -> bytes:
         return _encoder.encode(self)

@@ -59,6 +59,7 @@ class TieredKVCache:
         self.layout = layout or pool.layout
         self.blocks = blocks or DeviceBlocks(pool)
         self.fingerprint = fingerprint
+        self.model_key = fingerprint  # the fingerprint without an FP8 cache's scales (set by the factory)
         self.staging_blocks = staging_blocks
         self.reader = SpilledReader(pool, lower, self.layout, staging_blocks)  # attention over spilled blocks
         self.spills = SpillLedger(lower)
@@ -170,7 +171,7 @@ class TieredKVCache:
         resident_full = table.num_full_blocks() - table.num_spilled
         tail = table.block_ids[resident_full] if len(table.block_ids) > resident_full else None
         handle = KVHandle(  # block_hashes: the published blocks (all full ones when prefix caching is on)
-            fingerprint=self.fingerprint, num_tokens=table.num_tokens,
+            fingerprint=self.fingerprint, model_key=self.model_key, num_tokens=table.num_tokens,
             block_hashes=list(table.hashes), block_ids=list(table.block_ids[:resident_full]),
             pool_id=self.pool.pool_id, tail_block=tail, num_spilled=table.num_spilled,
         )

@@ -69,6 +69,7 @@ class DecodeService:
         pool = kv.pool.stats()
         return {"running": self.decoder.num_running, "kv_occupancy": pool["in_use"] / pool["total"], "kv": kv.stats(),
                 "preemptions": self.decoder.scheduler.num_preemptions, "handoff_tokens": dict(self.decoder.handoff_tokens),
+                "handoff_other_scales_tokens": self.decoder.other_scales_tokens,
                 "kv_transfer_blocks": dict(self.puller.counts) if self.puller is not None else {},
                 "tp": self.decoder.core.runner.tp_size, "threads": torch.get_num_threads(),
                 **speculation_stats(self.decoder.core)}

@@ -18,8 +18,10 @@ class Decoder:
         self.scheduler = core.scheduler
         self.kv = core.scheduler.kv
         # Tokens of handed-over sequences this decoder took over with their KV, and those it had to
-        # recompute (a block missing from the host tier, no room, or no shipped tail).
+        # recompute (a block missing from the host tier, no room, no shipped tail, or FP8 KV written over
+        # another node's scales).
         self.handoff_tokens = {"adopted": 0, "recomputed": 0}
+        self.other_scales_tokens = 0  # of the recomputed: FP8 KV another node wrote over its own scales
 
     def admit(self, seq: Sequence, kv_handle: KVHandle | None, tail_kv: bytes = b"", linear_state: bytes = b"") -> None:
         """Rebuild the sequence's block table from its handle and join the running batch. ``tail_kv``
@@ -27,6 +29,13 @@ class Decoder:
         linear-attention model's state after the prompt."""
         if kv_handle is None:
             raise HandleError("the hand-off carries no KV handle (its request finished at prefill)")
+        if kv_handle.same_model_other_scales(self.kv.fingerprint, self.kv.model_key):
+            if not self.other_scales_tokens:
+                log.warning("a prefill on another node wrote this model's FP8 KV over other scales: its prompts are "
+                            "recomputed here (give both nodes one digest cache, or the same scales record)")
+            self.other_scales_tokens += kv_handle.num_tokens
+            self._recompute(seq, kv_handle.num_tokens, "its FP8 KV was written over another node's scales")
+            return
         handle = kv_handle.check(self.kv.fingerprint)
         if handle.num_tokens != seq.num_tokens - 1:
             raise HandleError(f"handle covers {handle.num_tokens} tokens, sequence has {seq.num_tokens - 1} computed")
@@ -65,9 +74,13 @@ class Decoder:
             self.scheduler.add_running(seq)
             return
         self.kv.free(table)
+        self._recompute(seq, handle.num_tokens, "KV incomplete here")
+
+    def _recompute(self, seq: Sequence, num_tokens: int, why: str) -> None:
+        """The sequence's prompt computed again here (counted), its hand-off's KV not used."""
         seq.num_computed_tokens = 0
-        self.handoff_tokens["recomputed"] += handle.num_tokens
-        log.debug("decode %s: KV incomplete here, recomputing %d tokens", seq.request_id, handle.num_tokens)
+        self.handoff_tokens["recomputed"] += num_tokens
+        log.debug("decode %s: %s, recomputing %d tokens", seq.request_id, why, num_tokens)
         self.scheduler.add(seq)
 
     def step(self, budget: int | None = None) -> list[TokenEvent]:

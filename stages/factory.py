@@ -107,6 +107,8 @@ class LanguageStage:
                 share_kv_scales(group, shard, scales)
             self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
             self.kv = build_kv_cache(config, layout, self.fingerprint, self.tp.group, self.tp.model.plan.kv_replicas)
+            if fp8:
+                self.kv.model_key = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout)
             if cfg.text.dsa is not None or cfg.text.compressed is not None:
                 self._sparse_attention(layout, cfg.text)
             if cfg.text.linear is not None:  # its heads' part of each state here, the rest on the workers
@@ -123,6 +125,8 @@ class LanguageStage:
         # after the load: a manifest check there already read each shard, so this costs no second read
         self.fingerprint = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout, scales)
         self.kv = build_kv_cache(config, layout, self.fingerprint)
+        if fp8:  # a hand-off over another node's scales is then recomputed, not refused (``Decoder.admit``)
+            self.kv.model_key = kv_fingerprint(self.model_dir, self.model_kind, config.dtype, layout)
         if cfg.text.dsa is not None or cfg.text.compressed is not None:
             self._sparse_attention(layout, cfg.text)
         if cfg.text.linear is not None:  # linear-attention layers: state slots per running sequence, snapshots

@@ -40,6 +40,8 @@ class KVPuller:
         """Bring the hand-off's missing full blocks here; returns how many were stored."""
         if handoff.kv_handle is None:  # the request finished at prefill: nothing to bring
             return 0
+        if handoff.kv_handle.same_model_other_scales(self.kv.fingerprint, self.kv.model_key):
+            return 0  # blocks over another node's FP8 scales: unreadable here, the decoder recomputes
         handle = handoff.kv_handle.check(self.kv.fingerprint)
         full = handle.block_hashes[: handle.num_tokens // self.kv.layout.block_size]
         missing = await self._on_loop(lambda: missing_blocks(self.lower, full))

@@ -177,6 +177,48 @@ def test_tp2_and_the_hand_off_carry_an_fp8_cache(kind: str, text_models, llama_d
     assert tokens_through_handoff(model, config, one, [], reqs[1]["prompt"], greedy(8)) == expected[1]
 
 
+def test_a_hand_off_over_another_nodes_scales_is_recomputed_not_refused(llama_dir: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill and a decode on two nodes each calibrate their own scales; when they differ, the decode
+    cannot read the prefill's FP8 blocks, but the prompt is its own model's: it recomputes it (counted, and
+    warned once) and answers as it does alone. A handle of another model is still refused."""
+    import asyncio
+    import json
+
+    from strata.kvstore import HandleError
+    from strata.pipeline.contract.handoff import Handoff
+    from strata.stages.factory import build_decode_service, build_prefill_service
+
+    monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path / "digests"))
+    config = EngineConfig(kv_cache_dtype="fp8", host_kv_blocks=512, host_kv_dir=str(tmp_path / "host"))
+    prefill = build_prefill_service(llama_dir, config)
+    (record,) = (tmp_path / "digests" / "kv-scales").glob("*.json")
+    record.write_text(json.dumps([[k * 2, v] for k, v in json.loads(record.read_text())]))  # the other node's
+    decode = build_decode_service(llama_dir, config)
+    engine = build(llama_dir, kv_cache_dtype="fp8")  # reads the decode node's record
+    expected = engine.generate([{"prompt": PROMPT, "params": greedy(8)}])[0].output_token_ids
+
+    async def through(handoff: Handoff) -> list[int]:
+        tokens = [handoff.first.token_id]
+        async for batch in decode.generate(handoff):
+            tokens += [e.token_id for e in batch]
+        return tokens
+
+    try:
+        handoff = Handoff.from_msgpack(asyncio.run(prefill.prefill(engine.prepare("h", greedy(8), [], prompt=PROMPT)))
+                                       .to_msgpack())
+        assert handoff.kv_handle.fingerprint != decode.decoder.kv.fingerprint
+        assert asyncio.run(through(handoff)) == expected
+        stats = asyncio.run(decode.stats())
+        assert stats["handoff_other_scales_tokens"] == stats["handoff_tokens"]["recomputed"] > 1000
+        handoff.kv_handle.model_key = b"another model"
+        with pytest.raises(HandleError, match="another model"):
+            asyncio.run(through(handoff))
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_stats_and_layout_count_one_byte_a_value(llama_dir: Path) -> None:
     fp8, bf16 = build(llama_dir, kv_cache_dtype="fp8"), build(llama_dir, dtype="bfloat16")
     stats = fp8.kv.stats()
