@@ -100,11 +100,25 @@ def test_a_decode_step_reads_resident_sequences_together_and_spilled_ones_alone(
 
 
 def test_a_decode_batch_counts_the_reads_the_one_by_one_path_counts(v4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``/strata/stats``' sparse-read counters do not depend on how a step's sequences were read."""
+    """``/strata/stats``' sparse-read counters do not depend on how a step's sequences were read, nor do the
+    answers on how many rows a batch may pad (``DECODE_BATCH_VALUES``, which bounds a batch at long contexts)."""
+    import strata.pipeline.models.attention_v4 as attention_v4
     from strata.pipeline.models.v4_paged_step import PagedV4Step
     requests = [{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS]
     together = build(v4)
     answers = [o.output_token_ids for o in together.generate(requests)]
+    sizes: dict[bool, set[int]] = {True: set(), False: set()}  # by whether the layer has entries, batch sizes
+    decode_batch = PagedV4Step.decode_batch
+
+    def recorded(self: PagedV4Step, seqs: list[int]):
+        sizes[bool(self.cfg.compress[self.layer])].add(len(seqs))
+        return decode_batch(self, seqs)
+
+    monkeypatch.setattr(PagedV4Step, "decode_batch", recorded)
+    monkeypatch.setattr(attention_v4, "DECODE_BATCH_VALUES", 1)
+    assert [o.output_token_ids for o in build(v4).generate(requests)] == answers
+    assert sizes == {True: {1}, False: {len(PROMPTS)}}  # a window-only layer pads no entries
+    monkeypatch.setattr(attention_v4, "DECODE_BATCH_VALUES", 1 << 24)
     monkeypatch.setattr(PagedV4Step, "batchable", lambda self, i: False)
     alone = build(v4)
     assert [o.output_token_ids for o in alone.generate(requests)] == answers
@@ -219,7 +233,8 @@ def test_an_fp8_cache_holds_full_precision_rounded_to_e4m3(v4: Path, tmp_path: P
     expected = fp8.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
     spilling = build(v4, kv_cache_dtype="fp8", num_kv_blocks=12, prefill_chunk_tokens=32, host_kv_blocks=300,
                      host_kv_dir=str(tmp_path / "host"))
-    assert spilling.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids == expected
+    got = spilling.generate([{"prompt": prompt, "params": greedy(10, ignore_eos=True)}])[0].output_token_ids
+    assert got == expected
     assert spilling.kv.spills.peak > 8 and spilling.kv.stats()["sparse_reads"]["latent_bytes_spilled"] > 0
     requests = [{"prompt": p, "params": greedy(12, ignore_eos=True)} for p in PROMPTS]
     two = build(v4, tp=2, kv_cache_dtype="fp8", prefill_chunk_tokens=5, max_num_batched_tokens=24, max_num_seqs=4)

@@ -28,6 +28,9 @@ from strata.kernels.compress_kv import pool_windows, rms_norm_fp32_weight, rms_n
     tail_rope_cos_sin
 
 
+DECODE_BATCH_VALUES = 1 << 24  # values a decode batch's padded entry reads may hold (64 MiB in fp32)
+
+
 @dataclass(frozen=True)
 class V4Geometry:
     """One DeepSeek-V4 attention layer's shape, from its config."""
@@ -225,24 +228,43 @@ class V4Attention(nn.Module):
             cache.write_projections(name, *inputs[:2])
         starts = torch.tensor([0] + [s.rows for s in spans]).cumsum(0).tolist()
         decode = [i for i, s in enumerate(spans) if s.rows == 1 and cache.batchable(i)]
-        batch, together = (cache.decode_batch(decode) if decode else None), set(decode)
+        together = set(decode)
         out = torch.empty_like(q)
         for i, s in enumerate(spans):
             if i not in together:
                 rows = slice(starts[i], starts[i] + s.rows)
                 mine = {name: tuple(t[rows] for t in inputs) for name, inputs in pooled.items()}
                 out[rows] = self._attend_one(s, cache.sequence(i), q[rows], positions[rows], mine)
-        if batch is not None:
-            rows = torch.tensor([starts[i] for i in decode], device=h.device)
+        for batch in self._decode_groups(decode, spans):
+            rows = torch.tensor([starts[i] for i in batch], device=h.device)
             mine = {name: tuple(t[rows] for t in inputs) for name, inputs in pooled.items()}
             closing = [cache.sequence(i) if g.compress and (spans[i].first + 1) % g.compress == 0 else None
-                       for i in decode]
-            out[rows] = self._attend_decode(batch, [spans[i] for i in decode], closing, q[rows], positions[rows], mine)
+                       for i in batch]
+            out[rows] = self._attend_decode(cache.decode_batch(batch), [spans[i] for i in batch], closing, q[rows],
+                                            positions[rows], mine)
         out = rope_tail(out, cos, -sin)
         grouped = out.reshape(n, g.o_groups, -1).transpose(0, 1)  # [groups, n, heads * dim / groups]
         w = self.o_a_proj.weight.view(g.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
         mixed = torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1)
         return linear(mixed, self.o_b_proj.weight)
+
+    def _decode_groups(self, decode: list[int], spans: Sequence[V4Span]) -> list[list[int]]:
+        """The one-row sequences in batches whose padded reads stay bounded: a batch pads every row's entries
+        (and on CSA its indexer scores, [rows, heads, entries] in fp32) to its longest context's, so at a
+        million tokens a batch holds as many rows as ``DECODE_BATCH_VALUES`` allows."""
+        g = self.g
+        per_entry = (g.index_heads + g.index_dim) if g.sparse else g.head_dim
+        groups: list[list[int]] = []
+        longest = 0
+        for i in decode:
+            entries = (spans[i].first + 1) // g.compress if g.compress else 0
+            if groups and max(longest, entries) * per_entry * (len(groups[-1]) + 1) <= DECODE_BATCH_VALUES:
+                groups[-1].append(i)
+                longest = max(longest, entries)
+            else:
+                groups.append([i])
+                longest = entries
+        return groups
 
     def _projections(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> dict[str, tuple[torch.Tensor, ...]]:
