@@ -56,8 +56,9 @@ def add_bench_commands(bench: argparse._SubParsersAction) -> None:
          "MTP pays, identical greedy answers", mtp_cost),
         ("linear", "linear attention in a hybrid: decode TPOT against context, a layer's decode step against full "
          "attention, chunked prefill against transformers, memory per sequence at 128K and 1M", linear_attention),
-        ("sparse", "DSA sparse attention over contexts far past the device tier: decode TPOT, bytes read per step "
-         "from the device and the host tier, the share of spilled blocks touched", sparse_attention),
+        ("sparse", "sparse attention (DSA, DeepSeek-V4) over contexts far past the device tier: decode TPOT, bytes "
+         "read per step from the device and the host tier, the share of spilled blocks touched; or decode tok/s "
+         "by batch size (--decode-batches)", sparse_attention),
         ("mla", "one MLA decode step: weight-absorbed latent attention vs the expanded form, 4K and 32K", mla),
         ("soak", "a long mixed run with disconnects: RSS per replica and KV blocks back to baseline", soak),
         ("serve", "load a running server: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots", load_bench),
