@@ -22,8 +22,8 @@ from torch import nn
 from strata.kernels import AttentionBackend, AttentionMetadata, linear, rms_norm, rotate_heads, write_cache
 from strata.kernels.sparse_index import index_scores, select_topk, sparse_latent_attention
 from strata.kvstore.sparse_reads import SparseReads
-from strata.pipeline.models.dsa_decode_batch import chosen_latents, choose_together, count_together, decode_sequences
 from strata.pipeline.models.attention_mla import LATENT_NORM_EPS, MLAAttention
+from strata.pipeline.models.dsa_decode_batch import chosen_latents, choose_together, count_together, decode_sequences
 from strata.pipeline.models.text_config import TextConfig
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's key LayerNorm

@@ -9,9 +9,11 @@ indexer scores on a compressed sparse (CSA) layer. One softmax spans both with a
 output's rope dims are rotated back by the query's position (the values carried their keys' rotation), and
 a grouped low-rank projection (``o_a_proj`` per group of heads, then ``o_b_proj``) returns to the hidden size.
 
-What a layer keeps per sequence is read and written through :class:`V4Cache`: the window's KV, the
-compressor's per-token projections (an entry is pooled when its window's last token arrives, from that window
-and, on CSA, the one before it) and the entries. Parameters keep the release's names.
+What a layer keeps per sequence (the window's KV, the compressor's per-token projections, from which an entry
+is pooled when its window's last token arrives, from that window and, on CSA, the one before it, and the
+entries) is written for the whole step at once through :class:`V4StepCache`, and read a sequence at a time
+(:class:`V4Cache`) or, for a decode step's one-row sequences, as padded batches (:class:`V4DecodeReads`).
+Parameters keep the release's names.
 """
 
 from __future__ import annotations
@@ -185,8 +187,8 @@ class Indexer(Pooler):
 
 
 class V4Attention(nn.Module):
-    """One DeepSeek-V4 attention layer (sliding, CSA or HCA): projections over the whole step, attention per
-    sequence."""
+    """One DeepSeek-V4 attention layer (sliding, CSA or HCA): projections over the whole step, attention a
+    sequence at a time or, for a decode step's one-row sequences, in batches."""
 
     keep_fp32 = True  # its own tensor, the sinks (its projections are modules of their own)
 

@@ -3,9 +3,9 @@
 A layer collapses the token's ``hc_mult`` residual streams into the attention's input (``hyper_connections``),
 runs :class:`attention_v4.V4Attention` over its paged caches (``v4_paged_step``: projections and writes over
 the whole step, a decode step's sequences attended together), spreads the output back over the streams, and
-does the same around the MoE. The MoE's first layers route by token id (``tid2eid``), so the step's token ids ride on the attention
-metadata. Norms keep fp32 weights, as the reference keeps them. Multi-token-prediction layers are not loaded
-(``strata ops`` says so).
+does the same around the MoE. The MoE's first layers route by token id (``tid2eid``), so the step's token ids
+ride on the attention metadata. Norms keep fp32 weights, as the reference keeps them. Multi-token-prediction
+layers are not loaded (``strata ops`` says so).
 """
 
 from __future__ import annotations
