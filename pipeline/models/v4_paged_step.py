@@ -23,6 +23,7 @@ class PagedV4Step:
     def __init__(self, kv: list[torch.Tensor], meta: AttentionMetadata, layer: int,
                  cfg: CompressedAttentionConfig, fmt: V4CacheFormat) -> None:
         self.kv, self.meta, self.layer, self.cfg, self.fmt = kv, meta, layer, cfg, fmt
+        self.places = self.sequence(0)  # the layer's column and entry places: the same for every sequence
 
     def sequence(self, i: int) -> PagedV4Cache:
         return PagedV4Cache(self.kv, self.meta, i, self.layer, self.cfg, self.fmt)
@@ -36,10 +37,9 @@ class PagedV4Step:
         self._write(self.layer, kv, 0, kv.shape[-1])
 
     def write_projections(self, name: str, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        places = self.sequence(0)  # where the name's columns sit is the layer's, not the sequence's
-        lo, mid, hi = places.projection_columns(name)
-        self._write(places.projection_layer, kv, lo, mid)
-        self._write(places.projection_layer, gate, mid, hi)
+        lo, mid, hi = self.places.projection_columns(name)
+        self._write(self.places.projection_layer, kv, lo, mid)
+        self._write(self.places.projection_layer, gate, mid, hi)
 
     def batchable(self, i: int) -> bool:
         """Whether sequence ``i`` may join a decode batch: every block of it on the device (a sequence with
@@ -59,7 +59,7 @@ class PagedV4Decode:
         self.step, self.meta = step, meta
         self.seqs = torch.tensor(seqs, dtype=torch.int64, device=meta.block_tables.device)
         self.positions = meta.seq_lens[self.seqs] - 1  # each sequence's new row
-        self.places = step.sequence(seqs[0])  # the layer's names and rates, the same for every sequence
+        self.places = step.places
 
     def window(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's last ``size`` positions of K=V: keys [B, size, D] and which exist [B, size]."""
