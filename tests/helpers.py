@@ -351,6 +351,18 @@ def transformers_reference(model_dir: Path, prompt: str, n: int) -> tuple[list[i
     return out[0, len(ids):].tolist(), logits
 
 
+def assert_generates_as_transformers(model_dir: Path, reference: Path, prompts: list[str], n: int = 10) -> None:
+    """A quantized checkpoint's greedy tokens equal transformers' on ``reference`` (its exact dequantization), and
+    its prefill logits match within 1e-4 relative."""
+    engine = build(model_dir, prefill_chunk_tokens=8)
+    outs = engine.generate([{"prompt": p, "params": greedy(n, ignore_eos=True)} for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        tokens, logits = transformers_reference(reference, prompt, n)
+        assert out.error is None and out.output_token_ids == tokens, prompt
+        ours = prefill_logits(engine, prompt, [])
+        torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+
+
 # ---- quantized weights the kernel tests share (every layout the CPU and Triton kernels tell apart) ----
 
 def fp8_block_case(rows: int, cols: int, bm: int, bn: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

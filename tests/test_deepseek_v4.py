@@ -283,25 +283,3 @@ def test_a_block_size_the_compression_does_not_divide_is_refused(v4: Path) -> No
     """16-token entries cannot be placed in 24-token blocks (nor 24 in 16): a clear error, not a misplaced row."""
     with pytest.raises(ValueError, match="block_size 24 and a group compressed 16:1 must divide one another"):
         build(v4, block_size=24)
-
-
-def test_a_quantized_release_is_refused_before_a_weight_is_read(v4: Path, tmp_path: Path) -> None:
-    """DeepSeek-V4 ships FP8 attention and MXFP4 experts; its layers read dense weights for now, so a checkpoint
-    whose config says it is quantized is refused in one line (never read as numbers it is not), and `strata ops`
-    says the load would not take it."""
-    import json
-    import shutil
-
-    from strata.cli import main
-
-    copy = tmp_path / "v4-fp8"
-    shutil.copytree(v4, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                     "activation_scheme": "dynamic"}
-    (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelConfigError, match="DeepSeek-V4 loads unquantized"):
-        build(copy)
-    report = tmp_path / "ops.json"
-    main(["ops", "--model", str(copy), "--json", str(report)])
-    assert "DeepSeek-V4 loads unquantized" in json.loads(report.read_text())["weights"]["unchecked"]

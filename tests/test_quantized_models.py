@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_tp2_equals_tp1, build, greedy, prefill_logits, transformers_reference
+from helpers import assert_generates_as_transformers, assert_tp2_equals_tp1, build, greedy
 from safetensors.torch import load_file, save_file
 
 from strata.cli import main
@@ -27,14 +27,7 @@ NAMES = ["deepseek_v3-fp8", "kimi_k25-int4", "qwen3_moe-mxfp4", "qwen3_moe-int4-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_equals_transformers_on_the_dequantized_weights(name: str, quantized_models) -> None:
-    quantized, reference = quantized_models[name]
-    engine = build(quantized, prefill_chunk_tokens=8)
-    outs = engine.generate([{"prompt": p, "params": greedy(10, ignore_eos=True)} for p in PROMPTS])
-    for prompt, out in zip(PROMPTS, outs):
-        tokens, logits = transformers_reference(reference, prompt, 10)
-        assert out.error is None and out.output_token_ids == tokens, prompt
-        ours = prefill_logits(engine, prompt, [])
-        torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+    assert_generates_as_transformers(*quantized_models[name], PROMPTS)
 
 
 @pytest.mark.parametrize("name", NAMES)

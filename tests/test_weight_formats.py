@@ -161,6 +161,28 @@ def test_the_release_configs_parse_into_their_formats() -> None:
     assert parse_quantization({}) is None
 
 
+def test_deepseek_v4s_release_reads_fp4_experts_and_scales_named_scale() -> None:
+    """``expert_dtype: fp4`` (in the quantization_config, or at the top level as V4 ships it) makes the routed
+    experts MXFP4 bytes; every other linear with a ``scale`` beside its ``weight`` is FP8 blocks; a ``scale`` with
+    no ``weight`` beside it (an mHC parameter) is no weight's scale."""
+    from strata.pipeline.models.quant_loading import quantized_modules
+    from strata.pipeline.models.weight_formats import MXFP4
+
+    v4 = {**FP8, "scale_fmt": "ue8m0"}
+    scheme = parse_quantization({"quantization_config": v4, "expert_dtype": "fp4"})
+    assert scheme.describe() == "fp8: fp8-e4m3-block128x128, mxfp4-e2m1-group32"
+    assert parse_quantization({"quantization_config": {**v4, "expert_dtype": "fp4"}}) == scheme
+    names = [(f"layers.0.{m}", f"layers.0.{o}") for m, o in (
+        ("ffn.experts.3.w1.weight", "mlp.experts.3.w1.weight"), ("ffn.experts.3.w1.scale", "mlp.experts.3.w1.scale"),
+        ("attn.wq_a.weight", "self_attn.q_a_proj.weight"), ("attn.wq_a.scale", "self_attn.q_a_proj.scale"),
+        ("attn_hc.scale", "attn_hc.scale"))]
+    formats = quantized_modules(scheme, names)
+    assert formats == {"layers.0.mlp.experts": MXFP4("weight", "scale"),
+                       "layers.0.self_attn.q_a_proj": FP8Block(128, 128, "scale")}
+    assert parse_quantization({"quantization_config": FP8}).format_for("model.layers.0.mlp.experts.3.down_proj") == \
+        FP8Block(128, 128)  # V3's experts: FP8 like the rest
+
+
 @pytest.mark.parametrize("config, named", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not implemented"),
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not implemented"),
@@ -169,6 +191,8 @@ def test_the_release_configs_parse_into_their_formats() -> None:
     ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
     ({**FP8, "weight_block_size": None}, "without weight_block_size"),
     ({**FP8, "weight_block_size": [128, 0]}, "two positive integers"),
+    ({**FP8, "expert_dtype": "fp6"}, "fp8 expert_dtype 'fp6' is not implemented"),
+    ({**FP8, "scale_fmt": "ue5m3"}, "fp8 scale_fmt 'ue5m3' is not implemented"),
     (_ct({**INT4, "num_bits": 8}), "pack-quantized int8 group is not implemented"),
     (_ct({**INT4, "strategy": "channel"}), "pack-quantized int4 channel is not implemented"),
     (_ct({**INT4, "group_size": 0}), "positive group_size"),

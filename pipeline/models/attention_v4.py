@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import linear
+from strata.kernels.quant_weight import QuantWeight
 from strata.kernels.compress_kv import pool_windows, rms_norm_fp32_weight, rms_norm_unweighted, rope_tail, \
     tail_rope_cos_sin
 
@@ -245,10 +246,17 @@ class V4Attention(nn.Module):
             out[rows] = self._attend_decode(cache.decode_batch(batch), [spans[i] for i in batch], closing, q[rows],
                                             positions[rows], mine)
         out = rope_tail(out, cos, -sin)
-        grouped = out.reshape(n, g.o_groups, -1).transpose(0, 1)  # [groups, n, heads * dim / groups]
-        w = self.o_a_proj.weight.view(g.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
-        mixed = torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1)
-        return linear(mixed, self.o_b_proj.weight)
+        return linear(self._grouped_output(out.reshape(n, g.o_groups, -1)), self.o_b_proj.weight)
+
+    def _grouped_output(self, grouped: torch.Tensor) -> torch.Tensor:
+        """The block-diagonal first output projection: group j's heads [n, j, in] times rows ``j * rank ..``
+        of ``o_a_proj``; a quantized weight (V4's FP8 release) is multiplied group by group, in its format."""
+        g, n, w = self.g, grouped.shape[0], self.o_a_proj.weight
+        if isinstance(w, QuantWeight):
+            return torch.cat([linear(grouped[:, j], w.row_range(j * g.o_lora_rank, (j + 1) * g.o_lora_rank))
+                              for j in range(g.o_groups)], dim=-1)
+        dense = w.view(g.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
+        return torch.bmm(grouped.transpose(0, 1), dense).transpose(0, 1).reshape(n, -1)
 
     def _decode_groups(self, decode: list[int], spans: Sequence[V4Span]) -> list[list[int]]:
         """The one-row sequences in batches whose padded reads stay bounded: a batch pads every row's entries

@@ -81,14 +81,6 @@ def language_model(text: TextConfig) -> LanguageModel:
     return V4LanguageModel(text) if text.compressed is not None else LanguageModel(text)
 
 
-def check_unquantized_v4(cfg: ModelConfig) -> None:
-    """DeepSeek-V4's own modules read their weights as dense matrices: a quantized release (FP8 attention, MXFP4
-    experts) is refused in one line, before any weight is read, rather than read as numbers it is not."""
-    if cfg.text.compressed is not None and cfg.quant is not None:
-        raise ModelConfigError("DeepSeek-V4 loads unquantized (bf16 / fp32) weights for now; this checkpoint's "
-                               "quantization_config is not read by its layers yet")
-
-
 def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> LoadPlan:
     """The load of every part of the model, planned against the checkpoint's tensor names with the
     modules built on the meta device (nothing allocated, nothing read): what ``strata ops`` reports."""
@@ -96,7 +88,6 @@ def plan_model_load(model_dir: str | Path, cfg: ModelConfig | None = None) -> Lo
     if cfg.arch.fallback:
         raise ModelConfigError(f"{cfg.arch.name} loads through transformers (the fallback), which maps its own "
                                "tensor names")
-    check_unquantized_v4(cfg)
     mapping = weight_map(Path(model_dir))
     with torch.device("meta"):
         modules: dict[str, torch.nn.Module] = {"text": language_model(cfg.text)}
@@ -116,7 +107,6 @@ def load_language_model(
     if cfg.arch.fallback:
         return load_transformers_model(model_dir, cfg, dtype, device)
     check_layers_in_weights(model_dir, cfg)
-    check_unquantized_v4(cfg)
     with torch.device("meta"):
         model = language_model(cfg.text)
     stats = load_weights(model_dir, {"text": model}, dtype=dtype, device=device, arch=cfg.arch, quant=cfg.quant)
@@ -132,7 +122,6 @@ def load_parallel_language_model(
     the SHA-256 manifest (which reads whole shard files); the other ranks trust it."""
     cfg = cfg or load_model_config(model_dir)
     check_layers_in_weights(model_dir, cfg)
-    check_unquantized_v4(cfg)
     plan = ShardPlan(cfg.text, group.rank, group.size)
     with torch.device("meta"):
         model = (ParallelV4LanguageModel(plan, group) if cfg.text.compressed is not None

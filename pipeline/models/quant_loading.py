@@ -40,11 +40,12 @@ def quantized_modules(scheme: QuantScheme, names: list[tuple[str, str]]) -> dict
     """Our module name (a stack of experts by its stack's name) -> its format, for every module whose
     format's marker the checkpoint holds. ``names``: (checkpoint name, our name) of the text part's tensors."""
     markers = scheme.markers()
+    held = {ckpt for ckpt, _ in names}
     formats: dict[str, WeightFormat] = {}
     for ckpt, ours in names:
         ckpt_module, leaf = _split(ckpt)
-        if leaf not in markers:
-            continue
+        if leaf not in markers or (leaf == "scale" and f"{ckpt_module}.weight" not in held):
+            continue  # a bare ``scale`` is a parameter of its own (V4's ``attn_hc.scale``), not a weight's
         fmt = scheme.format_of(ckpt_module, leaf)
         module = _split(ours)[0]
         m = _EXPERT.match(module)

@@ -90,7 +90,8 @@ BUILTIN_SHAPES["deepseek-v3.2"] = {  # DeepSeek-V3.2(-Exp) as released: V3's sha
     "index_topk": 2048,
 }
 BUILTIN_SHAPES["deepseek-v4-flash"] = {  # DeepSeek-V4-Flash as transformers' DeepseekV4Config describes it (its
-    # defaults): 43 layers, two HCA then CSA and HCA alternating, a 128-token window, 4 mHC streams; weights in bf16 here
+    # defaults): 43 layers, two HCA then CSA and HCA alternating, a 128-token window, 4 mHC streams; weights as
+    # released: FP8 128x128 blocks (ue8m0 scales), FP4 routed experts
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
     "vocab_size": 129280,
@@ -125,6 +126,8 @@ BUILTIN_SHAPES["deepseek-v4-flash"] = {  # DeepSeek-V4-Flash as transformers' De
     "num_nextn_predict_layers": 1,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+                            "activation_scheme": "dynamic", "expert_dtype": "fp4"},
 }
 BUILTIN_SHAPES["gpt-oss-120b"] = {  # as OpenAI publishes its config.json: 36 layers, every other one a 128-token window
     "architectures": ["GptOssForCausalLM"],

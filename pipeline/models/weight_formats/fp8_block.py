@@ -1,6 +1,7 @@
 """FP8 e4m3 weights with one float32 scale per ``block_rows x block_cols`` block: DeepSeek-V3/V3.1/V3.2,
 Kimi-K2, GLM-4.5 and MiniMax-M2 as released (``quant_method: fp8``, ``weight_scale_inv``), and
-compressed-tensors' ``float-quantized`` block strategy (``weight_scale``). The last block of a row or
+compressed-tensors' ``float-quantized`` block strategy (``weight_scale``), and DeepSeek-V4 (``scale``, each a
+power of two stored as ``float8_e8m0fnu``). The last block of a row or
 a column may be partial (DeepSeek's ``kv_a_proj_with_mqa`` has 576 rows: four and a half blocks)."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class FP8Block(WeightFormat):
         codes, scale = parts["weight"], parts[self.scale_suffix]
         check_dtype(f"{name}.weight", codes, torch.float8_e4m3fn)
         check_shape(f"{name}.weight", codes, (rows, cols))
-        check_dtype(f"{name}.{self.scale_suffix}", scale, torch.float32, torch.bfloat16)
+        check_dtype(f"{name}.{self.scale_suffix}", scale, torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
         check_shape(f"{name}.{self.scale_suffix}", scale,
                     (ceil_div(rows, self.block_rows), ceil_div(cols, self.block_cols)))
         return FP8BlockWeight(rows, cols, codes.contiguous(), scale.float().contiguous(), self.block_rows,

@@ -25,14 +25,20 @@ GPT_OSS_SUFFIXES = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blo
 
 @dataclass(frozen=True)
 class MXFP4(WeightFormat):
+    """compressed-tensors' names and dtypes by default; DeepSeek-V4's experts hold the same bytes as
+    ``weight`` (int8) and ``scale`` (``float8_e8m0fnu``), read as the unsigned bytes they are."""
+
+    packed_suffix: str = "weight_packed"
+    scale_suffix: str = "weight_scale"
+
     def name(self) -> str:
         return "mxfp4-e2m1-group32"
 
     def suffixes(self) -> tuple[str, ...]:
-        return "weight_packed", "weight_scale"
+        return self.packed_suffix, self.scale_suffix
 
     def marker(self) -> str:
-        return "weight_packed"
+        return self.scale_suffix if self.packed_suffix == "weight" else self.packed_suffix
 
     def bytes_per_weight(self, cols: int) -> float:
         return 0.5 + 1.0 / GROUP
@@ -41,18 +47,19 @@ class MXFP4(WeightFormat):
         if cols % GROUP:
             raise WeightFormatError(f"tensor {name}.weight_packed: {cols} inputs are not a whole number of "
                                     f"MXFP4 groups of {GROUP}")
-        packed, scale = parts["weight_packed"], parts["weight_scale"]
-        check_dtype(f"{name}.weight_packed", packed, torch.uint8)
-        check_shape(f"{name}.weight_packed", packed, (rows, cols // 2))
-        check_dtype(f"{name}.weight_scale", scale, torch.uint8)
-        check_shape(f"{name}.weight_scale", scale, (rows, cols // GROUP))
-        return MXFP4Weight(rows, cols, packed.contiguous(), scale.contiguous())
+        packed_name, scale_name = f"{name}.{self.packed_suffix}", f"{name}.{self.scale_suffix}"
+        packed, scale = parts[self.packed_suffix], parts[self.scale_suffix]
+        check_dtype(packed_name, packed, torch.uint8, torch.int8)
+        check_shape(packed_name, packed, (rows, cols // 2))
+        check_dtype(scale_name, scale, torch.uint8, torch.float8_e8m0fnu)
+        check_shape(scale_name, scale, (rows, cols // GROUP))
+        return MXFP4Weight(rows, cols, packed.view(torch.uint8).contiguous(), scale.view(torch.uint8).contiguous())
 
     def part_slice(self, name: str, suffix: str, dim: int, start: int, stop: int) -> tuple[int, int, int] | None:
         if dim == 0:
             return 0, start, stop
         aligned(f"{name}.{suffix}", "column", start, GROUP)
-        per = 2 if suffix == "weight_packed" else GROUP
+        per = 2 if suffix == self.packed_suffix else GROUP
         return 1, start // per, -(-stop // per)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from strata.pipeline.models.config_errors import ModelConfigError
@@ -22,7 +22,7 @@ from strata.pipeline.models.weight_formats.ggml_block import GGML_KINDS, GGMLBlo
 from strata.pipeline.models.weight_formats.int4_group import Int4Group
 from strata.pipeline.models.weight_formats.mxfp4 import MXFP4, MXFP4Experts
 
-IMPLEMENTED = ("fp8 (e4m3 block scales), compressed-tensors pack-quantized INT4 (groups), float-quantized FP8 "
+IMPLEMENTED = ("fp8 (e4m3 block scales; DeepSeek-V4's fp4 experts), compressed-tensors pack-quantized INT4 (groups), float-quantized FP8 "
                "(tensor, channel or block scales), mxfp4-pack-quantized MXFP4, gpt-oss's mxfp4 expert blocks, and GGUF's q4_0, q4_1 and q8_0 blocks")
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_packed", "weight_zero_point", "weight_shape",
                   "input_scale", "weight_global_scale", "input_global_scale", "qweight", "qzeros", "scales", "g_idx",
@@ -91,7 +91,7 @@ def parse_quantization(raw: dict[str, Any]) -> QuantScheme | None:
         raise ModelConfigError("quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        return QuantScheme("fp8", (FormatGroup(("Linear",), _fp8_block(qc)),))
+        return _fp8({"expert_dtype": raw.get("expert_dtype", "fp8"), **qc})  # V4 has it at the top level
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "gguf":
@@ -101,6 +101,21 @@ def parse_quantization(raw: dict[str, Any]) -> QuantScheme | None:
     raise ModelConfigError(f"quantization_config: quant_method {method!r} is not implemented (Strata reads {IMPLEMENTED})")
 
 
+def _fp8(qc: dict[str, Any]) -> QuantScheme:
+    """DeepSeek's FP8 release: block scales under ``weight_scale_inv`` (V3, Kimi-K2, GLM, MiniMax) or ``scale``
+    (V4); with ``expert_dtype: fp4`` (V4) the routed experts are FP4 codes with an E8M0 scale per 32 inputs."""
+    block = _fp8_block(qc)
+    groups = [FormatGroup(("Linear",), block), FormatGroup(("Linear",), replace(block, scale_suffix="scale"))]
+    expert_dtype = qc["expert_dtype"]
+    if expert_dtype == "fp4":
+        experts = r"re:.*\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)$"  # the release's names, and ours
+        groups.insert(0, FormatGroup((experts,), MXFP4(packed_suffix="weight", scale_suffix="scale")))
+    elif expert_dtype != "fp8":
+        raise ModelConfigError(f"quantization_config: fp8 expert_dtype {expert_dtype!r} is not implemented "
+                               "(fp8 or fp4)")
+    return QuantScheme("fp8", tuple(groups))
+
+
 def _fp8_block(qc: dict[str, Any]) -> FP8Block:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -108,7 +123,7 @@ def _fp8_block(qc: dict[str, Any]) -> FP8Block:
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ModelConfigError(f"quantization_config: fp8 activation_scheme {qc.get('activation_scheme')!r} is not "
                                "implemented (only dynamic: activations stay in the compute dtype)")
-    if qc.get("scale_fmt") not in (None, "ue8m0"):  # ue8m0: float32 scales that are powers of two (DeepSeek-V3.1)
+    if qc.get("scale_fmt") not in (None, "float", "ue8m0"):  # ue8m0: powers of two (V3.1 as float32, V4 as e8m0)
         raise ModelConfigError(f"quantization_config: fp8 scale_fmt {qc.get('scale_fmt')!r} is not implemented")
     block = qc.get("weight_block_size")
     if block is None:
