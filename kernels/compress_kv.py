@@ -37,6 +37,26 @@ def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tens
     return (pooled_kv * pooled_gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
+def pool_each_window(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, overlap: bool,
+                     prior_kv: torch.Tensor, prior_gate: torch.Tensor, has_prior: torch.Tensor) -> torch.Tensor:
+    """Entries [W, dim] of W windows of different sequences, one each (a decode step's closing windows, pooled
+    together): as :func:`pool_windows` on each alone, bit for bit. With ``overlap``, window w's Ca comes from its
+    own ``prior_kv`` / ``prior_gate`` [W, m, width] where ``has_prior`` [W] (else: its sequence's first window)."""
+    if not overlap:
+        return pool_windows(kv, gate, position_bias, overlap)  # windows are pooled independently anyway
+    windows, m, width = kv.shape
+    dim = width // 2
+    gate = gate + position_bias
+    pooled_kv = kv.new_zeros((windows, 2 * m, dim))
+    pooled_gate = gate.new_full((windows, 2 * m, dim), float("-inf"))
+    pooled_kv[:, m:] = kv[..., dim:]
+    pooled_gate[:, m:] = gate[..., dim:]
+    rows = has_prior.nonzero().squeeze(1)
+    pooled_kv[rows, :m] = prior_kv[rows, :, :dim].to(kv.dtype)
+    pooled_gate[rows, :m] = (prior_gate[rows] + position_bias)[..., :dim].to(pooled_gate.dtype)
+    return (pooled_kv * pooled_gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+
+
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek-V4's RMSNorm: normalised in fp32, scaled by an fp32 weight, then cast back."""
     xf = x.float()

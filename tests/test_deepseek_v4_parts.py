@@ -148,6 +148,26 @@ def test_compressed_entries_equal_the_reference_chunk_by_chunk(kind: str) -> Non
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_closing_windows_pooled_together_equal_each_alone(overlap: bool, dtype: torch.dtype) -> None:
+    """A decode step pools the windows its sequences' rows close in one call: each entry bit for bit what
+    pooling its window alone gives, a sequence's first window (no Ca before it) among later ones. (At the
+    widths models have: torch's softmax over dim 1 of 16-wide rows is not batch invariant in fp32.)"""
+    from strata.kernels.compress_kv import pool_each_window
+
+    torch.manual_seed(7)
+    m, width, windows = 4, 2 * 32 if overlap else 32, 5
+    kv, gate, prior_kv, prior_gate = (torch.randn(windows, m, width).to(dtype) for _ in range(4))
+    bias = torch.randn(m, width)
+    has_prior = torch.tensor([True, False, True, True, False]) & overlap
+    together = pool_each_window(kv, gate, bias, overlap, prior_kv, prior_gate, has_prior)
+    for w in range(windows):
+        prior = (prior_kv[w], prior_gate[w]) if has_prior[w] else (None, None)
+        alone = pool_windows(kv[w : w + 1], gate[w : w + 1], bias, overlap, *prior)
+        assert torch.equal(together[w : w + 1], alone), w
+
+
 def test_tail_rope_and_its_inverse_equal_the_reference() -> None:
     cfg = _config()
     rope = ref.DeepseekV4RotaryEmbedding(cfg)

@@ -27,8 +27,8 @@ from torch import nn
 
 from strata.kernels import linear
 from strata.kernels.quant_weight import QuantWeight
-from strata.kernels.compress_kv import pool_windows, rms_norm_fp32_weight, rms_norm_unweighted, rope_tail, \
-    tail_rope_cos_sin
+from strata.kernels.compress_kv import (pool_each_window, pool_windows, rms_norm_fp32_weight, rms_norm_unweighted,
+                                       rope_tail, tail_rope_cos_sin)
 
 
 DECODE_BATCH_VALUES = 1 << 24  # values a decode batch's padded entry reads may hold (64 MiB in fp32)
@@ -144,6 +144,28 @@ class Pooler(nn.Module):
                                          normed.dtype)
             cache.write_entries(name, done, rope_tail(normed, cos, sin))
         return closed
+
+
+    def pool_closing(self, name: str, firsts: list[int], caches: list[V4Cache], inv_freq: torch.Tensor,
+                     scaling: float) -> None:
+        """Sequences whose one new row (at ``firsts[j]``, its projections written) closes a window: those windows
+        pooled together, an entry each, exactly as :meth:`pool` pools each alone."""
+        m = self.compress
+        done = [first // m for first in firsts]
+        current, prior = [], []
+        for d, cache in zip(done, caches):
+            kv, gate = cache.read_projections(name, (d - 1) * m if (self.overlap and d) else d * m, (d + 1) * m)
+            current.append((kv[-m:], gate[-m:]))
+            prior.append((kv[:m], gate[:m]) if len(kv) > m else (torch.zeros_like(kv), torch.zeros_like(gate)))
+        kv, gate = (torch.stack(t) for t in zip(*current))
+        prior_kv, prior_gate = (torch.stack(t) for t in zip(*prior))
+        has_prior = torch.tensor([self.overlap and d > 0 for d in done], device=kv.device)
+        pooled = pool_each_window(kv, gate, self.position_bias, self.overlap, prior_kv, prior_gate, has_prior)
+        normed = rms_norm_fp32_weight(pooled, self.kv_norm.weight, self.eps)
+        cos, sin = tail_rope_cos_sin(inv_freq, scaling, torch.tensor(done, device=kv.device) * m, normed.dtype)
+        entries = rope_tail(normed, cos, sin)
+        for j, (d, cache) in enumerate(zip(done, caches)):
+            cache.write_entries(name, d, entries[j : j + 1])
 
 
 class Indexer(Pooler):
@@ -335,10 +357,13 @@ class V4Attention(nn.Module):
         [B, heads, dim]."""
         g = self.g
         keys, allowed = reads.window(g.window)  # [B, window, D]
+        closers = [(s.first, cache) for s, cache in zip(spans, closing) if cache is not None]
+        if closers:
+            firsts, caches = (list(t) for t in zip(*closers))
+            self.compressor.pool_closing("compressor", firsts, caches, *self.compress_rope)
+            if g.sparse:
+                self.compressor.indexer.pool_closing("indexer", firsts, caches, *self.compress_rope)
         if g.compress:
-            for s, cache in zip(spans, closing):
-                if cache is not None:
-                    self._pool(cache, s.first, s.first + 1)
             counts = (positions + 1) // g.compress  # every entry closed at or before each row
             if int(counts.max()):
                 if g.sparse:

@@ -52,7 +52,9 @@ def _engine(model: Path, context: int, device_blocks: int | None, host_dir: Path
     longest = context + 64
     blocks = device_blocks or longest // 16 + 64
     tiers = {"host_kv_blocks": longest // 16 + 64, "host_kv_dir": str(host_dir)} if host_dir else {}
-    return build_engine(model, EngineConfig(max_model_len=longest, num_kv_blocks=blocks, **tiers))  # spills need hashes
+    # spills need hashes; no deadline: a 256K prompt's quadratic indexer prefill takes longer than a served
+    # request may
+    return build_engine(model, EngineConfig(max_model_len=longest, num_kv_blocks=blocks, request_timeout_s=0, **tiers))
 
 
 def _run(engine: Any, context: int) -> tuple[list[int], float, list[dict[str, int]]]:
@@ -63,6 +65,8 @@ def _run(engine: Any, context: int) -> tuple[list[int], float, list[dict[str, in
     engine.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
     stamps, tokens, counters = [], [], []
     for event in engine.run():
+        if event.error is not None:
+            raise SystemExit(f"strata bench sparse: the {context:,}-token request failed: {event.error}")
         stamps.append(time.perf_counter())
         tokens.append(event.token_id)
         counters.append(dict(engine.kv.sparse_reads.as_dict()))
@@ -128,10 +132,12 @@ def run(args: argparse.Namespace) -> int:
             row = {"tpot_ms": tpot, "per_step": _per_step(counters),
                    "device_pool_bytes": engine.kv.stats()["device_bytes"],
                    "context_kv_bytes": n * layout.bytes_per_token()}
+            engine.close()  # lands its queued tier writes before the directory goes
             if args.check_all_device:
-                row["identical_to_all_on_device"] = _run(_engine(model, n, None, None), n)[0] == tokens
+                whole = _engine(model, n, None, None)
+                row["identical_to_all_on_device"] = _run(whole, n)[0] == tokens
+                whole.close()
             rows[str(n)] = row
-            del engine
         base = rows[str(min(args.contexts))]["tpot_ms"]
         attended = "latents" if args.model == "deepseek_v32" else "chosen entries"
         for n, row in rows.items():
