@@ -6,6 +6,7 @@ the stats count."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -19,6 +20,23 @@ from strata.pipeline.contract.config import EngineConfig
 FP8 = torch.float8_e4m3fn
 BS = 16
 PROMPT = "Tell me the whole story of the sea and the stars, from the start. " * 30
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "kda"])
+def test_a_hybrids_attention_layers_take_their_kv_layout_layers_scales(kind: str, text_models, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next's and Kimi-Linear's linear layers cache no KV: the calibration runs them from a zero state of
+    its own, and each attention layer (every fourth) reads the scales of its row of the KV layout."""
+    from strata.pipeline.models.linear_mixer import LinearMixer
+
+    monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path))
+    engine = build(text_models[{"hybrid": "qwen3_next", "kda": "kimi_linear"}[kind]], kv_cache_dtype="fp8")
+    (record,) = (tmp_path / "kv-scales").glob("*.json")
+    layers = engine.core.runner.model.layers
+    attention = [layer.mixer for layer in layers if not isinstance(layer.mixer, LinearMixer)]
+    assert 0 < len(attention) == engine.kv.layout.num_layers < len(layers)
+    assert [a.kv_scales for a in attention] == [tuple(s) for s in json.loads(record.read_text())]
+    assert all(t.dtype == FP8 for t in engine.kv.device_kv)
 
 
 def test_a_write_rounds_to_e4m3_and_saturates_at_its_largest_value() -> None:
@@ -50,7 +68,6 @@ def test_a_node_calibrates_a_model_once_and_every_process_reads_its_scales(llama
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill replica at tp=1 and a decode group at tp=2 must agree on the scales to hand KV over, though
     their sums round differently: the first calibrates, the rest read the node's record."""
-    import json
     import stat
 
     monkeypatch.setenv("STRATA_DIGEST_CACHE", str(tmp_path / "digests"))
@@ -77,7 +94,7 @@ def test_a_node_calibrates_a_model_once_and_every_process_reads_its_scales(llama
     assert [tuple(s) for s in json.loads(record.read_text())] == calibrated
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa", "hybrid"])
 def test_a_tp_group_calibrates_the_scales_one_process_would(kind: str, text_models, llama_dir, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     model = _models(text_models, llama_dir)[kind]
@@ -137,10 +154,11 @@ def test_only_backends_that_read_fp8_are_chosen_for_it() -> None:
 
 
 def _models(text_models: dict[str, Path], llama_dir: Path) -> dict[str, Path]:
-    return {"gqa": llama_dir, "mla": text_models["deepseek_v3"], "dsa": text_models["deepseek_v32"]}
+    return {"gqa": llama_dir, "mla": text_models["deepseek_v3"], "dsa": text_models["deepseek_v32"],
+            "hybrid": text_models["qwen3_next"], "kda": text_models["kimi_linear"]}
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa", "hybrid", "kda"])
 def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind: str, text_models, llama_dir,
                                                                            tmp_path: Path) -> None:
     model = _models(text_models, llama_dir)[kind]
@@ -158,11 +176,13 @@ def test_an_fp8_cache_spills_reloads_and_never_answers_a_full_precision_one(kind
     spilling.kv.lower.flush()
     full = build(model, **tier).generate(req)[0]  # the same tier directory, the model's own dtype
     assert full.num_cached_tokens == 0  # its blocks are another cache's: never read as its own
-    again = build(model, kv_cache_dtype="fp8", **tier).generate(req)[0]
+    # a hybrid's prefix hit also needs its state snapshot, which lives in the engine that published it
+    reader = spilling if kind in ("hybrid", "kda") else build(model, kv_cache_dtype="fp8", **tier)
+    again = reader.generate(req)[0]
     assert again.output_token_ids == expected.output_token_ids and again.num_cached_tokens > 1000
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "dsa", "hybrid", "kda"])
 def test_tp2_and_the_hand_off_carry_an_fp8_cache(kind: str, text_models, llama_dir, tmp_path: Path) -> None:
     model = _models(text_models, llama_dir)[kind]
     reqs = [{"prompt": p, "params": greedy(8)} for p in ("The tide comes in", "Once upon a time, " * 9)]
@@ -183,7 +203,6 @@ def test_a_hand_off_over_another_nodes_scales_is_recomputed_not_refused(llama_di
     cannot read the prefill's FP8 blocks, but the prompt is its own model's: it recomputes it (counted, and
     warned once) and answers as it does alone. A handle of another model is still refused."""
     import asyncio
-    import json
 
     from strata.kvstore import HandleError
     from strata.pipeline.contract.handoff import Handoff

@@ -41,6 +41,7 @@ from strata.kernels import AttentionMetadata
 from strata.kernels.attention_backend import AttentionBackend
 from strata.kernels.cache_ops import FP8_MAX
 from strata.pipeline.models.file_digest import cache_root
+from strata.pipeline.models.linear_mixer import LinearMixer, LinearStates, state_kinds
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,23 @@ def calibration_amax(model: torch.nn.Module, token_ids: list[int], block_size: i
                       dtype=model.compute_dtype, device=device) for i in range(layout.num_layers)]
     meta = AttentionMetadata.build([t], [t], [list(range(num_blocks))], list(range(t)), block_size, device)
     meta.prompt_lens = [t]
+    if any(model.cfg.linear_layers):  # a hybrid's linear layers run from a zero state of their own
+        meta.states = _private_states(model, t, device)
     set_kv_scales(model, None)
     ids = torch.tensor(token_ids, device=device)
     meta.token_ids = ids  # DeepSeek-V4's hash-routed layers
     model.forward(model.embed(ids), torch.arange(t, device=device), kv, meta, backend)
     parts = [layer.abs().amax(dim=(0, 2, 3, 4)) for layer in kv]  # [kv_parts] each
     return torch.stack([torch.stack([p[0], p[-1]]) for p in parts]).float().cpu()
+
+
+def _private_states(model: torch.nn.Module, t: int, device: str | torch.device) -> LinearStates:
+    """One sequence's linear-attention state, read from a zero slot and written to another, in a pool of the
+    calibration's own (this rank's heads under tensor parallelism: ``model.cfg`` is its local config)."""
+    from strata.kvstore.state_pool import StatePool
+
+    pool = StatePool(state_kinds(model.cfg, model.compute_dtype), sum(model.cfg.linear_layers), 2, device)
+    return LinearStates(pool, [0], [1], [t], [(-1, -1)])
 
 
 def scales_from_amax(amax: torch.Tensor) -> list[tuple[float, float]]:
@@ -97,9 +109,11 @@ def set_kv_scales(model: torch.nn.Module, scales: list[tuple[float, float]] | No
     if (by_layout := getattr(model, "set_layout_kv_scales", None)) is not None:
         by_layout(scales)
         return
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        attn.kv_scales = None if scales is None else scales[i]
+    for layer in model.layers:
+        attn = layer.mixer
+        if isinstance(attn, LinearMixer):  # a linear-attention layer caches no KV
+            continue
+        attn.kv_scales = None if scales is None else scales[attn.layer_idx]  # its KV-layout layer
         if getattr(attn, "index_layer", None) is not None:
             attn.index_scale = None if scales is None else scales[attn.index_layer][0]
 

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prefill-rows", type=int, default=4096)
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=["auto", "fp8"], default=["auto"],
+                   help="decode TPOT with each KV cache dtype (fp8: a quarter of fp32's bytes a key), side by side")
     p.add_argument("--json", type=Path)
 
 
@@ -152,14 +154,18 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-linear-") as tmp:
         model = build_tiny_text_model("qwen3_next", Path(tmp) / "q3n")
         longest = max(args.contexts) + 64
-        engine = build_engine(model, EngineConfig(max_model_len=longest, num_kv_blocks=longest // 16 + 64,
-                                                  enable_prefix_caching=False))
         print(f"# linear: tiny Qwen3-Next (1 of 4 layers full attention), fp32, {torch.get_num_threads()} threads; "
               "decode TPOT after a prompt of each length (median of 16 tokens)")
-        rows["tpot_ms"] = {n: _tpot_ms(engine, n) for n in sorted(args.contexts)}
-        base = rows["tpot_ms"][min(args.contexts)]
-        for n, ms in rows["tpot_ms"].items():
-            print(f"  context {n:>7,}: TPOT {ms:7.2f} ms  ({ms / base:.2f}x the shortest)")
+        for kv_dtype in args.kv_cache_dtypes:
+            engine = build_engine(model, EngineConfig(max_model_len=longest, num_kv_blocks=longest // 16 + 64,
+                                                      enable_prefix_caching=False, kv_cache_dtype=kv_dtype))
+            key = "tpot_ms" if kv_dtype == "auto" else f"tpot_ms_{kv_dtype}_kv"
+            rows[key] = {n: _tpot_ms(engine, n) for n in sorted(args.contexts)}
+            engine.close()
+            base = rows[key][min(args.contexts)]
+            for n, ms in rows[key].items():
+                print(f"  {'fp32' if kv_dtype == 'auto' else kv_dtype} KV, context {n:>7,}: TPOT {ms:7.2f} ms  "
+                      f"({ms / base:.2f}x the shortest)")
         if cpu_kernels() is not None:
             longest_context = max(args.contexts)
             rows["split_decode"] = split = _split_decode(load_model_config(model).text, longest_context, args.rounds)
