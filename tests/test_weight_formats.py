@@ -181,6 +181,12 @@ def test_deepseek_v4s_release_reads_fp4_experts_and_scales_named_scale() -> None
                        "layers.0.self_attn.q_a_proj": FP8Block(128, 128, "scale")}
     assert parse_quantization({"quantization_config": FP8}).format_for("model.layers.0.mlp.experts.3.down_proj") == \
         FP8Block(128, 128)  # V3's experts: FP8 like the rest
+    from strata.bringup.weight_format_report import format_lines
+
+    lines, unclaimed = format_lines({"quantization_config": v4, "expert_dtype": "fp4"}, [c for c, _ in names])
+    assert [need for _, need, _ in lines[1:]] == ["layers.*.attn.wq_a in fp8-e4m3-block128x128 (1)",
+                                                  "layers.*.ffn.experts.*.w1 in mxfp4-e2m1-group32 (1)"]
+    assert unclaimed == []  # what ops prints is what the loader reads
 
 
 @pytest.mark.parametrize("config, named", [

@@ -42,10 +42,11 @@ def format_lines(raw: dict[str, Any], names: list[str]) -> tuple[list[tuple[str,
 def _formats(scheme: QuantScheme, names: list[str]) -> tuple[list[tuple[str, str, str | None]], set[str]]:
     roles: Counter[tuple[str, str, str]] = Counter()
     refused: set[str] = set()
+    held = set(names)
     for name in names:
         module, _, leaf = name.rpartition(".")
-        if leaf not in scheme.markers():
-            continue
+        if leaf not in scheme.markers() or (leaf == "scale" and f"{module}.weight" not in held):
+            continue  # a bare ``scale`` is a parameter of its own, as the loader reads it (``quantized_modules``)
         try:
             fmt = scheme.format_of(module, leaf)
         except ModelConfigError:
