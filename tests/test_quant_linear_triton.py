@@ -19,7 +19,7 @@ _CHECK = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from helpers import streamed_weights
+from quant_cases import streamed_weights
 from strata.kernels.quant_linear import tiled_linear
 from strata.kernels.quant_linear_triton import triton_quant_linear
 from strata.kernels.quant_weight import FP8RowWeight

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fp8_block_case, ggml_weight_case, pack_int4, streamed_weights
+from quant_cases import fp8_block_case, ggml_weight_case, pack_int4, streamed_weights
 
 import strata.kernels.quant_linear as quant_linear_module
 from strata.kernels.cpu_kernels import cpu_kernels
