@@ -13,7 +13,8 @@ from strata.kernels.quant_weight import (FP8BlockWeight, GGMLBlockWeight, Int4Gr
 from strata.pipeline.models.weight_formats import FP8Block
 
 
-def fp8_block_case(rows: int, cols: int, bm: int, bn: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_block_case(rows: int, cols: int, bm: int, bn: int, seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scale, the exact dequantization): every element times the scale of the block it is in."""
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randn(rows, cols, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -74,9 +75,10 @@ def streamed_weights() -> list[QuantWeight]:
     codes5, scale5, _ = fp8_block_case(40, 200, 48, 48, seed=17)
     int4_fp32_scales = int4_weight_case(48, 256, 32, True, 10)
     int4_fp32_scales = replace(int4_fp32_scales, scale=int4_fp32_scales.scale.float())
-    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64), FP8BlockWeight(40, 200, codes4, scale4, 16, 16),
-            FP8BlockWeight(40, 200, codes5, scale5, 48, 48),
+    return [fp8, fused, FP8BlockWeight(40, 200, codes3, scale3, 64, 64),
+            FP8BlockWeight(40, 200, codes4, scale4, 16, 16), FP8BlockWeight(40, 200, codes5, scale5, 48, 48),
             int4_weight_case(96, 328, 32, True, 7), int4_weight_case(96, 328, 32, False, 11), int4_fp32_scales,
-            int4_weight_case(64, 256, 128, False, 8), int4_weight_case(40, 264, 24, False, 12), int4_weight_case(40, 392, 96, True, 13),
+            int4_weight_case(64, 256, 128, False, 8), int4_weight_case(40, 264, 24, False, 12),
+            int4_weight_case(40, 392, 96, True, 13),
             mxfp4_weight_case(80, 96, 14), mxfp4_weight_case(48, 512, 15),
             *(ggml_weight_case(kind, 40, 160, seed=21 + i)[0] for i, kind in enumerate(("q4_0", "q4_1", "q8_0")))]

@@ -45,8 +45,9 @@ def test_the_reference_reads_the_release_as_transformers_does(release: tuple[Pat
     kinds = {stored[f"{m}.weight"].dtype for m in scaled}
     assert kinds == {torch.float8_e4m3fn, torch.int8} and all(stored[f"{m}.scale"].dtype == torch.float8_e8m0fnu
                                                               for m in scaled)
+    dequantize = Fp8Dequantize(None)._dequantize_one
     for module in scaled:
-        theirs = Fp8Dequantize(None)._dequantize_one(stored[f"{module}.weight"], stored[f"{module}.scale"], torch.float32)
+        theirs = dequantize(stored[f"{module}.weight"], stored[f"{module}.scale"], torch.float32)
         assert torch.equal(theirs, dense[f"{module}.weight"]), module
 
 

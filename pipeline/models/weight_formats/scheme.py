@@ -22,8 +22,9 @@ from strata.pipeline.models.weight_formats.ggml_block import GGML_KINDS, GGMLBlo
 from strata.pipeline.models.weight_formats.int4_group import Int4Group
 from strata.pipeline.models.weight_formats.mxfp4 import MXFP4, MXFP4Experts
 
-IMPLEMENTED = ("fp8 (e4m3 block scales; DeepSeek-V4's fp4 experts), compressed-tensors pack-quantized INT4 (groups), float-quantized FP8 "
-               "(tensor, channel or block scales), mxfp4-pack-quantized MXFP4, gpt-oss's mxfp4 expert blocks, and GGUF's q4_0, q4_1 and q8_0 blocks")
+IMPLEMENTED = ("fp8 (e4m3 block scales; DeepSeek-V4's fp4 experts), compressed-tensors pack-quantized INT4 "
+               "(groups), float-quantized FP8 (tensor, channel or block scales), mxfp4-pack-quantized MXFP4, "
+               "gpt-oss's mxfp4 expert blocks, and GGUF's q4_0, q4_1 and q8_0 blocks")
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_packed", "weight_zero_point", "weight_shape",
                   "input_scale", "weight_global_scale", "input_global_scale", "qweight", "qzeros", "scales", "g_idx",
                   "blocks", "weight_blocks", "weight_scales",
