@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import linear
-from strata.kernels.quant_weight import QuantWeight
 from strata.kernels.compress_kv import (pool_each_window, pool_windows, rms_norm_fp32_weight, rms_norm_unweighted,
                                        rope_tail, tail_rope_cos_sin)
+from strata.kernels.quant_weight import QuantWeight
 
 
 DECODE_BATCH_VALUES = 1 << 24  # values a decode batch's padded entry reads may hold (64 MiB in fp32)
@@ -144,7 +144,6 @@ class Pooler(nn.Module):
                                          normed.dtype)
             cache.write_entries(name, done, rope_tail(normed, cos, sin))
         return closed
-
 
     def pool_closing(self, name: str, firsts: list[int], caches: list[V4Cache], inv_freq: torch.Tensor,
                      scaling: float) -> None:

@@ -45,7 +45,7 @@ class MXFP4(WeightFormat):
 
     def build(self, name: str, rows: int, cols: int, parts: dict[str, torch.Tensor]) -> MXFP4Weight:
         if cols % GROUP:
-            raise WeightFormatError(f"tensor {name}.weight_packed: {cols} inputs are not a whole number of "
+            raise WeightFormatError(f"tensor {name}.{self.packed_suffix}: {cols} inputs are not a whole number of "
                                     f"MXFP4 groups of {GROUP}")
         packed_name, scale_name = f"{name}.{self.packed_suffix}", f"{name}.{self.scale_suffix}"
         packed, scale = parts[self.packed_suffix], parts[self.scale_suffix]
