@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from strata.checkpoints.quantized_checkpoint import _write, encode, read_tensors, recipe
+from strata.checkpoints.quantized_checkpoint import _expand_fp8_blocks, _write, encode, read_tensors, recipe
 
 FP8_LINEARS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.",
                ".shared_experts.w1.", ".shared_experts.w2.", ".shared_experts.w3.")
@@ -80,8 +80,6 @@ def dequantize_deepseek_v4_release(src: str | Path, out: str | Path) -> Path:
             values = E2M1[torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2)]
             dense[name] = values * scale.repeat_interleave(32, dim=-1)
         else:
-            rows, cols = codes.shape
-            full = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-            dense[name] = codes.float() * full
+            dense[name] = _expand_fp8_blocks({"weight": codes, "weight_scale_inv": scale}, block)
     _write(src, out, dense, None, 3)
     return out
